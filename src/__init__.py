@@ -1,0 +1,1 @@
+"""Code shared by the four training scripts: data, model, metrics, checkpoints, plots and flags."""

@@ -1,0 +1,182 @@
+"""The Dogs vs. Cats images: finding them, labelling them (0 = cat, 1 = dog) and reading them as RGB."""
+import re
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from src.errors import UserError
+
+CLASSES = ("cat", "dog")
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp"}
+_KAGGLE_NAME = re.compile(r"^(cat|dog)\.\d+\.[a-z]+$", re.IGNORECASE)
+_FOLDER_LABELS = {"cat": 0, "cats": 0, "dog": 1, "dogs": 1}
+
+
+def natural_key(name: str) -> list:
+    """Sort key that puts cat.2.jpg before cat.10.jpg."""
+    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", name)]
+
+
+def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
+    """Decode any image (grayscale, CMYK, RGBA, palette, PNG named .jpg) as RGB.
+
+    With `draft_size`, JPEGs are decoded by libjpeg at the smallest 1/2, 1/4 or 1/8 scale that
+    still covers draft_size x draft_size, which is much faster than a full decode then resize.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PIL warns about odd EXIF data in real photos
+            image = Image.open(path)
+            if draft_size:
+                image.draft("RGB", (draft_size, draft_size))
+            return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise UserError(f"cannot read image {path} ({error}); "
+                        "run `python -m src.prepare DATA_DIR` to leave out broken files") from None
+
+
+def _label_of(relative: Path) -> int | None:
+    if len(relative.parts) == 1 and _KAGGLE_NAME.match(relative.name):
+        return CLASSES.index(relative.name.split(".")[0].lower())
+    if len(relative.parts) == 2:
+        return _FOLDER_LABELS.get(relative.parts[0].lower())
+    return None
+
+
+def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.DataFrame, list[str]]:
+    """Find the labelled images under train_dir and open each one.
+
+    Accepts Kaggle's flat `cat.N.jpg` / `dog.N.jpg` and one folder per class (`Cat/`, `dogs/`, any
+    case, as in Microsoft's PetImages). Returns the `filename,label` table of the readable images,
+    in natural filename order, and the names of the unreadable ones (empty, truncated, not images).
+    """
+    train_dir = Path(train_dir)
+    if not train_dir.is_dir():
+        raise UserError(f"{train_dir} is not a folder: put Kaggle's train/ images there, "
+                        "or make a synthetic set with `python -m src.synthetic DATA_DIR`")
+    candidates = []
+    for path in train_dir.rglob("*"):
+        relative = path.relative_to(train_dir)
+        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+            label = _label_of(relative)
+            if label is not None:
+                candidates.append((relative.as_posix(), label))
+    candidates.sort(key=lambda row: natural_key(row[0]))
+    if not candidates:
+        raise UserError(f"no labelled images in {train_dir}: expected cat.N.jpg / dog.N.jpg "
+                        "or Cat/ and Dog/ folders")
+    rows, rejected = [], []
+    for name, label in tqdm(candidates, desc=f"checking {train_dir}", disable=not show_progress,
+                            leave=False):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Image.open(train_dir / name) as image:
+                    image.draft("RGB", (64, 64))
+                    image.load()
+            rows.append((name, label))
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+            rejected.append(name)
+    if not rows:
+        raise UserError(f"none of the {len(candidates)} images in {train_dir} can be read")
+    return pd.DataFrame(rows, columns=["filename", "label"]), rejected
+
+
+def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
+    """Read and check a `filename,label` CSV; labels may be 0/1 or cat/dog."""
+    try:
+        frame = pd.read_csv(csv_file, dtype=str, keep_default_na=False)
+    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {csv_file} ({error}): expected a CSV with columns "
+                        "filename,label") from None
+    if list(frame.columns) != ["filename", "label"]:
+        raise UserError(f"{csv_file} has columns {','.join(frame.columns)}; expected filename,label "
+                        "(rebuild it with `python -m src.prepare DATA_DIR`)")
+    if frame.empty:
+        raise UserError(f"{csv_file} lists no images")
+    names = {"0": 0, "1": 1, "cat": 0, "dog": 1}
+    labels = frame["label"].str.strip().str.lower().map(names)
+    bad = frame.loc[labels.isna(), "label"]
+    if len(bad):
+        raise UserError(f"{csv_file} has unknown label {bad.iloc[0]!r} ({len(bad)} rows); "
+                        "labels must be 0/cat or 1/dog")
+    missing = [name for name in frame["filename"] if not (Path(root_dir) / name).is_file()]
+    if missing:
+        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir}, "
+                        f"first {missing[0]}; fix the CSV or rerun `python -m src.prepare`")
+    return pd.DataFrame({"filename": frame["filename"], "label": labels.astype(int)})
+
+
+def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
+    """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.prepare` does."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir} not found: pass --data-dir, put Kaggle's train/ "
+                        f"there, or run `python -m src.synthetic {data_dir}` for a synthetic set")
+    csv_file = data_dir / "train.csv"
+    if csv_file.exists():
+        return read_labels_csv(csv_file, data_dir / "train")
+    frame, rejected = scan_train_dir(data_dir / "train", show_progress)
+    if rejected and show_progress:
+        print(f"left out {len(rejected)} unreadable image(s), first {rejected[0]}")
+    return frame
+
+
+class DogCatDataset(Dataset):
+    """Labelled images listed in a `filename,label` CSV (or a table of the same shape).
+
+    Yields `(transform(image), label)` with label 0 = cat, 1 = dog.
+    """
+
+    def __init__(self, csv_file: Path | pd.DataFrame, root_dir: Path,
+                 transform: Callable | None = None, draft_size: int | None = None):
+        self.root_dir = Path(root_dir)
+        if isinstance(csv_file, pd.DataFrame):
+            self.frame = csv_file.reset_index(drop=True)
+        else:
+            self.frame = read_labels_csv(Path(csv_file), self.root_dir)
+        self.transform = transform
+        self.draft_size = draft_size
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        row = self.frame.iloc[index]
+        image = open_rgb(self.root_dir / row["filename"], self.draft_size)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(row["label"])
+
+
+class DogCatTestDataset(Dataset):
+    """The unlabelled Kaggle test images `N.jpg`, in numeric order; yields `(image, id)`."""
+
+    def __init__(self, root_dir: Path, transform: Callable | None = None,
+                 draft_size: int | None = None):
+        self.root_dir = Path(root_dir)
+        if not self.root_dir.is_dir():
+            raise UserError(f"test folder {self.root_dir} not found: put Kaggle's test/ images there")
+        self.files = {int(p.stem): p.name for p in self.root_dir.iterdir()
+                      if p.suffix.lower() in IMAGE_SUFFIXES and p.stem.isdigit()}
+        if not self.files:
+            raise UserError(f"no N.jpg images in {self.root_dir}")
+        self.ids = sorted(self.files)
+        self.transform = transform
+        self.draft_size = draft_size
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image_id = self.ids[index]
+        image = open_rgb(self.root_dir / self.files[image_id], self.draft_size)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, image_id

@@ -1,0 +1,27 @@
+"""Bad input ends a run with one line on stderr and exit code 2, never a traceback."""
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """A problem the user can fix (a flag, a file, the data); the message says what to do."""
+
+
+def one_line(error: BaseException) -> str:
+    """The user's message, also when a DataLoader worker re-raised it with its traceback attached."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    last = lines[-1] if lines else type(error).__name__
+    return last.split("UserError: ", 1)[-1]
+
+
+def exit_on_error(main: Callable[[], None]) -> None:
+    """Run `main`; a UserError becomes `error: ...` and exit 2, Ctrl-C exit 130."""
+    try:
+        main()
+    except UserError as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: the files of the last finished epoch are intact; rerun with --resume",
+              file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,50 @@
+"""The per-epoch history: records, history.json and the training_results.png curves."""
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers and in tests
+import matplotlib.pyplot as plt  # noqa: E402
+
+from src.metrics import summarize  # noqa: E402
+
+
+def epoch_record(epoch: int, train_sums, val_sums, seconds: float) -> dict:
+    """One history.json record (epochs count from 1)."""
+    train, val = summarize(train_sums), summarize(val_sums)
+    return {"epoch": epoch + 1,
+            "train_loss": train["loss"], "train_acc": train["acc"], "train_samples": train["samples"],
+            "val_loss": val["loss"], "val_acc": val["acc"], "val_log_loss": val["log_loss"],
+            "val_samples": val["samples"], "seconds": round(seconds, 3)}
+
+
+def format_record(record: dict, epochs: int) -> str:
+    return (f"epoch {record['epoch']}/{epochs}  "
+            f"train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}  "
+            f"val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} "
+            f"log loss {record['val_log_loss']:.4f}  ({record['seconds']:.1f} s)")
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    """Accuracy and loss curves, train and validation, one point per epoch."""
+    epochs = [r["epoch"] for r in history]
+    figure, (acc_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axes, key, title in ((acc_axes, "acc", "Accuracy"), (loss_axes, "loss", "Loss")):
+        axes.plot(epochs, [r[f"train_{key}"] for r in history], "o-", label=f"Training {title.lower()}")
+        axes.plot(epochs, [r[f"val_{key}"] for r in history], "s-", label=f"Validation {title.lower()}")
+        axes.set_title(f"Training and validation {title.lower()}")
+        axes.set_xlabel("epoch")
+        axes.set_xticks(epochs)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    figure.savefig(tmp)
+    plt.close(figure)
+    tmp.replace(path)
+
+
+def history_text(history: list[dict]) -> str:
+    return json.dumps(history, indent=2) + "\n"

@@ -1,0 +1,128 @@
+"""DogCatDataset, the test-set dataset, the train/ scan and CSV checks."""
+import io
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from PIL import Image
+
+from src.datasets import (DogCatDataset, DogCatTestDataset, load_labels, natural_key,
+                          read_labels_csv, scan_train_dir)
+from src.errors import UserError
+from src.transforms import image_transform
+
+
+def _save(image: Image.Image, path, fmt="JPEG"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, fmt)
+
+
+def _odd_images(folder):
+    """One image of each awkward kind, all named .jpg, plus the broken ones."""
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 50, 3), dtype=np.uint8))
+    _save(rgb, folder / "cat.0.jpg")
+    _save(rgb.convert("L"), folder / "dog.0.jpg")                    # grayscale JPEG
+    _save(rgb.convert("CMYK"), folder / "cat.1.jpg")                 # CMYK JPEG
+    _save(rgb.convert("RGBA"), folder / "dog.1.jpg", fmt="PNG")      # RGBA PNG named .jpg
+    _save(rgb.convert("P"), folder / "cat.2.jpg", fmt="PNG")         # palette PNG named .jpg
+    (folder / "dog.2.jpg").write_bytes(b"")                          # empty
+    (folder / "cat.3.jpg").write_text("not an image at all\n")       # text
+    buffer = io.BytesIO()
+    rgb.resize((400, 300)).save(buffer, "JPEG")
+    (folder / "dog.3.jpg").write_bytes(buffer.getvalue()[:2000])     # truncated JPEG
+    (folder / "notes.txt").write_text("ignored")
+
+
+def test_scan_keeps_readable_odd_images_and_lists_broken_ones(tmp_path):
+    _odd_images(tmp_path / "train")
+    frame, rejected = scan_train_dir(tmp_path / "train", show_progress=False)
+    assert list(frame["filename"]) == ["cat.0.jpg", "cat.1.jpg", "cat.2.jpg", "dog.0.jpg", "dog.1.jpg"]
+    assert list(frame["label"]) == [0, 0, 0, 1, 1]
+    assert sorted(rejected) == ["cat.3.jpg", "dog.2.jpg", "dog.3.jpg"]
+
+
+def test_every_readable_image_becomes_rgb(tmp_path):
+    _odd_images(tmp_path / "train")
+    frame, _ = scan_train_dir(tmp_path / "train", show_progress=False)
+    dataset = DogCatDataset(frame, tmp_path / "train", image_transform(32))
+    for index in range(len(dataset)):
+        image, label = dataset[index]
+        assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+        assert label == frame["label"][index]
+
+
+def test_folder_per_class_layout_any_case(tmp_path):
+    image = Image.new("RGB", (40, 30), (10, 20, 30))
+    for name in ["Cat/1.jpg", "Cat/10.jpg", "Cat/2.jpg", "dogs/5.jpg", "Other/7.jpg"]:
+        _save(image, tmp_path / "train" / name)
+    frame, rejected = scan_train_dir(tmp_path / "train", show_progress=False)
+    assert list(frame["filename"]) == ["Cat/1.jpg", "Cat/2.jpg", "Cat/10.jpg", "dogs/5.jpg"]
+    assert list(frame["label"]) == [0, 0, 0, 1] and rejected == []
+
+
+def test_dataset_reads_the_csv_and_labels(small_data):
+    dataset = DogCatDataset(load_labels(small_data, show_progress=False), small_data / "train",
+                            image_transform(48))
+    assert len(dataset) == 240
+    labels = [dataset.frame["label"][i] for i in range(len(dataset))]
+    assert sum(labels) == 120
+    for i in (0, 150):
+        image, label = dataset[i]
+        name = dataset.frame["filename"][i]
+        assert label == (1 if name.startswith("dog") else 0)
+        assert image.shape == (3, 48, 48)
+
+
+def test_csv_from_file_with_word_labels(tmp_path, small_data):
+    csv = tmp_path / "train.csv"
+    csv.write_text("filename,label\ncat.0.jpg,cat\ndog.0.jpg,DOG\ncat.1.jpg,0\n")
+    dataset = DogCatDataset(csv, small_data / "train")
+    assert len(dataset) == 3 and [dataset[i][1] for i in range(3)] == [0, 1, 0]
+    assert dataset[0][0].mode == "RGB"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name,label\ncat.0.jpg,0\n", "expected filename,label"),
+    ("filename,label\ncat.0.jpg,bird\n", "unknown label 'bird'"),
+    ("filename,label\ncat.0.jpg,0\ncat.99999.jpg,0\n", "missing from"),
+    ("filename,label\n", "lists no images"),
+])
+def test_bad_csv_is_a_clear_error(tmp_path, small_data, text, message):
+    csv = tmp_path / "train.csv"
+    csv.write_text(text)
+    with pytest.raises(UserError, match=message) as error:
+        read_labels_csv(csv, small_data / "train")
+    assert str(csv) in str(error.value)
+
+
+def test_test_dataset_yields_ids_in_numeric_order(small_data):
+    dataset = DogCatTestDataset(small_data / "test", image_transform(32))
+    assert dataset.ids == list(range(1, 31))
+    image, image_id = dataset[9]
+    assert image_id == 10 and image.shape == (3, 32, 32)
+
+
+def test_missing_and_empty_folders(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_labels(tmp_path / "nowhere")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(UserError, match="no labelled images"):
+        load_labels(tmp_path)
+    with pytest.raises(UserError, match="test folder"):
+        DogCatTestDataset(tmp_path / "test")
+
+
+def test_natural_order():
+    assert sorted(["cat.10.jpg", "cat.2.jpg", "cat.1.jpg"], key=natural_key) == \
+        ["cat.1.jpg", "cat.2.jpg", "cat.10.jpg"]
+
+
+def test_load_labels_prefers_train_csv(tmp_path, small_data):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train").symlink_to(small_data / "train")
+    pd.DataFrame({"filename": ["dog.3.jpg", "cat.4.jpg"], "label": [1, 0]}).to_csv(
+        data / "train.csv", index=False)
+    frame = load_labels(data, show_progress=False)
+    assert list(frame["filename"]) == ["dog.3.jpg", "cat.4.jpg"]
