@@ -50,15 +50,18 @@ def output_paths(args) -> dict[str, Path]:
 
 
 def check_writable(args) -> None:
-    """Fail before training, not after the first epoch, when an output folder cannot be written."""
+    """Fail before training, not after the first epoch, when an output cannot be written.
+
+    Creates nothing, so every rank may call it: the folders are made by rank 0 when it saves.
+    """
     for name, path in output_paths(args).items():
-        folder = path.parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError as error:
+        existing = path.parent.absolute()
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             flag = "--plot" if name == "plot" else "--checkpoint"
-            raise UserError(f"{flag}: cannot write to folder {folder} ({error.strerror})") from None
+            why = "is not a folder" if not existing.is_dir() else "is not writable"
+            raise UserError(f"{flag}: cannot write to folder {path.parent} ({existing} {why})")
 
 
 def model_info(args, global_batch: int) -> dict:

@@ -1,0 +1,78 @@
+"""Fine-tune VGG16 (or another torchvision classifier) on Dogs vs. Cats with nn.DataParallel over all GPUs."""
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from src.checkpoint import check_writable, resume, save_epoch
+from src.cli import amp_dtype, parse_args
+from src.errors import exit_on_error
+from src.history import epoch_record, format_record
+from src.loaders import default_workers, labelled_data, make_loaders
+from src.metrics import batch_sums
+from src.models import build_model
+from src.transforms import normalize
+
+
+def run_epoch(model, loader, device, amp, desc, optimizer=None, scaler=None) -> torch.Tensor:
+    """One pass over `loader`, training if an optimizer is given; returns the metric sums."""
+    training = optimizer is not None
+    model.train(training)
+    sums = torch.zeros(4, device=device)
+    for images, labels in tqdm(loader, desc=desc, leave=False):
+        images = normalize(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        with torch.set_grad_enabled(training), torch.autocast(device.type, amp, enabled=amp is not None):
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels)
+        if training:
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        sums += batch_sums(logits, labels)
+    return sums
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_writable(args)
+    torch.manual_seed(args.seed)
+
+    dataset, train_idx, val_idx = labelled_data(args)
+    workers = default_workers() if args.workers is None else args.workers
+    train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, args.batch_size, args.seed,
+                                            workers, pin_memory=device.type == "cuda")
+
+    model = build_model(args.arch, args.weights, args.dropout).to(device)
+    if torch.cuda.device_count() < 2:
+        print(f"train_dp.py: {torch.cuda.device_count()} GPU(s) visible, DataParallel runs on one device")
+    model = nn.DataParallel(model)  # splits each batch across the GPUs, gathers outputs on the first
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    history = resume(args, model.module, optimizer, scaler, args.batch_size) if args.resume else []
+
+    print(f"{args.arch} on {device}: {len(train_idx)} train / {len(val_idx)} val images, "
+          f"batch {args.batch_size}")
+    since = time.time()
+    for epoch in range(len(history), args.epochs):
+        train_loader.sampler.set_epoch(epoch)
+        start = time.time()
+        desc = f"epoch {epoch + 1}/{args.epochs}"
+        train_sums = run_epoch(model, train_loader, device, amp_dtype(args), f"{desc} train",
+                               optimizer, scaler)
+        val_sums = run_epoch(model, val_loader, device, amp_dtype(args), f"{desc} val")
+        history.append(epoch_record(epoch, train_sums, val_sums, time.time() - start))
+        is_best = save_epoch(args, history, model.module, optimizer, scaler, args.batch_size)
+        print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
+
+    best = max(history, key=lambda record: record["val_acc"])
+    print(f"done in {time.time() - since:.0f} s: best val acc {best['val_acc']:.4f} "
+          f"(epoch {best['epoch']}) in {args.checkpoint}")
+
+
+if __name__ == "__main__":
+    exit_on_error(main)
