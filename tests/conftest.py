@@ -31,9 +31,9 @@ def small_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def exact_data(tmp_path_factory) -> Path:
-    """201 images: with --val-fraction 0.5025 that is 100 train and 101 validation images."""
+    """201 labelled images (with --val-fraction 0.5025: 100 train, 101 validation), 20 test."""
     path = tmp_path_factory.mktemp("exact")
-    write_dataset(path, n_train=201, n_test=0, size=64, seed=2)
+    write_dataset(path, n_train=201, n_test=20, size=64, seed=2)
     return path
 
 

@@ -19,6 +19,7 @@ from conftest import (BIN, EXACT, LEARN, ROOT, history, max_relative_difference,
                       weights)
 from src.loaders import labelled_data
 from src.metrics import batch_sums, summarize
+from src.predict import load_checkpoint, predict
 from src.transforms import normalize
 
 TOLERANCE = 1e-5
@@ -30,12 +31,37 @@ def _flags(data, out, batch):
     return ["--data-dir", str(data), *EXACT, *VAL, "--batch-size", str(batch), *outputs(out)]
 
 
+COMMANDS = {
+    "single": lambda: [sys.executable, "train_single.py"],
+    "dp": lambda: [sys.executable, "train_dp.py"],
+    "ddp": lambda: ["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py"],
+    "accelerate": lambda: ["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                           "train_accelerate.py"],
+}
+
+
 @pytest.fixture(scope="module")
-def reference(exact_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    result = python("train_single.py", *_flags(exact_data, out, 2 * B))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+def runs(exact_data, tmp_path_factory):
+    """runs(mode) -> (output folder, finished process), each mode run once per module."""
+    done = {}
+
+    def get(mode: str):
+        if mode not in done:
+            out = tmp_path_factory.mktemp(mode)
+            batch = B if mode in ("ddp", "accelerate") else 2 * B
+            env = {"PYTHONPATH": str(ROOT / "tests" / "write_log"), "WRITE_LOG": str(out / "writes.log"),
+                   "HF_HOME": str(out / "hf"),  # no accelerate config file
+                   "ACCELERATE_USE_CPU": "1"}
+            result = run([*COMMANDS[mode](), *_flags(exact_data, out / "out", batch)], env=env)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[mode] = out / "out", result
+        return done[mode]
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs("single")[0]
 
 
 def _assert_same_run(out, reference):
@@ -52,43 +78,54 @@ def test_reference_is_sensitive_to_the_batches(exact_data, reference, tmp_path):
     assert max_relative_difference(weights(tmp_path), weights(reference)) > 1000 * TOLERANCE
 
 
-def test_data_parallel_matches_single(exact_data, reference, tmp_path):
-    result = python("train_dp.py", *_flags(exact_data, tmp_path, 2 * B))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_data_parallel_matches_single(runs, reference):
+    out, result = runs("dp")
     assert "DataParallel runs on one device" in result.stdout
-    _assert_same_run(tmp_path, reference)
-    assert not any(k.startswith("module.") for k in weights(tmp_path))
+    _assert_same_run(out, reference)
+    assert not any(k.startswith("module.") for k in weights(out))
 
 
-def test_ddp_two_ranks_matches_single_and_only_rank_0_writes(exact_data, reference, tmp_path):
-    log = tmp_path / "writes.log"
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py",
-                  *_flags(exact_data, tmp_path / "out", B)],
-                 env={"PYTHONPATH": str(ROOT / "tests" / "write_log"), "WRITE_LOG": str(log)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    _assert_same_run(tmp_path / "out", reference)
-    writes = [line.split(" ", 1) for line in log.read_text().splitlines()]
+def test_ddp_two_ranks_matches_single_and_only_rank_0_writes(runs, reference):
+    out, result = runs("ddp")
+    _assert_same_run(out, reference)
+    writes = [line.split(" ", 1) for line in (out.parent / "writes.log").read_text().splitlines()]
     assert {rank for rank, _ in writes} == {"0"}, writes
     assert {Path(path).name for _, path in writes} == {
         "best.pth", "best.json", "last.pth", "history.json", "curves.png"}
     assert result.stdout.count("epoch 1/1") == 1, "one rank prints"
 
 
-def test_ddp_validation_accuracy_is_what_one_process_computes(exact_data, reference, tmp_path):
+def test_accelerate_two_processes_matches_single_and_only_main_writes(runs, reference):
+    out, result = runs("accelerate")
+    assert "on 2 x cpu" in result.stdout
+    _assert_same_run(out, reference)
+    writes = [line.split(" ", 1) for line in (out.parent / "writes.log").read_text().splitlines()]
+    assert {rank for rank, _ in writes} == {"0"}, writes
+
+
+def test_every_mode_checkpoint_predicts_the_same(runs, exact_data):
+    probabilities = {}
+    for mode in COMMANDS:
+        model, info = load_checkpoint(runs(mode)[0] / "best.pth")
+        ids, probabilities[mode] = predict(model, info, exact_data / "test", workers=0)
+        assert ids == list(range(1, 21))
+    for mode in COMMANDS:
+        assert torch.allclose(probabilities[mode], probabilities["single"], atol=1e-5)
+
+
+def test_ddp_validation_accuracy_is_what_one_process_computes(exact_data, runs):
     """val_acc of a 2-rank run equals a plain evaluation of its saved weights on the split."""
-    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py",
-                  *_flags(exact_data, tmp_path, B)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = runs("ddp")[0]
     args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42)
     dataset, _, val_idx = labelled_data(args, show_progress=False)
     model = torchvision.models.alexnet(num_classes=2)
-    model.load_state_dict(weights(tmp_path))
+    model.load_state_dict(weights(out))
     model.eval()
     images = torch.stack([dataset[i][0] for i in val_idx])
     labels = torch.tensor([dataset[i][1] for i in val_idx])
     with torch.no_grad():
         expected = summarize(batch_sums(model(normalize(images)), labels))
-    record = history(tmp_path)[0]
+    record = history(out)[0]
     assert record["val_samples"] == expected["samples"] == 101
     assert record["val_acc"] == expected["acc"]
     assert record["val_loss"] == pytest.approx(expected["loss"], rel=TOLERANCE)
@@ -107,15 +144,6 @@ def test_two_nodes_on_one_machine_match_single(exact_data, reference, tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     _assert_same_run(tmp_path / "node0", reference)
     assert not (tmp_path / "node1").exists(), "the second node's rank writes nothing"
-
-
-def test_accelerate_two_processes_matches_single(exact_data, reference, tmp_path):
-    result = run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-                  "train_accelerate.py", *_flags(exact_data, tmp_path, B)],
-                 env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf")})  # no config file
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "on 2 x cpu" in result.stdout
-    _assert_same_run(tmp_path, reference)
 
 
 def test_accelerate_refuses_processes_it_cannot_see(exact_data, tmp_path):
