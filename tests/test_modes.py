@@ -49,7 +49,7 @@ def runs(exact_data, tmp_path_factory):
         if mode not in done:
             out = tmp_path_factory.mktemp(mode)
             batch = B if mode in ("ddp", "accelerate") else 2 * B
-            env = {"PYTHONPATH": str(ROOT / "tests" / "write_log"), "WRITE_LOG": str(out / "writes.log"),
+            env = {"PYTHONPATH": str(ROOT / "tests" / "hooks"), "WRITE_LOG": str(out / "writes.log"),
                    "HF_HOME": str(out / "hf"),  # no accelerate config file
                    "ACCELERATE_USE_CPU": "1"}
             result = run([*COMMANDS[mode](), *_flags(exact_data, out / "out", batch)], env=env)
