@@ -147,3 +147,12 @@ def test_image_that_turns_unreadable_during_training(exact_data, tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot read image") and names[5] in last
     assert "src.prepare" in last
+
+
+def test_more_processes_than_validation_images(exact_data, tmp_path):
+    flags = _flags(exact_data, tmp_path, 10, 1)
+    flags[flags.index("0.5025")] = "0.004"  # 1 validation image for 2 ranks
+    result = run([*TORCHRUN, "train_ddp.py", *flags])
+    assert result.returncode != 0
+    assert "error: 2 processes but only 1 validation images" in result.stderr
+    assert "exitcode  : 2" in result.stderr  # each rank, as torchrun reports it

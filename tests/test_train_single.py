@@ -81,6 +81,7 @@ def test_default_weights_offline(small_data, tmp_path):
     (["--val-fraction", "0.001"], "--val-fraction 0.001 leaves an empty split"),
     (["--arch", "nosuchnet"], "--arch nosuchnet"),
     (["--batch-size", "500"], "--batch-size 500 x 1 process(es) = 500 is more than"),
+    (["--weights", "tests/hooks/sitecustomize.py"], "is not a PyTorch state_dict"),
 ])
 def test_bad_flags(small_data, tmp_path, flags, message):
     _fails("--data-dir", str(small_data), "--weights", "none", "--arch", "squeezenet1_1",
@@ -100,3 +101,10 @@ def test_output_path_under_a_file(small_data, tmp_path):
     (tmp_path / "afile").write_text("")
     _fails("--data-dir", str(small_data), "--weights", "none", "--checkpoint",
            str(tmp_path / "afile" / "best.pth"), message="--checkpoint: cannot write to folder")
+
+
+def test_weights_of_another_architecture(small_data, tmp_path):
+    torch.save(torchvision.models.resnet18(num_classes=2).state_dict(), tmp_path / "resnet.pth")
+    _fails("--data-dir", str(small_data), "--arch", "squeezenet1_1", "--image-size", "32",
+           "--weights", str(tmp_path / "resnet.pth"), *outputs(tmp_path),
+           message="is not a squeezenet1_1 checkpoint with 2 or 1000 classes")
