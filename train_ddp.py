@@ -39,7 +39,13 @@ def setup_distributed(args) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     # A peer that stops answering fails a collective after this long instead of hanging forever.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    timeout = timedelta(minutes=10)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun --max-restarts keeps its store across restarts: without a fresh key prefix per
+    # attempt the restarted workers read the dead workers' addresses and fail to connect.
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -22,8 +22,11 @@ def _flags(data, out, batch, epochs):
             "--batch-size", str(batch), *outputs(out)]
 
 
+TIMINGS = {"train_seconds", "val_seconds", "seconds"}
+
+
 def _without_seconds(records):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
 
 
 def _assert_same_end(out, reference):
@@ -67,6 +70,18 @@ def test_resume_with_other_flags_is_refused(exact_data, straight, tmp_path):
     result = python("train_single.py", *_flags(exact_data, tmp_path, 10, 2), "--resume")
     assert result.returncode == 2
     assert "--batch-size (x processes) 20, not 10" in result.stderr
+
+
+def test_killed_worker_is_restarted_and_the_job_finishes_the_same(exact_data, straight, tmp_path):
+    """SIGKILL rank 1 at its 7th step (epoch 2 of 2, 5 steps an epoch); torchrun restarts the
+    workers, which resume from last.pth of epoch 1 on their own."""
+    restartable = [*TORCHRUN, "--max-restarts=1"]
+    result = run([*restartable, "train_ddp.py", *_flags(exact_data, tmp_path, 10, 2)],
+                 env={**HOOKS, "KILL_AT_STEP": "7", "KILL_RANK": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
+    assert "exitcode: -9" in result.stderr  # torchrun saw the SIGKILL
+    _assert_same_end(tmp_path, straight)
 
 
 def test_a_dead_rank_ends_the_job_within_the_bound(exact_data, tmp_path):
