@@ -7,6 +7,10 @@ import matplotlib
 matplotlib.use("Agg")  # no display on servers and in tests
 import matplotlib.pyplot as plt  # noqa: E402
 
+# Load the backend now, not at the first plot: a Ctrl-C landing inside its C-extension
+# initialisation surfaces as ImportError instead of KeyboardInterrupt.
+plt.switch_backend("Agg")
+
 from src.metrics import summarize  # noqa: E402
 
 
