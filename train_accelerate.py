@@ -21,16 +21,16 @@ from src.history import epoch_record, format_record
 from src.loaders import default_workers, labelled_data, make_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.transforms import normalize
+from src.transforms import memory_format, normalize
 
 
-def run_epoch(accelerator, model, loader, desc, optimizer=None) -> torch.Tensor:
+def run_epoch(accelerator, model, loader, args, desc, optimizer=None) -> torch.Tensor:
     """One pass over `loader`, training if an optimizer is given; returns the metric sums."""
     training = optimizer is not None
     model.train(training)
     sums = torch.zeros(4, device=accelerator.device)
     for images, labels in tqdm(loader, desc=desc, leave=False, disable=not accelerator.is_main_process):
-        images = normalize(images)  # the prepared loader already put the batch on the device
+        images = normalize(images, args.channels_last)  # the prepared loader put it on the device
         with torch.set_grad_enabled(training):
             logits = model(images)  # the prepared model applies the mixed-precision setting
             loss = F.cross_entropy(logits, labels)
@@ -41,7 +41,7 @@ def run_epoch(accelerator, model, loader, desc, optimizer=None) -> torch.Tensor:
         # Every process's samples, less those accelerate repeated to fill the last batch.
         logits, labels = accelerator.gather_for_metrics((logits.detach(), labels))
         sums += batch_sums(logits, labels)
-    return sums
+    return sums.cpu()  # waits for the device, so the epoch timings are true
 
 
 def main() -> None:
@@ -65,7 +65,9 @@ def main() -> None:
     train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, global_batch, args.seed,
                                             workers, pin_memory=accelerator.device.type == "cuda")
 
-    model = build_model(args.arch, args.weights, args.dropout)
+    model = build_model(args.arch, args.weights, args.dropout).to(memory_format=memory_format(args))
+    if args.compile:
+        model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     history = (resume(args, model, optimizer, accelerator.scaler, global_batch,
                       announce=accelerator.is_main_process) if args.resume else [])
@@ -80,9 +82,10 @@ def main() -> None:
         train_loader.set_epoch(epoch)
         start = time.time()
         desc = f"epoch {epoch + 1}/{args.epochs}"
-        train_sums = run_epoch(accelerator, model, train_loader, f"{desc} train", optimizer)
-        val_sums = run_epoch(accelerator, model, val_loader, f"{desc} val")
-        history.append(epoch_record(epoch, train_sums, val_sums, time.time() - start))
+        train_sums = run_epoch(accelerator, model, train_loader, args, f"{desc} train", optimizer)
+        middle = time.time()
+        val_sums = run_epoch(accelerator, model, val_loader, args, f"{desc} val")
+        history.append(epoch_record(epoch, train_sums, val_sums, middle - start, time.time() - middle))
         if accelerator.is_main_process:
             is_best = save_epoch(args, history, accelerator.unwrap_model(model), optimizer,
                                  accelerator.scaler, global_batch)

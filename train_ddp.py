@@ -21,7 +21,7 @@ from src.history import epoch_record, format_record
 from src.loaders import default_workers, labelled_data, make_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.transforms import normalize
+from src.transforms import memory_format, normalize
 
 
 def setup_distributed(args) -> tuple[int, int, torch.device]:
@@ -49,13 +49,13 @@ def setup_distributed(args) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def run_epoch(model, loader, device, amp, desc, optimizer=None, scaler=None) -> torch.Tensor:
+def run_epoch(model, loader, device, args, desc, optimizer=None, scaler=None) -> torch.Tensor:
     """One pass over `loader`, training if an optimizer is given; returns the metric sums."""
-    training = optimizer is not None
+    training, amp = optimizer is not None, amp_dtype(args)
     model.train(training)
     sums = torch.zeros(4, device=device)
     for images, labels in tqdm(loader, desc=desc, leave=False, disable=dist.get_rank() != 0):
-        images = normalize(images.to(device, non_blocking=True))
+        images = normalize(images.to(device, non_blocking=True), args.channels_last)
         labels = labels.to(device, non_blocking=True)
         with torch.set_grad_enabled(training), torch.autocast(device.type, amp, enabled=amp is not None):
             logits = model(images)
@@ -67,7 +67,7 @@ def run_epoch(model, loader, device, amp, desc, optimizer=None, scaler=None) -> 
             scaler.update()
         sums += batch_sums(logits, labels)
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
-    return sums
+    return sums.cpu()  # waits for the device, so the epoch timings are true
 
 
 def main() -> None:
@@ -82,8 +82,10 @@ def main() -> None:
     train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, args.batch_size, args.seed,
                                             workers, rank, world_size, pin_memory=device.type == "cuda")
 
-    model = build_model(args.arch, args.weights, args.dropout).to(device)
+    model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile:
+        model = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     global_batch = args.batch_size * world_size
@@ -99,10 +101,10 @@ def main() -> None:
         train_loader.sampler.set_epoch(epoch)
         start = time.time()
         desc = f"epoch {epoch + 1}/{args.epochs}"
-        train_sums = run_epoch(model, train_loader, device, amp_dtype(args), f"{desc} train",
-                               optimizer, scaler)
-        val_sums = run_epoch(model, val_loader, device, amp_dtype(args), f"{desc} val")
-        history.append(epoch_record(epoch, train_sums, val_sums, time.time() - start))
+        train_sums = run_epoch(model, train_loader, device, args, f"{desc} train", optimizer, scaler)
+        middle = time.time()
+        val_sums = run_epoch(model, val_loader, device, args, f"{desc} val")
+        history.append(epoch_record(epoch, train_sums, val_sums, middle - start, time.time() - middle))
         if rank == 0:
             is_best = save_epoch(args, history, model.module, optimizer, scaler, global_batch)
             print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))

@@ -74,6 +74,7 @@ def model_info(args, global_batch: int) -> dict:
 def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler,
                global_batch: int) -> bool:
     """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the plain names
     paths = output_paths(args)
     is_best = history[-1]["val_acc"] > max((r["val_acc"] for r in history[:-1]), default=-1.0)
     info = model_info(args, global_batch)
@@ -108,7 +109,7 @@ def resume(args, model: torch.nn.Module, optimizer, scaler, global_batch: int,
             flag = "--batch-size (x processes)" if key == "batch_size" else "--" + key.replace("_", "-")
             raise UserError(f"{path} was trained with {flag} {saved.get(key)}, not {now[key]}; "
                             "use the same flags to resume, or delete it to start over")
-    model.load_state_dict(state["model"])
+    getattr(model, "_orig_mod", model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state["scaler"]:
         scaler.load_state_dict(state["scaler"])

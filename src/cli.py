@@ -58,6 +58,11 @@ def build_parser(description: str, amp: bool = True, local_rank: bool = False) -
         help="best model's state_dict; last.pth, history.json and best.json go beside it")
     add("--plot", default="training_results.png", help="accuracy and loss curves (PNG)")
     add("--resume", action="store_true", help="continue from last.pth beside --checkpoint if it exists")
+    add("--cache", metavar="DIR", default=None,
+        help="decode and resize every image once into DIR (uint8, memory-mapped) and train from it")
+    add("--channels-last", action="store_true",
+        help="channels-last memory format for the model and the batches (faster convolutions on GPUs)")
+    add("--compile", action="store_true", help="torch.compile the model (the first steps compile it)")
     if amp:
         add("--amp", choices=["no", "bf16", "fp16"], default="no",
             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")

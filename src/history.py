@@ -14,13 +14,15 @@ plt.switch_backend("Agg")
 from src.metrics import summarize  # noqa: E402
 
 
-def epoch_record(epoch: int, train_sums, val_sums, seconds: float) -> dict:
+def epoch_record(epoch: int, train_sums, val_sums, train_seconds: float,
+                 val_seconds: float) -> dict:
     """One history.json record (epochs count from 1)."""
     train, val = summarize(train_sums), summarize(val_sums)
     return {"epoch": epoch + 1,
             "train_loss": train["loss"], "train_acc": train["acc"], "train_samples": train["samples"],
             "val_loss": val["loss"], "val_acc": val["acc"], "val_log_loss": val["log_loss"],
-            "val_samples": val["samples"], "seconds": round(seconds, 3)}
+            "val_samples": val["samples"], "train_seconds": round(train_seconds, 3),
+            "val_seconds": round(val_seconds, 3), "seconds": round(train_seconds + val_seconds, 3)}
 
 
 def format_record(record: dict, epochs: int) -> str:

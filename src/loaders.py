@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
+from src.cache import cached
 from src.datasets import DogCatDataset, load_labels
 from src.errors import UserError
 from src.transforms import image_transform
@@ -72,9 +73,13 @@ def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], bat
 
 
 def labelled_data(args, show_progress: bool = True) -> tuple[Dataset, list[int], list[int]]:
-    """The labelled images of --data-dir, resized to --image-size, and their seeded split."""
+    """The labelled images of --data-dir resized to --image-size (or their --cache), and the split."""
     frame = load_labels(Path(args.data_dir), show_progress)
     dataset = DogCatDataset(frame, Path(args.data_dir) / "train", image_transform(args.image_size),
                             draft_size=args.image_size)
+    if args.cache:
+        workers = (default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+                   if args.workers is None else args.workers)
+        dataset = cached(dataset, args.image_size, Path(args.cache), workers, show_progress)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
     return dataset, train_idx, val_idx

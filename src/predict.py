@@ -55,7 +55,7 @@ def predict(model: torch.nn.Module, info: dict, test_dir: Path, batch_size: int 
                         num_workers=default_workers() if workers is None else workers)
     ids, probabilities = [], []
     for images, batch_ids in tqdm(loader, desc="predicting", leave=False):
-        images = normalize(images.to(device), info["mean"], info["std"])
+        images = normalize(images.to(device), mean=info["mean"], std=info["std"])
         p_dog = model(images).float().softmax(dim=1)[:, 1]
         if tta:  # the class does not change under a horizontal flip
             p_dog = (p_dog + model(images.flip(dims=[3])).float().softmax(dim=1)[:, 1]) / 2

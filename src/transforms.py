@@ -15,9 +15,16 @@ def image_transform(image_size: int) -> transforms.Compose:
     ])
 
 
-def normalize(images: torch.Tensor, mean: tuple = IMAGENET_MEAN,
+def normalize(images: torch.Tensor, channels_last: bool = False, mean: tuple = IMAGENET_MEAN,
               std: tuple = IMAGENET_STD) -> torch.Tensor:
     """uint8 batch (already on the device) -> float batch normalised per channel."""
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
     mean = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
     std = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
     return (images.float() / 255 - mean) / std
+
+
+def memory_format(args) -> torch.memory_format:
+    """What --channels-last asks for the model's weights."""
+    return torch.channels_last if args.channels_last else torch.preserve_format

@@ -116,7 +116,8 @@ def test_every_mode_checkpoint_predicts_the_same(runs, exact_data):
 def test_ddp_validation_accuracy_is_what_one_process_computes(exact_data, runs):
     """val_acc of a 2-rank run equals a plain evaluation of its saved weights on the split."""
     out = runs("ddp")[0]
-    args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42)
+    args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42,
+                     cache=None)
     dataset, _, val_idx = labelled_data(args, show_progress=False)
     model = torchvision.models.alexnet(num_classes=2)
     model.load_state_dict(weights(out))

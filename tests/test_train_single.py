@@ -19,7 +19,10 @@ def test_trains_learns_and_writes_every_output(small_data, tmp_path):
     assert [r["epoch"] for r in records] == [1, 2]
     for record in records:
         assert {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_log_loss",
-                "train_samples", "val_samples", "seconds"} <= record.keys()
+                "train_samples", "val_samples", "train_seconds", "val_seconds",
+                "seconds"} <= record.keys()
+        assert record["seconds"] == pytest.approx(record["train_seconds"] + record["val_seconds"],
+                                                  abs=0.002)
         assert record["val_samples"] == 48                 # round(240 * 0.2)
         assert record["train_samples"] == 192 // 16 * 16  # full batches only
     assert records[-1]["val_acc"] >= 0.9, records
@@ -39,7 +42,8 @@ def test_help_lists_every_flag():
     result = python("train_single.py", "--help")
     for flag in ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--image-size",
                  "--arch", "--weights", "--dropout", "--val-fraction", "--seed", "--workers",
-                 "--checkpoint", "--plot", "--resume", "--amp"]:
+                 "--checkpoint", "--plot", "--resume", "--amp", "--cache", "--channels-last",
+                 "--compile"]:
         assert flag in result.stdout
 
 
