@@ -1,5 +1,6 @@
 """The speed options change nothing they should not: --cache, the draft JPEG decode,
 --channels-last, --amp and --compile."""
+import csv
 import shutil
 
 import numpy as np
@@ -179,3 +180,37 @@ def test_fp16_scales_the_loss_and_stays_near_float32(exact_data, reference, tmp_
     scaler = weights(tmp_path, "last.pth")["scaler"]
     assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 5  # 5 steps, none skipped
     assert 1e-6 < max_relative_difference(weights(tmp_path), weights(reference)) < 1e-2
+
+
+def test_benchmark_writes_the_table_chart_and_checks(small_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    out = tmp_path / "bench"
+    result = python("-m", "src.benchmark", "--data-dir", str(data), "--out-dir", str(out),
+                    "--processes", "2", "--arch", "resnet18", "--image-size", "32",
+                    "--batch-size", "8", "--epochs", "1", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(out / "benchmark.csv") as f:
+        rows = {row["row"]: row for row in csv.DictReader(f)}
+    assert list(rows) == ["single-jpeg", "single", "dp", "ddp", "accelerate", "bare step",
+                          "loader, JPEG", "loader, cache", "decode full 32 px", "decode draft 32 px",
+                          "decode full 224 px", "decode draft 224 px"]
+    assert [rows[m]["processes"] for m in ("single", "dp", "ddp", "accelerate")] == ["1", "1", "2", "2"]
+    assert all(float(row["train_images_per_s"]) > 0 for row in rows.values())
+    assert float(rows["single"]["speedup"]) == 1.0
+    for mode in ("single-jpeg", "single", "dp", "ddp", "accelerate"):
+        record = history(out / "runs" / mode)[-1]
+        assert record["train_samples"] == 192 // 16 * 16  # global batch 16 in every mode
+        assert float(rows[mode]["epoch_seconds"]) == pytest.approx(record["seconds"], abs=1e-3)
+    markdown = (out / "benchmark.md").read_text()
+    assert "| ddp | 2 |" in markdown and "Checks:" in markdown and "of the bare step" in markdown
+    assert markdown in result.stdout
+    assert (out / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "cache").iterdir()) == ["train_32px.json", "train_32px.u8"]
+
+
+def test_benchmark_bad_out_dir_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "file").write_text("")
+    result = python("-m", "src.benchmark", "--out-dir", str(tmp_path / "file" / "bench"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: --out-dir {tmp_path / 'file' / 'bench'}: cannot create it (Not a directory)"

@@ -1,0 +1,320 @@
+"""Time every mode on the same data and print the seed's table, with the ceilings beside it.
+
+    python -m src.benchmark [--processes P] [--data-dir DIR] [--out-dir benchmark] ...
+
+Runs the four real scripts (train_single.py from JPEGs, then all four from the --cache) with the
+same global batch, for --epochs epochs, and reports the last epoch from each run's history.json
+(the first one also pays for warm-up). Measured in the same run: the bare model step (normalise,
+forward, backward and SGD on a batch already on the device), the forward pass alone, the loader
+alone (images/s with the default workers, from JPEG and from the cache), the JPEG decode per
+worker (full decode then Resize, against the draft decode, at --image-size and at 224 px) and the
+time to build the cache. Writes OUT/benchmark.csv, OUT/benchmark.md and OUT/benchmark.png.
+Without --data-dir it writes a synthetic set of Kaggle-size (about 500x400) JPEGs into OUT/data.
+"""
+import csv
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from datetime import date
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from src.cache import cached  # noqa: E402
+from src.cli import OneLineParser, amp_dtype  # noqa: E402
+from src.datasets import DogCatDataset, load_labels, open_rgb  # noqa: E402
+from src.errors import UserError, exit_on_error  # noqa: E402
+from src.loaders import default_workers, make_loaders, split_indices  # noqa: E402
+from src.models import build_model  # noqa: E402
+from src.synthetic import write_dataset  # noqa: E402
+from src.transforms import image_transform, memory_format, normalize  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup"]
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--data-dir", type=Path, help="a Kaggle-layout folder (default: a synthetic set in OUT/data)")
+    add("--images", type=int, default=25000, help="labelled images of the synthetic set")
+    add("--out-dir", type=Path, default=Path("benchmark"), help="where the table, chart and runs go")
+    add("--processes", type=int, default=torch.cuda.device_count() or 2,
+        help="processes for DP (devices), DDP and accelerate")
+    add("--arch", default="vgg16")
+    add("--weights", default="none", help="as in the scripts; the speed does not depend on it")
+    add("--image-size", type=int, default=224)
+    add("--batch-size", type=int, default=50, help="per process; single and DP use it x processes")
+    add("--epochs", type=int, default=2, help="the last one is reported")
+    add("--amp", choices=["no", "bf16", "fp16"], default="no",
+        help="autocast in every mode (accelerate: --mixed_precision)")
+    add("--channels-last", action="store_true")
+    add("--modes", default="single-jpeg,single,dp,ddp,accelerate",
+        help="comma-separated subset of the runs")
+    add("--steps", type=int, default=20, help="timed steps of the bare-step ceilings")
+    args = parser.parse_args(argv)
+    for flag in ("images", "processes", "batch_size", "epochs", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    return args
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
+    """Images/s of the model alone on uint8 batches already on the device."""
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    images = torch.randint(0, 256, (batch, 3, args.image_size, args.image_size), dtype=torch.uint8,
+                           device=device)
+    labels = torch.randint(0, 2, (batch,), device=device)
+    model.train(train)
+    amp = amp_dtype(args)
+
+    def step():
+        with torch.set_grad_enabled(train), torch.autocast(device.type, amp, enabled=amp is not None):
+            loss = F.cross_entropy(model(normalize(images, args.channels_last)), labels)
+        if train:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+    steps = args.steps if train else 2 * args.steps
+    for _ in range(max(2, steps // 5)):  # warm-up: allocator, cudnn autotuning, caches
+        step()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _synchronize(device)
+    return steps * batch / (time.perf_counter() - start)
+
+
+def loader_alone(dataset, args, batch: int, max_batches: int = 40) -> float:
+    """Images/s the training loader delivers with the default workers (one process)."""
+    train_idx, val_idx = split_indices(len(dataset), 0.2, 42)
+    loader, _ = make_loaders(dataset, train_idx, val_idx, batch, 42, default_workers(),
+                             pin_memory=torch.cuda.is_available())
+    loader.sampler.set_epoch(0)
+    iterator = iter(loader)
+    next(iterator)  # workers started and their first batches made
+    count, start = 0, time.perf_counter()
+    for images, _ in iterator:
+        count += len(images)
+        if count >= max_batches * batch:
+            break
+    return count / (time.perf_counter() - start)
+
+
+def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
+                      repeats: int = 5) -> tuple[float, float]:
+    """Images/s one worker decodes and resizes: (full decode then Resize, draft decode).
+
+    The two alternate pass by pass over the same n files, so that both see the same load on the
+    machine; each reports its best pass.
+    """
+    transform = image_transform(size)
+    paths = [dataset.root_dir / name for name in dataset.frame["filename"][:n]]
+    best = {None: 0.0, size: 0.0}
+    for _ in range(repeats):
+        for draft in best:
+            start = time.perf_counter()
+            for path in paths:
+                transform(open_rgb(path, draft))
+            best[draft] = max(best[draft], len(paths) / (time.perf_counter() - start))
+    return best[None], best[size]
+
+
+def _commands(args) -> dict:
+    p, cuda = args.processes, torch.cuda.is_available()
+    accelerate = ["accelerate", "launch", "--num_processes", str(p),
+                  "--mixed_precision", {"no": "no", "bf16": "bf16", "fp16": "fp16"}[args.amp]]
+    if p > 1:
+        accelerate.insert(2, "--multi_gpu")
+    return {
+        "single-jpeg": ([sys.executable, "train_single.py"], 1, args.batch_size * p),
+        "single": ([sys.executable, "train_single.py"], 1, args.batch_size * p),
+        "dp": ([sys.executable, "train_dp.py"], torch.cuda.device_count() or 1, args.batch_size * p),
+        "ddp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_ddp.py"], p,
+                args.batch_size),
+        "accelerate": (accelerate + ["train_accelerate.py"], p, args.batch_size),
+        "_env": {} if cuda else {"ACCELERATE_USE_CPU": "1"},
+    }
+
+
+def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
+    commands = _commands(args)
+    command, processes, batch = commands[name]
+    out = args.out_dir / "runs" / name
+    shutil.rmtree(out, ignore_errors=True)
+    flags = ["--data-dir", str(data_dir), "--arch", args.arch, "--weights", args.weights,
+             "--image-size", str(args.image_size), "--batch-size", str(batch),
+             "--epochs", str(args.epochs), "--checkpoint", str(out / "best.pth"),
+             "--plot", str(out / "curves.png")]
+    if name != "single-jpeg":
+        flags += ["--cache", str(cache_dir)]
+    if args.channels_last:
+        flags.append("--channels-last")
+    if name != "accelerate" and args.amp != "no":
+        flags += ["--amp", args.amp]
+    env = {**os.environ, **commands["_env"],
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    print(f"running {name}: {' '.join(command + flags)}", flush=True)
+    result = subprocess.run(command + flags, cwd=ROOT, env=env, capture_output=True, text=True)
+    (out / "log.txt").parent.mkdir(parents=True, exist_ok=True)
+    (out / "log.txt").write_text(result.stdout + result.stderr)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"the {name} run failed ({tail}); its output is in {out / 'log.txt'}")
+    last = json.loads((out / "history.json").read_text())[-1]
+    return {"row": name, "processes": processes,
+            "train_images_per_s": last["train_samples"] / last["train_seconds"],
+            "val_images_per_s": last["val_samples"] / last["val_seconds"],
+            "epoch_seconds": last["seconds"]}
+
+
+def hardware() -> str:
+    cpus = len(os.sched_getaffinity(0))
+    if torch.cuda.is_available():
+        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        gpus = "no GPU"
+    return (f"{platform.processor() or platform.machine()}, {cpus} CPU cores, {gpus}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
+
+
+def checks(rows: dict, args) -> list[tuple[str, bool]]:
+    """The issue's targets, each as (statement with the figures, met)."""
+    result = []
+    if "single" in rows:
+        ratio = rows["single"]["train_images_per_s"] / rows["bare step"]["train_images_per_s"]
+        result.append((f"train_single.py --cache trains at {ratio:.2f} of the bare step "
+                       "(target >= 0.90)", ratio >= 0.90))
+        loader = rows["loader, cache"]["train_images_per_s"] / rows["single"]["train_images_per_s"]
+        result.append((f"the cache loader delivers {loader:.1f}x what train_single.py consumes "
+                       "(target >= 5)", loader >= 5))
+    for size in sorted({args.image_size, 224}):
+        gain = (rows[f"decode draft {size} px"]["train_images_per_s"]
+                / rows[f"decode full {size} px"]["train_images_per_s"])
+        # At 224 px from about 500x400 no 1/2 scale covers the target: the same decode, noise only.
+        target = 1.5 if size <= 187 else 0.95
+        result.append((f"draft decode at {size} px: {gain:.2f}x a full decode then Resize per worker "
+                       f"(target >= {target})", gain >= target))
+    return result
+
+
+def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
+    out = args.out_dir
+    with open(out / "benchmark.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows.values():
+            writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+
+    def cell(value, digits=1):
+        return "" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"{date.today().isoformat()}, {hardware()}", "",
+             f"`{' '.join(['python -m src.benchmark'] + sys.argv[1:])}`", "",
+             "| run | processes (DP: devices) | train images/s | val images/s | epoch s | speed-up |",
+             "|---|---|---|---|---|---|"]
+    for row in rows.values():
+        lines.append(f"| {row['row']} | {row.get('processes') or ''} | "
+                     f"{cell(row.get('train_images_per_s'))} | {cell(row.get('val_images_per_s'))} | "
+                     f"{cell(row.get('epoch_seconds'))} | {cell(row.get('speedup'), 2)} |")
+    lines += [""] + [f"- {note}" for note in notes]
+    lines += ["", "Checks:"] + [f"- [{'x' if met else ' '}] {text}" for text, met in results]
+    markdown = "\n".join(lines) + "\n"
+    (out / "benchmark.md").write_text(markdown)
+
+    names = list(rows)
+    figure, axes = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    axes.barh(names, [rows[n].get("train_images_per_s") or 0 for n in names], color="tab:blue")
+    axes.invert_yaxis()
+    axes.set_xlabel("training images/s (decode rows: images/s per worker)")
+    axes.set_title(f"{args.arch} at {args.image_size} px, batch {args.batch_size} per process")
+    axes.grid(axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out / "benchmark.png")
+    plt.close(figure)
+    return markdown
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--out-dir {args.out_dir}: cannot create it ({error.strerror})") from None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data_dir = args.data_dir
+    if data_dir is None:
+        data_dir = args.out_dir / "data"
+        if len(list((data_dir / "train").glob("*.jpg"))) != args.images:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            print(f"writing {args.images} synthetic Kaggle-size images to {data_dir}", flush=True)
+            write_dataset(data_dir, n_train=args.images, n_test=0, size=500, seed=0)
+    frame = load_labels(data_dir)
+    if not (data_dir / "train.csv").exists():  # so that no run rescans every image
+        frame.to_csv(data_dir / "train.csv", index=False)
+    jpegs = DogCatDataset(frame, data_dir / "train", image_transform(args.image_size),
+                          draft_size=args.image_size)
+    batch = args.batch_size * args.processes
+    rows, notes = {}, []
+
+    cache_dir = args.out_dir / "cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    start = time.perf_counter()
+    cache = cached(jpegs, args.image_size, cache_dir, default_workers())
+    build = time.perf_counter() - start
+    notes.append(f"cache build: {len(jpegs)} images in {build:.1f} s ({len(jpegs) / build:.0f} images/s, "
+                 f"{default_workers()} workers)")
+
+    for name in args.modes.split(","):
+        rows[name] = run_mode(name, args, data_dir, cache_dir)
+    if "single" in rows:
+        for row in rows.values():
+            row["speedup"] = rows["single"]["epoch_seconds"] / row["epoch_seconds"]
+
+    print("measuring the ceilings", flush=True)
+    # A fresh process, as each run had: in this one (after the cache build's forked workers) the
+    # same step measured up to 25% slower on the 2-core CPU, a ceiling below what the runs reached.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        train, val = (pool.submit(bare_step, args, device, batch, training).result()
+                      for training in (True, False))
+    rows["bare step"] = {"row": "bare step", "processes": 1,
+                         "train_images_per_s": train, "val_images_per_s": val}
+    rows["loader, JPEG"] = {"row": "loader, JPEG", "processes": 1,
+                            "train_images_per_s": loader_alone(jpegs, args, batch)}
+    rows["loader, cache"] = {"row": "loader, cache", "processes": 1,
+                             "train_images_per_s": loader_alone(cache, args, batch)}
+    for size in sorted({args.image_size, 224}):
+        for kind, rate in zip(("full", "draft"), decode_per_worker(jpegs, size)):
+            name = f"decode {kind} {size} px"
+            rows[name] = {"row": name, "processes": 1, "train_images_per_s": rate}
+    notes.append(f"global batch {batch} in every run ({args.batch_size} per process x "
+                 f"{args.processes}); epoch {args.epochs} of {args.epochs} reported; "
+                 f"{len(jpegs)} images, 80% train; decode rows: one worker, best of 5 alternating passes over 100 images")
+    markdown = write_outputs(rows, notes, checks(rows, args), args)
+    print(markdown)
+    print(f"wrote {args.out_dir / 'benchmark.csv'}, {args.out_dir / 'benchmark.md'} and "
+          f"{args.out_dir / 'benchmark.png'}")
+
+
+if __name__ == "__main__":
+    exit_on_error(main)
