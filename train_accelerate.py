@@ -58,9 +58,9 @@ def main() -> None:
     check_writable(args)
     torch.manual_seed(args.seed)
 
-    dataset, train_idx, val_idx = labelled_data(args, show_progress=accelerator.is_main_process)
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     workers = default_workers(local_processes) if args.workers is None else args.workers
+    dataset, train_idx, val_idx = labelled_data(args, workers, show_progress=accelerator.is_main_process)
     global_batch = args.batch_size * processes
     train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, global_batch, args.seed,
                                             workers, pin_memory=accelerator.device.type == "cuda")

@@ -76,9 +76,9 @@ def main() -> None:
     check_writable(args)
     torch.manual_seed(args.seed)
 
-    dataset, train_idx, val_idx = labelled_data(args, show_progress=rank == 0)
     local_processes = int(os.environ["LOCAL_WORLD_SIZE"])
     workers = default_workers(local_processes) if args.workers is None else args.workers
+    dataset, train_idx, val_idx = labelled_data(args, workers, show_progress=rank == 0)
     train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, args.batch_size, args.seed,
                                             workers, rank, world_size, pin_memory=device.type == "cuda")
 

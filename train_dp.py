@@ -42,8 +42,8 @@ def main() -> None:
     check_writable(args)
     torch.manual_seed(args.seed)
 
-    dataset, train_idx, val_idx = labelled_data(args)
     workers = default_workers() if args.workers is None else args.workers
+    dataset, train_idx, val_idx = labelled_data(args, workers)
     train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, args.batch_size, args.seed,
                                             workers, pin_memory=device.type == "cuda")
 

@@ -32,10 +32,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from src.cache import cached  # noqa: E402
-from src.cli import OneLineParser, amp_dtype  # noqa: E402
-from src.datasets import DogCatDataset, load_labels, open_rgb  # noqa: E402
+from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
+from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
-from src.loaders import default_workers, make_loaders, split_indices  # noqa: E402
+from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
 from src.synthetic import write_dataset  # noqa: E402
 from src.transforms import image_transform, memory_format, normalize  # noqa: E402
@@ -48,26 +48,22 @@ def parse_args(argv: list[str] | None = None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path, help="a Kaggle-layout folder (default: a synthetic set in OUT/data)")
-    add("--images", type=int, default=25000, help="labelled images of the synthetic set")
+    add("--images", type=at_least(1), default=25000, help="labelled images of the synthetic set")
     add("--out-dir", type=Path, default=Path("benchmark"), help="where the table, chart and runs go")
-    add("--processes", type=int, default=torch.cuda.device_count() or 2,
+    add("--processes", type=at_least(1), default=torch.cuda.device_count() or 2,
         help="processes for DP (devices), DDP and accelerate")
     add("--arch", default="vgg16")
     add("--weights", default="none", help="as in the scripts; the speed does not depend on it")
-    add("--image-size", type=int, default=224)
-    add("--batch-size", type=int, default=50, help="per process; single and DP use it x processes")
-    add("--epochs", type=int, default=2, help="the last one is reported")
+    add("--image-size", type=at_least(32), default=224)
+    add("--batch-size", type=at_least(1), default=50, help="per process; single and DP use it x processes")
+    add("--epochs", type=at_least(1), default=2, help="the last one is reported")
     add("--amp", choices=["no", "bf16", "fp16"], default="no",
         help="autocast in every mode (accelerate: --mixed_precision)")
     add("--channels-last", action="store_true")
     add("--modes", default="single-jpeg,single,dp,ddp,accelerate",
         help="comma-separated subset of the runs")
-    add("--steps", type=int, default=20, help="timed steps of the bare-step ceilings")
-    args = parser.parse_args(argv)
-    for flag in ("images", "processes", "batch_size", "epochs", "steps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    return args
+    add("--steps", type=at_least(1), default=20, help="timed steps of the bare-step ceilings")
+    return parser.parse_args(argv)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -141,9 +137,9 @@ def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
 
 
 def _commands(args) -> dict:
-    p, cuda = args.processes, torch.cuda.is_available()
-    accelerate = ["accelerate", "launch", "--num_processes", str(p),
-                  "--mixed_precision", {"no": "no", "bf16": "bf16", "fp16": "fp16"}[args.amp]]
+    """Each run's launcher command, processes and per-process batch."""
+    p = args.processes
+    accelerate = ["accelerate", "launch", "--num_processes", str(p), "--mixed_precision", args.amp]
     if p > 1:
         accelerate.insert(2, "--multi_gpu")
     return {
@@ -153,13 +149,11 @@ def _commands(args) -> dict:
         "ddp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_ddp.py"], p,
                 args.batch_size),
         "accelerate": (accelerate + ["train_accelerate.py"], p, args.batch_size),
-        "_env": {} if cuda else {"ACCELERATE_USE_CPU": "1"},
     }
 
 
 def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
-    commands = _commands(args)
-    command, processes, batch = commands[name]
+    command, processes, batch = _commands(args)[name]
     out = args.out_dir / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
     flags = ["--data-dir", str(data_dir), "--arch", args.arch, "--weights", args.weights,
@@ -172,7 +166,8 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
         flags.append("--channels-last")
     if name != "accelerate" and args.amp != "no":
         flags += ["--amp", args.amp]
-    env = {**os.environ, **commands["_env"],
+    cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"}
+    env = {**os.environ, **cpu,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     print(f"running {name}: {' '.join(command + flags)}", flush=True)
     result = subprocess.run(command + flags, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -269,11 +264,9 @@ def main() -> None:
             shutil.rmtree(data_dir, ignore_errors=True)
             print(f"writing {args.images} synthetic Kaggle-size images to {data_dir}", flush=True)
             write_dataset(data_dir, n_train=args.images, n_test=0, size=500, seed=0)
-    frame = load_labels(data_dir)
+    jpegs = labelled_images(data_dir, args.image_size)
     if not (data_dir / "train.csv").exists():  # so that no run rescans every image
-        frame.to_csv(data_dir / "train.csv", index=False)
-    jpegs = DogCatDataset(frame, data_dir / "train", image_transform(args.image_size),
-                          draft_size=args.image_size)
+        jpegs.frame.to_csv(data_dir / "train.csv", index=False)
     batch = args.batch_size * args.processes
     rows, notes = {}, []
 

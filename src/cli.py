@@ -10,7 +10,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _at_least(minimum: int):
+def at_least(minimum: int):
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:
@@ -39,12 +39,12 @@ def build_parser(description: str, amp: bool = True, local_rank: bool = False) -
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
-    add("--epochs", type=_at_least(1), default=1, help="epochs to train")
-    add("--batch-size", type=_at_least(1), default=50,
+    add("--epochs", type=at_least(1), default=1, help="epochs to train")
+    add("--batch-size", type=at_least(1), default=50,
         help="images per process and step (the global batch is this times the processes)")
     add("--lr", type=_non_negative, default=0.001, help="SGD learning rate")
     add("--momentum", type=_non_negative, default=0.9, help="SGD momentum")
-    add("--image-size", type=_at_least(32), default=224, help="images are resized to this square")
+    add("--image-size", type=at_least(32), default=224, help="images are resized to this square")
     add("--arch", default="vgg16", help="torchvision classification model; its last layer gets 2 outputs")
     add("--weights", default="default",
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
@@ -52,7 +52,7 @@ def build_parser(description: str, amp: bool = True, local_rank: bool = False) -
         help="dropout probability of the classifier (default: torchvision's)")
     add("--val-fraction", type=_open_fraction, default=0.2, help="share of images held out for validation")
     add("--seed", type=int, default=42, help="seeds the split, the data order and the new layers")
-    add("--workers", type=_at_least(0), default=None,
+    add("--workers", type=at_least(0), default=None,
         help="data loader workers per process (default: this node's CPUs / its processes)")
     add("--checkpoint", default="model/best.pth",
         help="best model's state_dict; last.pth, history.json and best.json go beside it")

@@ -72,14 +72,19 @@ def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], bat
     return train_loader, val_loader
 
 
-def labelled_data(args, show_progress: bool = True) -> tuple[Dataset, list[int], list[int]]:
-    """The labelled images of --data-dir resized to --image-size (or their --cache), and the split."""
-    frame = load_labels(Path(args.data_dir), show_progress)
-    dataset = DogCatDataset(frame, Path(args.data_dir) / "train", image_transform(args.image_size),
-                            draft_size=args.image_size)
+def labelled_images(data_dir: Path, image_size: int, show_progress: bool = True) -> DogCatDataset:
+    """The labelled JPEGs of data_dir/train, decoded and resized to image_size."""
+    return DogCatDataset(load_labels(data_dir, show_progress), data_dir / "train",
+                         image_transform(image_size), draft_size=image_size)
+
+
+def labelled_data(args, workers: int, show_progress: bool = True) -> tuple[Dataset, list[int], list[int]]:
+    """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
+
+    `workers` decode the images when the cache has to be built.
+    """
+    dataset = labelled_images(Path(args.data_dir), args.image_size, show_progress)
     if args.cache:
-        workers = (default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-                   if args.workers is None else args.workers)
         dataset = cached(dataset, args.image_size, Path(args.cache), workers, show_progress)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
     return dataset, train_idx, val_idx

@@ -11,12 +11,11 @@ the pixel cache that the training scripts' --cache DIR --image-size N would buil
 from pathlib import Path
 
 from src.checkpoint import atomic_write_text
-from src.cli import OneLineParser
+from src.cli import OneLineParser, at_least
 from src.cache import build_cache, cache_paths
-from src.datasets import DogCatDataset, load_labels, scan_train_dir
+from src.datasets import scan_train_dir
 from src.errors import UserError, exit_on_error
-from src.loaders import default_workers
-from src.transforms import image_transform
+from src.loaders import default_workers, labelled_images
 
 
 def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[str]]:
@@ -34,19 +33,15 @@ def main() -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("data_dir", type=Path, help="folder holding train/")
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
-    parser.add_argument("--image-size", type=int, default=224, help="the image size of that cache")
+    parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
     args = parser.parse_args()
-    if args.image_size < 32:
-        parser.error(f"--image-size must be at least 32, got {args.image_size}")
     cats, dogs, rejected = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {name}")
     print(f"wrote {args.data_dir / 'train.csv'}: {cats} cats, {dogs} dogs, "
           f"{len(rejected)} left out as unreadable")
     if args.cache:
-        frame = load_labels(args.data_dir)
-        dataset = DogCatDataset(frame, args.data_dir / "train", image_transform(args.image_size),
-                                draft_size=args.image_size)
+        dataset = labelled_images(args.data_dir, args.image_size)
         build_cache(dataset, args.image_size, args.cache, default_workers())
         print(f"cached {len(dataset)} images at {args.image_size} px in {cache_paths(args.cache, args.image_size)[0]}")
 

@@ -118,7 +118,7 @@ def test_ddp_validation_accuracy_is_what_one_process_computes(exact_data, runs):
     out = runs("ddp")[0]
     args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42,
                      cache=None)
-    dataset, _, val_idx = labelled_data(args, show_progress=False)
+    dataset, _, val_idx = labelled_data(args, workers=0, show_progress=False)
     model = torchvision.models.alexnet(num_classes=2)
     model.load_state_dict(weights(out))
     model.eval()
