@@ -7,40 +7,85 @@
 """
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import torch
 
 from src.datasets import CLASSES
-from src.errors import UserError
+from src.errors import UserError, one_line
 from src.history import history_text, plot_history
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 # What must match for --resume to continue the same run.
 RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "lr", "momentum")
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
+
+class _KeepsWriteErrors:
+    """A file that remembers why a write failed: torch.save reports it as a RuntimeError
+    ("unexpected pos ...") without the errno that says "No space left on device"."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def _atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """write(file) into a temporary file beside path, then rename it onto path: path holds the
+    old or the new content, never half of one.
+
+    A write that fails (a full disk, say) becomes a UserError naming path; the old file stays.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = file = None
     try:
-        write(tmp)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
+        with os.fdopen(fd, "wb") as raw:
+            file = _KeepsWriteErrors(raw)
+            write(file)
+            raw.flush()
+            os.fsync(raw.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
+    except BaseException as error:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(error, (OSError, RuntimeError)):
+            raise UserError(cannot_write(path, getattr(file, "error", None) or error)) from None
         raise
 
 
+def cannot_write(path: Path, error: BaseException) -> str:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free / 1e6:.1f} MB free there"
+    except OSError:
+        free = ""
+    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+    return f"cannot write {path} ({reason}{free}): make room or write elsewhere; {kept}"
+
+
 def atomic_torch_save(obj, path: Path) -> None:
-    _atomic(path, lambda tmp: torch.save(obj, tmp))
+    _atomic(path, lambda file: torch.save(obj, file))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+    _atomic(path, lambda file: file.write(text.encode()))
 
 
 def output_paths(args) -> dict[str, Path]:
@@ -86,7 +131,7 @@ def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, sca
                        "epoch": history[-1]["epoch"], "history": history, "info": info,
                        "rng": torch.get_rng_state()}, paths["last"])
     atomic_write_text(paths["history"], history_text(history))
-    plot_history(history, paths["plot"])
+    _atomic(paths["plot"], lambda file: plot_history(history, file))
     return is_best
 
 

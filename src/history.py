@@ -1,6 +1,7 @@
 """The per-epoch history: records, history.json and the training_results.png curves."""
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 import matplotlib
 
@@ -32,8 +33,8 @@ def format_record(record: dict, epochs: int) -> str:
             f"log loss {record['val_log_loss']:.4f}  ({record['seconds']:.1f} s)")
 
 
-def plot_history(history: list[dict], path: Path) -> None:
-    """Accuracy and loss curves, train and validation, one point per epoch."""
+def plot_history(history: list[dict], file: BinaryIO | Path) -> None:
+    """Accuracy and loss curves, train and validation, one point per epoch, as a PNG."""
     epochs = [r["epoch"] for r in history]
     figure, (acc_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     for axes, key, title in ((acc_axes, "acc", "Accuracy"), (loss_axes, "loss", "Loss")):
@@ -45,11 +46,10 @@ def plot_history(history: list[dict], path: Path) -> None:
         axes.grid(alpha=0.3)
         axes.legend()
     figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    figure.savefig(tmp)
-    plt.close(figure)
-    tmp.replace(path)
+    try:
+        figure.savefig(file, format="png")
+    finally:
+        plt.close(figure)
 
 
 def history_text(history: list[dict]) -> str:

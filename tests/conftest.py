@@ -1,6 +1,7 @@
 """Shared fixtures: a small synthetic dataset and a runner for the real scripts and launchers."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,15 @@ def exact_data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("exact")
     write_dataset(path, n_train=201, n_test=20, size=64, seed=2)
     return path
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory) -> Path:
+    """A folder for the runs one test module shares, removed when the module is done: an AlexNet
+    run writes 650 MB, and the whole suite's would fill a small disk (it did, on CI)."""
+    path = tmp_path_factory.mktemp("module")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):

@@ -41,13 +41,14 @@ COMMANDS = {
 
 
 @pytest.fixture(scope="module")
-def runs(exact_data, tmp_path_factory):
+def runs(exact_data, module_tmp):
     """runs(mode) -> (output folder, finished process), each mode run once per module."""
     done = {}
 
     def get(mode: str):
         if mode not in done:
-            out = tmp_path_factory.mktemp(mode)
+            out = module_tmp / mode
+            out.mkdir()
             batch = B if mode in ("ddp", "accelerate") else 2 * B
             env = {"PYTHONPATH": str(ROOT / "tests" / "hooks"), "WRITE_LOG": str(out / "writes.log"),
                    "HF_HOME": str(out / "hf"),  # no accelerate config file

@@ -28,9 +28,9 @@ def _train(data_dir, out, *extra, script="train_single.py"):
 
 
 @pytest.fixture(scope="module")
-def reference(exact_data, tmp_path_factory):
+def reference(exact_data, module_tmp):
     """train_single.py from the JPEGs, no speed option."""
-    out = tmp_path_factory.mktemp("reference")
+    out = module_tmp / "reference"
     _train(exact_data, out)
     return out
 

@@ -1,5 +1,6 @@
 """Resume after a stop, a worker killed under torchrun --max-restarts, crashes during a save,
 Ctrl-C, and bad input found during training."""
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 import src.checkpoint as checkpoint
-from conftest import (EXACT, ROOT, history, max_relative_difference, outputs, python, run,
+from src.errors import UserError
+from conftest import (EXACT, LEARN, ROOT, history, max_relative_difference, outputs, python, run,
                       weights)
 
 TOLERANCE = 1e-5  # as in test_modes.py: DDP agrees with one process to about 1e-7
@@ -40,9 +42,9 @@ def _assert_same_end(out, reference):
 
 
 @pytest.fixture(scope="module")
-def straight(exact_data, tmp_path_factory):
+def straight(exact_data, module_tmp):
     """Two epochs of train_single.py --batch-size 20, never stopped."""
-    out = tmp_path_factory.mktemp("straight")
+    out = module_tmp / "straight"
     result = python("train_single.py", *_flags(exact_data, out, 20, 2))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
@@ -93,19 +95,65 @@ def test_a_dead_rank_ends_the_job_within_the_bound(exact_data, tmp_path):
     assert time.time() - start < 60 + 30  # 30 s of start-up on a loaded 2-core machine
 
 
-def test_crash_during_a_save_keeps_the_previous_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failure", [
+    OSError(28, "No space left on device"),
+    # what torch.save raised when the CI machine's disk filled up
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9882688 vs 9882576"),
+])
+def test_crash_during_a_save_keeps_the_previous_file(tmp_path, monkeypatch, failure):
     path = tmp_path / "best.pth"
     checkpoint.atomic_torch_save({"w": torch.ones(3)}, path)
 
-    def dies_half_way(obj, f):
-        with open(f, "wb") as handle:
-            handle.write(b"half a checkpoint")
-        raise OSError(28, "No space left on device")
+    def dies_half_way(obj, file):
+        file.write(b"half a checkpoint")
+        raise failure
     monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(UserError) as caught:
         checkpoint.atomic_torch_save({"w": torch.zeros(3)}, path)
+    message = str(caught.value)
+    assert message.startswith(f"cannot write {path} (") and "the previous best.pth is intact" in message
+    assert ("No space left on device" if isinstance(failure, OSError) else "unexpected pos") in message
+    assert "\n" not in message
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["best.pth"], "no temporary file left behind"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 300 MB tmpfs; resize(n) changes its size. Needs root with mount rights, as on CI."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount rights)")
+
+    def resize(size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+    yield disk, resize
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last_epoch(small_data, small_disk):
+    """A real full disk: epoch 2 cannot be saved; the error names the file, epoch 1's files
+    stay byte for byte, and --resume finishes once there is room."""
+    disk, resize = small_disk
+    flags = ["--data-dir", str(small_data), *LEARN, "--batch-size", "40", *outputs(disk)]
+    assert python("train_single.py", *flags, "--epochs", "1").returncode == 0
+    saved = {p.name: p.read_bytes() for p in disk.iterdir()}
+    resize(shutil.disk_usage(disk).used + 2**20)  # 1 MB to spare: less than any checkpoint
+
+    result = python("train_single.py", *flags, "--epochs", "2", "--resume")
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: cannot write {disk}/"), error
+    assert ".pth (No space left on device; " in error and "is intact" in error, error
+    assert "Traceback" not in result.stderr
+    assert {p.name: p.read_bytes() for p in disk.iterdir()} == saved, "epoch 1's files changed"
+
+    resize(300 * 2**20)
+    result = python("train_single.py", *flags, "--epochs", "2", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["epoch"] for r in history(disk)] == [1, 2]
 
 
 def test_ctrl_c_stops_cleanly_and_keeps_the_last_epoch(exact_data, tmp_path):
