@@ -1,5 +1,6 @@
 """The command-line flags shared by all four training scripts."""
 import argparse
+import os
 import sys
 
 
@@ -7,7 +8,9 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (exit code 2), without the usage block."""
 
     def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # Under a launcher every rank parses the same flags: rank 0 alone says what is wrong.
+        first = os.environ.get("RANK", "0") == "0"
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if first else None)
 
 
 def at_least(minimum: int):

@@ -148,6 +148,15 @@ def test_two_nodes_on_one_machine_match_single(exact_data, reference, tmp_path):
     assert not (tmp_path / "node1").exists(), "the second node's rank writes nothing"
 
 
+def test_a_bad_flag_under_torchrun_is_reported_once(exact_data, tmp_path):
+    result = run(["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py",
+                  *_flags(exact_data, tmp_path / "out", B), "--val-fraction", "1.5"])
+    assert result.returncode != 0
+    assert result.stderr.count("train_ddp.py: error: argument --val-fraction: must be") == 1, result.stderr
+    assert "exitcode  : 2" in result.stderr, result.stderr  # as torchrun reports it
+    assert not (tmp_path / "out").exists()
+
+
 def test_accelerate_refuses_processes_it_cannot_see(exact_data, tmp_path):
     """--multi_gpu without GPUs and without ACCELERATE_USE_CPU: each would train alone."""
     result = run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
