@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from src.cache import cached  # noqa: E402
+from src.checkpoint import atomic_write_text  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
@@ -266,7 +267,7 @@ def main() -> None:
             write_dataset(data_dir, n_train=args.images, n_test=0, size=500, seed=0)
     jpegs = labelled_images(data_dir, args.image_size)
     if not (data_dir / "train.csv").exists():  # so that no run rescans every image
-        jpegs.frame.to_csv(data_dir / "train.csv", index=False)
+        atomic_write_text(data_dir / "train.csv", jpegs.frame.to_csv(index=False))
     batch = args.batch_size * args.processes
     rows, notes = {}, []
 

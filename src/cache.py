@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from src.checkpoint import atomic_write_text
 from src.datasets import DogCatDataset
 from src.errors import UserError
 
@@ -48,9 +49,14 @@ def _saved_key(meta_path: Path) -> str | None:
 
 
 def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
-                show_progress: bool = True) -> None:
-    """Decode every image of `dataset` (which must resize to image_size) into the cache files."""
+                show_progress: bool = True, key: str | None = None) -> None:
+    """Decode every image of `dataset` (which must resize to image_size) into the cache files.
+
+    `key` is cache_key(dataset, image_size) if the caller has it already.
+    """
     data_path, meta_path = cache_paths(cache_dir, image_size)
+    # Taken before decoding: a file that changes during the build makes the next run rebuild.
+    key = key or cache_key(dataset, image_size)
     try:
         data_path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(data_path.parent).free
@@ -79,10 +85,8 @@ def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, worker
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    meta = {"key": cache_key(dataset, image_size), "shape": list(shape), "format": FORMAT}
-    meta_tmp = meta_path.with_name(f".{meta_path.name}.{os.getpid()}.tmp")
-    meta_tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(meta_tmp, meta_path)
+    meta = {"key": key, "shape": list(shape), "format": FORMAT}
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))
 
 
 class CachedImages(Dataset):
@@ -112,7 +116,7 @@ def cached(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: in
     key = cache_key(dataset, image_size)
     if _saved_key(meta_path) != key:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            build_cache(dataset, image_size, cache_dir, workers, show_progress)
+            build_cache(dataset, image_size, cache_dir, workers, show_progress, key)
         else:  # the node's first process is building it; no collective, so no process-group timeout
             while _saved_key(meta_path) != key:
                 time.sleep(0.5)
