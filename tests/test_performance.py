@@ -10,15 +10,15 @@ from PIL import Image
 
 from conftest import EXACT, LEARN, history, max_relative_difference, outputs, python, run, weights
 from src.cache import cache_paths, cached
-from src.datasets import DogCatDataset, load_labels, open_rgb
+from src.datasets import open_rgb
+from src.loaders import labelled_images
 from src.transforms import image_transform
 
 VAL = ["--val-fraction", "0.5025", "--epochs", "1", "--batch-size", "20"]
 
 
 def _dataset(data_dir, size):
-    return DogCatDataset(load_labels(data_dir, False), data_dir / "train", image_transform(size),
-                         draft_size=size)
+    return labelled_images(data_dir, size, show_progress=False)
 
 
 def _train(data_dir, out, *extra, script="train_single.py"):
