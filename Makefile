@@ -1,5 +1,6 @@
 # make demo: install into .venv, make the synthetic dataset, train VGG16 on it (about 3 minutes on 2 CPU cores)
 # make test: install into .venv (with pytest) and run the test suite
+# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (tests/gpu_selftest.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ SYNTHETIC := data/synthetic
 DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 32 \
               --batch-size 25 --lr 0.01 --epochs 3
 
-.PHONY: install demo test
+.PHONY: install demo test test-gpu
 install: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
@@ -23,3 +24,6 @@ demo: $(VENV)/.installed $(SYNTHETIC)/train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+test-gpu: $(VENV)/.installed
+	$(PY) tests/gpu_selftest.py

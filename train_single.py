@@ -3,72 +3,88 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from src.checkpoint import check_writable, resume, save_epoch
+from src.checkpoint import best_record, check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
+from src.devices import training_device
 from src.errors import exit_on_error
+from src.freeze import stages
 from src.history import epoch_record, format_record
 from src.loaders import default_workers, labelled_data, make_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.transforms import memory_format, normalize
+from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
+from src.seeds import seed_epoch
+from src.transforms import memory_format, model_inputs
+from src.watch import Steps, Watch, tensorboard
 
 
-def run_epoch(model, loader, device, args, desc, optimizer=None, scaler=None) -> torch.Tensor:
-    """One pass over `loader`, training if an optimizer is given; returns the metric sums."""
+def run_epoch(model, steps: Steps, device, args, optimizer=None, scaler=None, schedule=None,
+              frozen=False) -> torch.Tensor:
+    """One pass over the steps' loader, training if an optimizer is given; returns the metric sums."""
     training, amp = optimizer is not None, amp_dtype(args)
-    model.train(training)
+    model.train(training and not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = torch.zeros(4, device=device)
-    for images, labels in tqdm(loader, desc=desc, leave=False):
-        images = normalize(images.to(device, non_blocking=True), args.channels_last)
+    for step, (inputs, labels) in enumerate(steps.track(sums)):
+        inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
         with torch.set_grad_enabled(training), torch.autocast(device.type, amp, enabled=amp is not None):
-            logits = model(images)
-            loss = F.cross_entropy(logits, labels)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
         if training:
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
+            if (step + 1) % args.accumulate == 0:
+                optimizer_step(model, optimizer, scaler, schedule, args.clip_grad_norm)
         sums += batch_sums(logits, labels)
     return sums.cpu()  # waits for the device, so the epoch timings are true
 
 
 def main() -> None:
     args = parse_args(__doc__)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = training_device(args.deterministic, args.amp)
     check_writable(args)
     torch.manual_seed(args.seed)
 
     workers = default_workers() if args.workers is None else args.workers
-    dataset, train_idx, val_idx = labelled_data(args, workers)
-    train_loader, val_loader = make_loaders(dataset, train_idx, val_idx, args.batch_size, args.seed,
-                                            workers, pin_memory=device.type == "cuda")
+    dataset, train_idx, val_idx, digest = labelled_data(args, workers)
+    global_batch = args.batch_size * args.accumulate
+    steps = steps_per_epoch(len(train_idx), global_batch)
 
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
-    if args.compile:
-        model = torch.compile(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    optimizer = make_optimizer(model, args, device)
+    schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    history = resume(args, model, optimizer, scaler, args.batch_size) if args.resume else []
+    info = run_info(args, global_batch, digest)
+    history = resume(args, info, model, optimizer, scaler, schedule) if args.resume else []
+    log, close_log = tensorboard(args.log_dir) if args.log_dir else (None, lambda: None)
+    watch = Watch(args, optimizer, steps, args.batch_size, device, log=log)
 
     print(f"{args.arch} on {device}: {len(train_idx)} train / {len(val_idx)} val images, "
-          f"batch {args.batch_size}")
+          f"batch {args.batch_size}" + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
     since = time.time()
-    for epoch in range(len(history), args.epochs):
-        train_loader.sampler.set_epoch(epoch)
-        start = time.time()
-        desc = f"epoch {epoch + 1}/{args.epochs}"
-        train_sums = run_epoch(model, train_loader, device, args, f"{desc} train", optimizer, scaler)
-        middle = time.time()
-        val_sums = run_epoch(model, val_loader, device, args, f"{desc} val")
-        history.append(epoch_record(epoch, train_sums, val_sums, middle - start, time.time() - middle))
-        is_best = save_epoch(args, history, model, optimizer, scaler, args.batch_size)
-        print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
+    for stage in stages(args, model, dataset, len(history), device, workers):
+        net = torch.compile(stage.net) if args.compile else stage.net
+        train_loader, val_loader = make_loaders(stage.data, train_idx, val_idx, args.batch_size, args.seed,
+                                                workers, pin_memory=device.type == "cuda",
+                                                accumulate=args.accumulate, augment=args.augment)
+        for epoch in stage.epochs:
+            seed_epoch(args.seed, epoch)
+            train_loader.sampler.set_epoch(epoch)
+            start = time.time()
+            desc = f"epoch {epoch + 1}/{args.epochs}"
+            train_steps = watch.steps(train_loader, f"{desc} train", epoch)
+            train_sums = run_epoch(net, train_steps, device, args, optimizer, scaler, schedule, stage.frozen)
+            middle = time.time()
+            val_sums = run_epoch(net, watch.steps(val_loader, f"{desc} val"), device, args)
+            history.append(epoch_record(epoch, train_sums, val_sums, middle - start, time.time() - middle,
+                                        train_steps.data_wait, optimizer.param_groups[0]["lr"]))
+            is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info)
+            watch.epoch_end(history[-1])
+            print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
+    close_log()
 
-    best = max(history, key=lambda record: record["val_acc"])
-    print(f"done in {time.time() - since:.0f} s: best val acc {best['val_acc']:.4f} "
+    best = best_record(history, args.best_by)
+    print(f"done in {time.time() - since:.0f} s: best {args.best_by} {best[args.best_by]:.4f} "
           f"(epoch {best['epoch']}) in {args.checkpoint}")
 
 

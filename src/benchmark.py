@@ -2,15 +2,21 @@
 
     python -m src.benchmark [--processes P] [--data-dir DIR] [--out-dir benchmark] ...
 
-Runs the four real scripts (train_single.py from JPEGs, then all four from the --cache) with the
-same global batch, for --epochs epochs, and reports the last epoch from each run's history.json
-(the first one also pays for warm-up). Measured in the same run: the bare model step (normalise,
-forward, backward and SGD on a batch already on the device), the forward pass alone, the loader
-alone (images/s with the default workers, from JPEG and from the cache), the JPEG decode per
-worker (full decode then Resize, against the draft decode, at --image-size and at 224 px) and the
-time to build the cache. Writes OUT/benchmark.csv, OUT/benchmark.md and OUT/benchmark.png.
-Without --data-dir it writes a synthetic set of Kaggle-size (about 500x400) JPEGs into OUT/data.
+Runs the four real scripts (train_single.py from JPEGs, then all four from the --cache, then
+train_single.py --freeze from the feature cache) with the same global batch, for --epochs epochs,
+each with --profile, and reports the last epoch from each run's history.json (the first one also
+pays for warm-up), with the share of its training time spent waiting for data (history.json's
+data_wait_seconds) and the communication share of the steps profiled in epoch 1 (the run's
+profile/profile.json, see src/profiling.py). Measured in the same run: the bare model step
+(normalise, forward, backward and SGD on a batch already on the device), the bare forward (eval
+mode, no gradients: the ceiling of the --freeze feature cache build), the time src.freeze takes to
+build that feature cache, the loader alone (images/s with the default workers, from JPEG, from
+the cache, and from the cache with --augment), the JPEG decode per worker (full decode then
+Resize, against the draft decode, at --image-size and at 224 px) and the time to build the cache.
+Writes OUT/benchmark.csv, OUT/benchmark.md and OUT/benchmark.png. Without --data-dir it writes a
+synthetic set of Kaggle-size (about 500x400) JPEGs into OUT/data.
 """
+import argparse
 import csv
 import json
 import multiprocessing
@@ -36,13 +42,17 @@ from src.checkpoint import atomic_write_text  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
+from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
+from src.profiling import FIGURES  # noqa: E402
 from src.synthetic import write_dataset  # noqa: E402
 from src.transforms import image_transform, memory_format, normalize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup"]
+FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
+          "data_wait_share", "communication_share"]
+MODES = ("single-jpeg", "single", "dp", "ddp", "accelerate", "freeze")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -61,10 +71,13 @@ def parse_args(argv: list[str] | None = None):
     add("--amp", choices=["no", "bf16", "fp16"], default="no",
         help="autocast in every mode (accelerate: --mixed_precision)")
     add("--channels-last", action="store_true")
-    add("--modes", default="single-jpeg,single,dp,ddp,accelerate",
-        help="comma-separated subset of the runs")
+    add("--modes", default=",".join(MODES), help="comma-separated subset of the runs")
     add("--steps", type=at_least(1), default=20, help="timed steps of the bare-step ceilings")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.modes.split(",") if name not in MODES]
+    if unknown:
+        parser.error(f"argument --modes: unknown run {unknown[0]!r} (choose from {', '.join(MODES)})")
+    return args
 
 
 def _synchronize(device: torch.device) -> None:
@@ -102,20 +115,60 @@ def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
     return steps * batch / (time.perf_counter() - start)
 
 
-def loader_alone(dataset, args, batch: int, max_batches: int = 40) -> float:
-    """Images/s the training loader delivers with the default workers (one process)."""
+def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batch: int,
+                  workers: int) -> tuple[int, float] | None:
+    """(images, seconds) that src.freeze.backbone_outputs takes to build the --freeze feature cache
+    from the image cache, as the first `train_single.py --freeze --cache` run does before its first
+    epoch (same model, batch, workers and device); None when the model's last layer cannot train
+    alone on a feature cache. Run it in a fresh process, as the run is one.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    images = cached(labelled_images(data_dir, args.image_size, show_progress=False), args.image_size,
+                    cache_dir, workers, show_progress=False)  # the benchmark's cache, already built
+    torch.manual_seed(42)
+    model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    set_frozen(model, True)
+    options = argparse.Namespace(cache=str(feature_dir), augment=False, arch=args.arch,
+                                 image_size=args.image_size, batch_size=batch,
+                                 channels_last=args.channels_last)
+    shutil.rmtree(feature_dir, ignore_errors=True)
+    start = time.perf_counter()
+    features = backbone_outputs(options, model, images, device, workers, show=False)
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(feature_dir, ignore_errors=True)  # the --freeze run keeps its own copy
+    return None if features is None else (len(images), seconds)
+
+
+def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool = False,
+                 max_batches: int = 40) -> float:
+    """Images/s the training loader delivers (one process; default workers unless given).
+
+    The clock starts with the prefetch queue empty. When the first batch arrives the other
+    workers have been at work as long, and their batches (up to the queue's depth,
+    prefetch_factor per worker) arrive at once: a clock started there counts them for free
+    (measured: 600 to 870 images/s for a loader of 400, tests/test_benchmark.py). So the queue's
+    depth of batches after the first is taken uncounted, the clock starts when the last of them
+    arrives, and a whole number of rounds over the workers is counted (workers whose batches cost
+    the same stay in step, a round arriving at once).
+    """
+    workers = default_workers() if workers is None else workers
     train_idx, val_idx = split_indices(len(dataset), 0.2, 42)
-    loader, _ = make_loaders(dataset, train_idx, val_idx, batch, 42, default_workers(),
-                             pin_memory=torch.cuda.is_available())
+    loader, _ = make_loaders(dataset, train_idx, val_idx, batch, 42, workers,
+                             pin_memory=torch.cuda.is_available(), augment=augment)
     loader.sampler.set_epoch(0)
-    iterator = iter(loader)
-    next(iterator)  # workers started and their first batches made
-    count, start = 0, time.perf_counter()
-    for images, _ in iterator:
-        count += len(images)
-        if count >= max_batches * batch:
+    depth = (loader.prefetch_factor or 0) * workers
+    counted = -(-max_batches // max(workers, 1)) * max(workers, 1)
+    arrivals = []  # (time, images) of each batch as it arrives
+    for images, _ in loader:
+        arrivals.append((time.perf_counter(), len(images)))
+        if len(arrivals) > depth + counted:
             break
-    return count / (time.perf_counter() - start)
+    start = min(depth, len(arrivals) - 2)  # a short loader: as many batches as it has
+    if start < 0:
+        raise UserError(f"the loader alone needs at least 2 batches of {batch}; it has {len(arrivals)}")
+    return (sum(n for _, n in arrivals[start + 1:])
+            / (arrivals[-1][0] - arrivals[start][0]))
 
 
 def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
@@ -150,6 +203,7 @@ def _commands(args) -> dict:
         "ddp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_ddp.py"], p,
                 args.batch_size),
         "accelerate": (accelerate + ["train_accelerate.py"], p, args.batch_size),
+        "freeze": ([sys.executable, "train_single.py"], 1, args.batch_size * p),
     }
 
 
@@ -160,9 +214,11 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
     flags = ["--data-dir", str(data_dir), "--arch", args.arch, "--weights", args.weights,
              "--image-size", str(args.image_size), "--batch-size", str(batch),
              "--epochs", str(args.epochs), "--checkpoint", str(out / "best.pth"),
-             "--plot", str(out / "curves.png")]
+             "--plot", str(out / "curves.png"), "--profile"]
     if name != "single-jpeg":
         flags += ["--cache", str(cache_dir)]
+    if name == "freeze":  # its first run computes the backbone's outputs into the cache folder
+        flags.append("--freeze")
     if args.channels_last:
         flags.append("--channels-last")
     if name != "accelerate" and args.amp != "no":
@@ -181,7 +237,22 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
     return {"row": name, "processes": processes,
             "train_images_per_s": last["train_samples"] / last["train_seconds"],
             "val_images_per_s": last["val_samples"] / last["val_seconds"],
-            "epoch_seconds": last["seconds"]}
+            "epoch_seconds": last["seconds"],
+            "data_wait_share": last["data_wait_seconds"] / last["train_seconds"],
+            "communication_share": communication_share(out / "profile" / FIGURES),
+            # for the chart, not the CSV
+            "train_seconds": last["train_seconds"], "data_wait_seconds": last["data_wait_seconds"]}
+
+
+def communication_share(figures: Path) -> float | None:
+    """The communication share of a run's profiled steps (src/profiling.py's profile.json): on a
+    GPU the device's (the time it did nothing but communicate), else the host's; None without one."""
+    try:
+        profile = json.loads(figures.read_text())
+    except (OSError, ValueError):
+        return None
+    view = profile.get("device") or profile["host"]
+    return view["seconds"]["communication"] / profile["wall_seconds"] if profile["wall_seconds"] else None
 
 
 def hardware() -> str:
@@ -204,6 +275,18 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
         loader = rows["loader, cache"]["train_images_per_s"] / rows["single"]["train_images_per_s"]
         result.append((f"the cache loader delivers {loader:.1f}x what train_single.py consumes "
                        "(target >= 5)", loader >= 5))
+        augment = rows["loader, cache + augment"]["train_images_per_s"] / rows["single"]["train_images_per_s"]
+        result.append((f"the cache loader with --augment delivers {augment:.1f}x what train_single.py "
+                       "consumes (target >= 5)", augment >= 5))
+    if "single" in rows and "freeze" in rows:
+        faster = rows["single"]["epoch_seconds"] / rows["freeze"]["epoch_seconds"]
+        result.append((f"an epoch of --freeze from the feature cache is {faster:.1f}x faster than a full "
+                       "fine-tuning epoch of the same images (target >= 50)", faster >= 50))
+    if "feature cache build" in rows:
+        ceiling = (rows["feature cache build"]["train_images_per_s"]
+                   / rows["bare forward"]["train_images_per_s"])
+        result.append((f"the feature-cache build runs at {ceiling:.2f} of the bare forward ceiling "
+                       "(target >= 0.90)", ceiling >= 0.90))
     for size in sorted({args.image_size, 224}):
         gain = (rows[f"decode draft {size} px"]["train_images_per_s"]
                 / rows[f"decode full {size} px"]["train_images_per_s"])
@@ -217,7 +300,7 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
 def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     out = args.out_dir
     with open(out / "benchmark.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
         for row in rows.values():
             writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
@@ -225,26 +308,50 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     def cell(value, digits=1):
         return "" if value is None else f"{value:.{digits}f}"
 
+    def percent(value):
+        return "" if value is None else f"{100 * value:.1f}%"
+
     lines = [f"{date.today().isoformat()}, {hardware()}", "",
              f"`{' '.join(['python -m src.benchmark'] + sys.argv[1:])}`", "",
-             "| run | processes (DP: devices) | train images/s | val images/s | epoch s | speed-up |",
-             "|---|---|---|---|---|---|"]
+             "| run | processes (DP: devices) | train images/s | val images/s | epoch s | speed-up "
+             "| data wait | communication |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows.values():
         lines.append(f"| {row['row']} | {row.get('processes') or ''} | "
                      f"{cell(row.get('train_images_per_s'))} | {cell(row.get('val_images_per_s'))} | "
-                     f"{cell(row.get('epoch_seconds'))} | {cell(row.get('speedup'), 2)} |")
+                     f"{cell(row.get('epoch_seconds'))} | {cell(row.get('speedup'), 2)} | "
+                     f"{percent(row.get('data_wait_share'))} | {percent(row.get('communication_share'))} |")
     lines += [""] + [f"- {note}" for note in notes]
     lines += ["", "Checks:"] + [f"- [{'x' if met else ' '}] {text}" for text, met in results]
     markdown = "\n".join(lines) + "\n"
     (out / "benchmark.md").write_text(markdown)
 
     names = list(rows)
-    figure, axes = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    runs = [n for n in names if "train_seconds" in rows[n]]
+    figure, (axes, parts) = plt.subplots(1, 2, figsize=(15, 0.45 * len(names) + 1.5),
+                                         gridspec_kw={"width_ratios": [3, 2]})
     axes.barh(names, [rows[n].get("train_images_per_s") or 0 for n in names], color="tab:blue")
     axes.invert_yaxis()
     axes.set_xlabel("training images/s (decode rows: images/s per worker)")
     axes.set_title(f"{args.arch} at {args.image_size} px, batch {args.batch_size} per process")
     axes.grid(axis="x", alpha=0.3)
+    # Where each run's reported training epoch went on rank 0: its data wait (history.json), its
+    # communication (the profiled steps' share applied to the epoch) and the rest, compute.
+    left = [0.0] * len(runs)
+    for label, color, seconds in (
+            ("data wait", "tab:orange", [rows[n]["data_wait_seconds"] for n in runs]),
+            ("communication", "tab:red",
+             [(rows[n].get("communication_share") or 0) * rows[n]["train_seconds"] for n in runs]),
+            ("compute", "tab:blue", None)):
+        if seconds is None:
+            seconds = [max(0.0, rows[n]["train_seconds"] - done) for n, done in zip(runs, left)]
+        parts.barh(runs, seconds, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, seconds)]
+    parts.invert_yaxis()
+    parts.set_xlabel("seconds of the reported training epoch (rank 0)")
+    parts.set_title("where the time went")
+    parts.legend(loc="lower right", fontsize="small")
+    parts.grid(axis="x", alpha=0.3)
     figure.tight_layout()
     figure.savefig(out / "benchmark.png")
     plt.close(figure)
@@ -291,12 +398,29 @@ def main() -> None:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         train, val = (pool.submit(bare_step, args, device, batch, training).result()
                       for training in (True, False))
+        # Timed around src.freeze's own build call rather than read from the --freeze run, whose
+        # start-up (imports, cache checks, model) has no clock around the build alone.
+        features = (pool.submit(feature_build, args, data_dir, cache_dir, args.out_dir / "features", batch,
+                             default_workers()).result() if "freeze" in rows else None)
     rows["bare step"] = {"row": "bare step", "processes": 1,
                          "train_images_per_s": train, "val_images_per_s": val}
+    # The bare step's forward (eval mode, no gradients), as its own row: the feature build's ceiling.
+    rows["bare forward"] = {"row": "bare forward", "processes": 1, "train_images_per_s": val}
+    if features is not None:
+        images, seconds = features
+        rows["feature cache build"] = {"row": "feature cache build", "processes": 1,
+                                       "train_images_per_s": images / seconds}
+        notes.append(f"feature cache build (--freeze): {images} images in {seconds:.1f} s "
+                     f"({images / seconds:.0f} images/s), src.freeze.backbone_outputs timed in a fresh "
+                     "process; the --freeze run built its own before its first epoch, outside its epochs")
+    elif "freeze" in rows:
+        notes.append(f"no feature cache: the last layer of {args.arch} cannot train alone on one")
     rows["loader, JPEG"] = {"row": "loader, JPEG", "processes": 1,
-                            "train_images_per_s": loader_alone(jpegs, args, batch)}
+                            "train_images_per_s": loader_alone(jpegs, batch)}
     rows["loader, cache"] = {"row": "loader, cache", "processes": 1,
-                             "train_images_per_s": loader_alone(cache, args, batch)}
+                             "train_images_per_s": loader_alone(cache, batch)}
+    rows["loader, cache + augment"] = {"row": "loader, cache + augment", "processes": 1,
+                                       "train_images_per_s": loader_alone(cache, batch, augment=True)}
     for size in sorted({args.image_size, 224}):
         for kind, rate in zip(("full", "draft"), decode_per_worker(jpegs, size)):
             name = f"decode {kind} {size} px"
@@ -304,6 +428,11 @@ def main() -> None:
     notes.append(f"global batch {batch} in every run ({args.batch_size} per process x "
                  f"{args.processes}); epoch {args.epochs} of {args.epochs} reported; "
                  f"{len(jpegs)} images, 80% train; decode rows: one worker, best of 5 alternating passes over 100 images")
+    overhead = (" (with --epochs 1 that is the reported epoch, profiler's overhead included)"
+                if args.epochs == 1 else "")
+    notes.append("data wait: share of the reported epoch's training time that rank 0 waited for its loader "
+                 "(history.json); communication: share of the steps --profile recorded in epoch 1 on rank 0 "
+                 f"(the GPU's time with nothing but communication running, on a CPU the host's){overhead}")
     markdown = write_outputs(rows, notes, checks(rows, args), args)
     print(markdown)
     print(f"wrote {args.out_dir / 'benchmark.csv'}, {args.out_dir / 'benchmark.md'} and "

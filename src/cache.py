@@ -7,13 +7,21 @@ file's name, label, byte size and modification time, and the image size: when an
 changes, the next run rebuilds the cache. The first process of each node builds it (LOCAL_RANK
 0, as torchrun and accelerate number them), the others wait for it; `python -m src.prepare
 DATA_DIR --cache DIR --image-size N` builds it ahead of time.
+
+Several builders may meet in one folder (nodes sharing an NFS or Lustre home): each writes its
+own temporary file, the first complete build is renamed into place and the others reuse it. A
+data file whose size does not match its recorded shape (truncated, deleted) is rebuilt.
+`ensure_array` does all this for any array; the frozen backbone's feature cache uses it too.
 """
 import hashlib
 import json
 import os
 import shutil
+import socket
 import time
+import uuid
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,6 +33,7 @@ from src.datasets import DogCatDataset
 from src.errors import UserError
 
 FORMAT = 1  # bump when the layout or the decoding changes
+WAIT_SECONDS = 3600  # how long the other processes of a node wait for its first one to build
 
 
 def cache_paths(cache_dir: Path, image_size: int) -> tuple[Path, Path]:
@@ -41,59 +50,79 @@ def cache_key(dataset: DogCatDataset, image_size: int) -> str:
     return digest.hexdigest()
 
 
-def _saved_key(meta_path: Path) -> str | None:
+def _status(data_path: Path, meta_path: Path, key: str, nbytes: int) -> str:
+    """'ok' (this key, complete), 'damaged' (this key, wrong data size) or 'missing'."""
     try:
-        return json.loads(meta_path.read_text())["key"]
-    except (OSError, ValueError, KeyError):
-        return None
+        if json.loads(meta_path.read_text())["key"] != key:
+            return "missing"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "missing"
+    try:
+        return "ok" if data_path.stat().st_size == nbytes else "damaged"
+    except OSError:
+        return "damaged"
 
 
-def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
-                show_progress: bool = True, key: str | None = None) -> None:
-    """Decode every image of `dataset` (which must resize to image_size) into the cache files.
+def ensure_array(data_path: Path, meta_path: Path, key: str, shape: tuple, dtype,
+                 fill: Callable[[np.ndarray], None], flag: str, what: str,
+                 show_progress: bool = True) -> None:
+    """Make data_path hold the array that fill(array) writes, recorded under `key` in meta_path.
 
-    `key` is cache_key(dataset, image_size) if the caller has it already.
+    Reused when complete; otherwise built by the first process of each node while the others
+    wait (no collective, so no process-group timeout; a deadline instead). `flag` names the
+    option in messages, `what` the content ("images").
     """
-    data_path, meta_path = cache_paths(cache_dir, image_size)
-    # Taken before decoding: a file that changes during the build makes the next run rebuild.
-    key = key or cache_key(dataset, image_size)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    status = _status(data_path, meta_path, key, nbytes)
+    if status == "ok":
+        if show_progress:
+            print(f"reading {what} from the cache {data_path}")
+        return
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        _wait_for(data_path, meta_path, key, nbytes, flag)
+        return
+    if status == "damaged":
+        print(f"{data_path} does not match its {meta_path.name} (truncated or deleted): rebuilding it")
     try:
         data_path.parent.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(data_path.parent).free
     except OSError as error:
-        raise UserError(f"--cache {cache_dir}: cannot create it ({error.strerror})") from None
-    shape = (len(dataset), 3, image_size, image_size)
-    needed = int(np.prod(shape))
-    if needed > free:
-        raise UserError(f"--cache {cache_dir} needs {needed / 1e9:.2f} GB for {len(dataset)} images "
-                        f"at {image_size} px but its disk has {free / 1e9:.2f} GB free")
-    meta_path.unlink(missing_ok=True)  # from here on, no key matches until the new data is complete
-    tmp = data_path.with_name(f".{data_path.name}.{os.getpid()}.tmp")
+        raise UserError(f"{flag} {data_path.parent}: cannot create it ({error.strerror})") from None
+    if nbytes > free:
+        raise UserError(f"{flag} {data_path.parent} needs {nbytes / 1e9:.2f} GB for {data_path.name} "
+                        f"but its disk has {free / 1e9:.2f} GB free")
+    # A name no other builder has: the process id alone repeats across identical containers.
+    tmp = data_path.with_name(f".{data_path.name}.{socket.gethostname()}.{os.getpid()}."
+                              f"{uuid.uuid4().hex[:8]}.tmp")
     try:
-        pixels = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=shape)
-        # Its own generator: drawing the workers' seed from the global one would change what the
-        # run does next (the new head's initial weights) compared with a run that finds the cache.
-        loader = DataLoader(dataset, batch_size=64, num_workers=workers, generator=torch.Generator())
-        start = 0
-        for images, _ in tqdm(loader, desc=f"caching {len(dataset)} images at {image_size} px",
-                              disable=not show_progress, leave=False):
-            pixels[start:start + len(images)] = images.numpy()
-            start += len(images)
-        pixels.flush()
-        del pixels
+        array = np.memmap(tmp, dtype=dtype, mode="w+", shape=shape)
+        fill(array)
+        array.flush()
+        del array
+        if _status(data_path, meta_path, key, nbytes) == "ok":
+            return  # another builder finished first: use its file (finally removes ours)
         os.replace(tmp, data_path)
-    except BaseException:
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
-    meta = {"key": key, "shape": list(shape), "format": FORMAT}
-    atomic_write_text(meta_path, json.dumps(meta, indent=2))
+    atomic_write_text(meta_path, json.dumps({"key": key, "shape": list(shape),
+                                             "dtype": np.dtype(dtype).name, "format": FORMAT}, indent=2))
+
+
+def _wait_for(data_path: Path, meta_path: Path, key: str, nbytes: int, flag: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while _status(data_path, meta_path, key, nbytes) != "ok":
+        if time.monotonic() > deadline:
+            raise UserError(f"waited {WAIT_SECONDS // 60} min for {data_path}, which the first process "
+                            f"of this node builds, and it is not there: see that process's error, or "
+                            f"build it ahead with python -m src.prepare (pixel cache) or a one-process run")
+        time.sleep(0.5)
 
 
 class CachedImages(Dataset):
     """The cached pixels as `(uint8 tensor (3, size, size), label)`, like DogCatDataset's items."""
 
-    def __init__(self, data_path: Path, labels: list[int], image_size: int):
-        self.data_path, self.labels = Path(data_path), list(labels)
+    def __init__(self, data_path: Path, labels: list[int], image_size: int, key: str = ""):
+        self.data_path, self.labels, self.key = Path(data_path), list(labels), key
         self.shape = (len(self.labels), 3, image_size, image_size)
         self._pixels = None  # opened lazily in each loader worker
 
@@ -109,17 +138,34 @@ class CachedImages(Dataset):
         return torch.from_numpy(np.array(self._pixels[index])), self.labels[index]
 
 
+def _decode_into(pixels: np.ndarray, dataset: Dataset, workers: int, desc: str, show_progress: bool) -> None:
+    # Its own generator: drawing the workers' seed from the global one would change what the
+    # run does next (the new head's initial weights) compared with a run that finds the cache.
+    loader = DataLoader(dataset, batch_size=64, num_workers=workers, generator=torch.Generator())
+    start = 0
+    for images, _ in tqdm(loader, desc=desc, disable=not show_progress, leave=False):
+        pixels[start:start + len(images)] = images.numpy()
+        start += len(images)
+
+
+def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
+                show_progress: bool = True) -> str:
+    """Decode every image of `dataset` (which must resize to image_size) into the cache files,
+    unless they are there already; returns the cache's key. `python -m src.prepare --cache`
+    calls it ahead of training."""
+    data_path, meta_path = cache_paths(cache_dir, image_size)
+    # The key is taken before decoding: a file that changes during the build makes the next run rebuild.
+    key = cache_key(dataset, image_size)
+    desc = f"caching {len(dataset)} images at {image_size} px"
+    ensure_array(data_path, meta_path, key, (len(dataset), 3, image_size, image_size), np.uint8,
+                 lambda pixels: _decode_into(pixels, dataset, workers, desc, show_progress),
+                 "--cache", "images", show_progress)
+    return key
+
+
 def cached(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
            show_progress: bool = True) -> CachedImages:
-    """The cache of `dataset` in cache_dir, built first if it is missing or out of date."""
-    data_path, meta_path = cache_paths(cache_dir, image_size)
-    key = cache_key(dataset, image_size)
-    if _saved_key(meta_path) != key:
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            build_cache(dataset, image_size, cache_dir, workers, show_progress, key)
-        else:  # the node's first process is building it; no collective, so no process-group timeout
-            while _saved_key(meta_path) != key:
-                time.sleep(0.5)
-    elif show_progress:
-        print(f"reading images from the cache {data_path}")
-    return CachedImages(data_path, dataset.frame["label"].tolist(), image_size)
+    """The cache of `dataset` in cache_dir, built first if it is missing, out of date or damaged."""
+    key = build_cache(dataset, image_size, cache_dir, workers, show_progress)
+    return CachedImages(cache_paths(cache_dir, image_size)[0], dataset.frame["label"].tolist(),
+                        image_size, key)

@@ -1,10 +1,12 @@
 """Checkpoint files, each written to a temporary file in its folder and renamed into place.
 
-- best.pth   plain state_dict of the unwrapped model at its best validation accuracy
-- best.json  what predict needs to use it: architecture, image size, normalisation, classes
-- last.pth   everything to resume: model, optimizer, scaler, epoch, history, RNG state
+- best.pth   plain state_dict of the unwrapped model at its best validation score (--best-by)
+- best.json  what predict needs to use it: architecture, image size, normalisation, classes, and
+             the sha256 of the best.pth it describes, so that a pair torn by a crash is detected
+- last.pth   everything to resume: model, optimizer, scaler, schedule, epoch, history
 - history.json  one record per finished epoch
 """
+import hashlib
 import json
 import os
 import shutil
@@ -17,51 +19,62 @@ import torch
 from src.datasets import CLASSES
 from src.errors import UserError, one_line
 from src.history import history_text, plot_history
+from src.ranks import from_rank_0
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-# What must match for --resume to continue the same run.
-RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "lr", "momentum")
+# What must match for --resume to continue the same run. --accumulate is not among them: the
+# same global batch in other micro-batches takes the same steps.
+RECIPE_FLAGS = ("lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_epochs",
+                "label_smoothing", "clip_grad_norm", "augment", "dropout", "best_by", "freeze",
+                "freeze_epochs")
+RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data") + RECIPE_FLAGS
+# How each key is spelled on the command line, where it is not --key.
+FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-class _KeepsWriteErrors:
-    """A file that remembers why a write failed: torch.save reports it as a RuntimeError
-    ("unexpected pos ...") without the errno that says "No space left on device"."""
+class _WriteRecorder:
+    """A file that hashes what is written and remembers why a write failed: torch.save reports
+    that as a RuntimeError ("unexpected pos ...") without the errno ("No space left on device")."""
 
     def __init__(self, file: BinaryIO):
-        self.file, self.error = file, None
+        self.file, self.error, self.sha256 = file, None, hashlib.sha256()
 
     def write(self, data) -> int:
         try:
-            return self.file.write(data)
+            written = self.file.write(data)
         except OSError as error:
             self.error = error
             raise
+        self.sha256.update(data)
+        return written
 
     def __getattr__(self, name: str):
         return getattr(self.file, name)
 
 
-def _atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def _atomic(path: Path, write: Callable[[BinaryIO], None]) -> str:
     """write(file) into a temporary file beside path, then rename it onto path: path holds the
-    old or the new content, never half of one.
+    old or the new content, never half of one. Returns the sha256 of what was written.
 
-    A write that fails (a full disk, say) becomes a UserError naming path; the old file stays.
+    Any failure (a full disk, a folder that cannot be made) becomes a one-line UserError naming
+    path; the old file stays.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = file = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
         with os.fdopen(fd, "wb") as raw:
-            file = _KeepsWriteErrors(raw)
+            file = _WriteRecorder(raw)
             write(file)
             raw.flush()
             os.fsync(raw.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
+        return file.sha256.hexdigest()
     except BaseException as error:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -71,21 +84,22 @@ def _atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def cannot_write(path: Path, error: BaseException) -> str:
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else one_line(error)
+    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+    if not isinstance(error, OSError):  # not the disk: say what it was, without advice about room
+        return f"cannot write {path} ({one_line(error)}); {kept}"
     try:
         free = f"; {shutil.disk_usage(path.parent).free / 1e6:.1f} MB free there"
     except OSError:
         free = ""
-    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
-    return f"cannot write {path} ({reason}{free}): make room or write elsewhere; {kept}"
+    return f"cannot write {path} ({error.strerror or one_line(error)}{free}): make room or write elsewhere; {kept}"
 
 
-def atomic_torch_save(obj, path: Path) -> None:
-    _atomic(path, lambda file: torch.save(obj, file))
+def atomic_torch_save(obj, path: Path) -> str:
+    return _atomic(path, lambda file: torch.save(obj, file))
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    _atomic(path, lambda file: file.write(text.encode()))
+def atomic_write_text(path: Path, text: str) -> str:
+    return _atomic(path, lambda file: file.write(text.encode()))
 
 
 def output_paths(args) -> dict[str, Path]:
@@ -97,68 +111,118 @@ def output_paths(args) -> dict[str, Path]:
 def check_writable(args) -> None:
     """Fail before training, not after the first epoch, when an output cannot be written.
 
-    Creates nothing, so every rank may call it: the folders are made by rank 0 when it saves.
+    Tries it: makes the folders, writes and removes a probe file in each (os.access answers yes
+    to root where nothing can be created, as in /proc). Also removes the temporary files that a
+    killed run of these outputs left behind. Rank 0 tries; every rank gets its verdict.
     """
+    from_rank_0(lambda: _try_outputs(args))
+
+
+def _try_outputs(args) -> None:
     for name, path in output_paths(args).items():
-        existing = path.parent.absolute()
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            flag = "--plot" if name == "plot" else "--checkpoint"
-            why = "is not a folder" if not existing.is_dir() else "is not writable"
-            raise UserError(f"{flag}: cannot write to folder {path.parent} ({existing} {why})")
+        flag = "--plot" if name == "plot" else "--checkpoint"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+        except OSError as error:
+            raise UserError(f"{flag}: cannot write to folder {path.parent} ({error.strerror})") from None
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
+            stale.unlink(missing_ok=True)
 
 
-def model_info(args, global_batch: int) -> dict:
+def run_info(args, global_batch: int, data: str) -> dict:
+    """What identifies this run: best.json's content, and what --resume must find unchanged.
+
+    `data` is the digest of the label table (labelled_data); global_batch includes --accumulate.
+    """
     return {"arch": args.arch, "image_size": args.image_size, "num_classes": len(CLASSES),
             "classes": list(CLASSES), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
             "batch_size": global_batch, "seed": args.seed, "val_fraction": args.val_fraction,
-            "lr": args.lr, "momentum": args.momentum}
+            "data": data, "epochs": args.epochs,
+            **{key: getattr(args, key) for key in RECIPE_FLAGS}}
 
 
-def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler,
-               global_batch: int) -> bool:
+def is_better(record: dict, than: dict | None, best_by: str) -> bool:
+    """Whether an epoch's record beats another by --best-by (accuracy up, log loss down)."""
+    if than is None:
+        return True
+    if best_by == "val_log_loss":
+        return record["val_log_loss"] < than["val_log_loss"]
+    return record["val_acc"] > than["val_acc"]
+
+
+def best_record(history: list[dict], best_by: str) -> dict:
+    """The first epoch that no later one beats by --best-by: the epoch of best.pth."""
+    best = None
+    for record in history:
+        if is_better(record, best, best_by):
+            best = record
+    return best
+
+
+def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler, schedule,
+               info: dict) -> bool:
     """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the plain names
     paths = output_paths(args)
-    is_best = history[-1]["val_acc"] > max((r["val_acc"] for r in history[:-1]), default=-1.0)
-    info = model_info(args, global_batch)
+    is_best = best_record(history, args.best_by) is history[-1]
     if is_best:
-        atomic_torch_save(model.state_dict(), paths["best"])
-        atomic_write_text(paths["info"], json.dumps({**info, "epoch": history[-1]["epoch"]}, indent=2))
+        digest = atomic_torch_save(model.state_dict(), paths["best"])
+        atomic_write_text(paths["info"], json.dumps(
+            {**info, "epoch": history[-1]["epoch"], "sha256": digest}, indent=2))
     atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                        "scaler": scaler.state_dict() if scaler is not None else {},
-                       "epoch": history[-1]["epoch"], "history": history, "info": info,
-                       "rng": torch.get_rng_state()}, paths["last"])
+                       "schedule": schedule.state_dict(), "epoch": history[-1]["epoch"],
+                       "history": history, "info": info}, paths["last"])
     atomic_write_text(paths["history"], history_text(history))
     _atomic(paths["plot"], lambda file: plot_history(history, file))
     return is_best
 
 
-def resume(args, model: torch.nn.Module, optimizer, scaler, global_batch: int,
-           announce: bool = True) -> list[dict]:
-    """Load last.pth into model, optimizer and scaler; returns the history so far ([] if fresh)."""
-    path = output_paths(args)["last"]
+def _read_last(path: Path) -> dict | None:
     if not path.exists():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file: many exception types
+        raise UserError(f"cannot resume from {path} ({type(error).__name__}); delete it to start over") from None
+
+
+def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule,
+           announce: bool = True) -> list[dict]:
+    """Load last.pth into model, optimizer, scaler and schedule; returns the history so far.
+
+    Rank 0 reads the file and sends it to every rank: on nodes without a shared disk only rank
+    0's node has it. Refuses a last.pth of another run (flags, data) or one that has --epochs
+    already.
+    """
+    path = output_paths(args)["last"]
+    state = from_rank_0(lambda: _read_last(path))
+    if state is None:
         if announce:
             print(f"--resume: no {path} yet, starting from epoch 1")
         return []
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
         saved = state["info"]
-    except Exception as error:  # a truncated or foreign file: many exception types
-        raise UserError(f"cannot resume from {path} ({type(error).__name__}); delete it to start over") from None
-    now = model_info(args, global_batch)
-    for key in RESUME_KEYS:
-        if saved.get(key) != now[key]:
-            flag = "--batch-size (x processes)" if key == "batch_size" else "--" + key.replace("_", "-")
-            raise UserError(f"{path} was trained with {flag} {saved.get(key)}, not {now[key]}; "
-                            "use the same flags to resume, or delete it to start over")
-    getattr(model, "_orig_mod", model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scaler is not None and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng"])
+        for key in RESUME_KEYS + (("epochs",) if args.lr_schedule != "constant" else ()):
+            if saved.get(key) != info[key]:
+                flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+                why = " (the schedule spans the run)" if key == "epochs" else ""
+                raise UserError(f"{path} was trained with {flag} {saved.get(key)}, not {info[key]}{why}; "
+                                "use the same flags to resume, or delete it to start over")
+        if state["epoch"] > args.epochs:
+            raise UserError(f"{path} has finished {state['epoch']} epochs, more than --epochs "
+                            f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
+        getattr(model, "_orig_mod", model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        if scaler is not None and state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # an older or foreign last.pth
+        raise UserError(f"cannot resume from {path} ({type(error).__name__}: {one_line(error)}); "
+                        "delete it to start over") from None
     if announce:
-        print(f"resumed from {path} after epoch {state['epoch']}")
+        more = "nothing left to train" if state["epoch"] == args.epochs else "going on"
+        print(f"resumed from {path} after epoch {state['epoch']} of {args.epochs}: {more}")
     return state["history"]

@@ -3,6 +3,8 @@ import argparse
 import os
 import sys
 
+from src.errors import UserError
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (exit code 2), without the usage block."""
@@ -23,17 +25,32 @@ def at_least(minimum: int):
     return parse
 
 
-def _open_fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {value}")
-    return value
+def _fraction(low_open: bool, high_open: bool):
+    """A float in [0, 1], each end included unless it is open."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if value < 0 or value > 1 or (low_open and value == 0) or (high_open and value == 1):
+            ends = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+            raise argparse.ArgumentTypeError(f"must be in {ends}, got {value}")
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
+_open_fraction = _fraction(True, True)
 
 
 def _non_negative(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -44,17 +61,19 @@ def build_parser(description: str, amp: bool = True, local_rank: bool = False) -
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
     add("--epochs", type=at_least(1), default=1, help="epochs to train")
     add("--batch-size", type=at_least(1), default=50,
-        help="images per process and step (the global batch is this times the processes)")
-    add("--lr", type=_non_negative, default=0.001, help="SGD learning rate")
+        help="images per process and step (the global batch is this times the processes "
+             "times --accumulate)")
+    add("--lr", type=_non_negative, default=0.001, help="learning rate (the peak of --lr-schedule)")
     add("--momentum", type=_non_negative, default=0.9, help="SGD momentum")
     add("--image-size", type=at_least(32), default=224, help="images are resized to this square")
     add("--arch", default="vgg16", help="torchvision classification model; its last layer gets 2 outputs")
     add("--weights", default="default",
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
-    add("--dropout", type=_non_negative, default=None,
+    add("--dropout", type=_fraction(False, True), default=None,
         help="dropout probability of the classifier (default: torchvision's)")
     add("--val-fraction", type=_open_fraction, default=0.2, help="share of images held out for validation")
-    add("--seed", type=int, default=42, help="seeds the split, the data order and the new layers")
+    add("--seed", type=int, default=42,
+        help="seeds the split, the data order, the new layers, dropout and augmentation")
     add("--workers", type=at_least(0), default=None,
         help="data loader workers per process (default: this node's CPUs / its processes)")
     add("--checkpoint", default="model/best.pth",
@@ -66,17 +85,62 @@ def build_parser(description: str, amp: bool = True, local_rank: bool = False) -
     add("--channels-last", action="store_true",
         help="channels-last memory format for the model and the batches (faster convolutions on GPUs)")
     add("--compile", action="store_true", help="torch.compile the model (the first steps compile it)")
+    add("--deterministic", action="store_true",
+        help="IEEE float32 (no TF32) and deterministic kernels on GPUs, to compare runs exactly")
+    recipe = parser.add_argument_group("recipe (defaults: the seed's plain SGD)")
+    add = recipe.add_argument
+    add("--augment", action="store_true",
+        help="random resized crop and horizontal flip of training images, drawn per (seed, epoch, image)")
+    add("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with --momentum, or AdamW")
+    add("--weight-decay", type=_non_negative, default=0.0,
+        help="decoupled for AdamW, L2 for SGD; never on biases and normalisation weights")
+    add("--lr-schedule", choices=["constant", "cosine", "step"], default="constant",
+        help="per optimizer step: constant, cosine to 0, or x0.1 at 50%% and 75%% of the steps")
+    add("--warmup-epochs", type=_non_negative, default=0.0,
+        help="linear warm-up from 0 to --lr over this many epochs (fractions allowed)")
+    add("--label-smoothing", type=_fraction(False, True), default=0.0,
+        help="cross-entropy label smoothing")
+    add("--clip-grad-norm", type=_positive, default=None, help="clip the gradient's norm to this")
+    add("--accumulate", type=at_least(1), default=1,
+        help="micro-batches of --batch-size per optimizer step (gradient accumulation)")
+    add("--best-by", choices=["val_acc", "val_log_loss"], default="val_acc",
+        help="the validation metric that picks best.pth")
+    add("--freeze", action="store_true",
+        help="train the new last layer only; the pretrained backbone stays fixed (with --cache: "
+             "its outputs are computed once)")
+    add("--freeze-epochs", type=at_least(0), default=0,
+        help="train the last layer only for this many epochs, then every layer")
+    watch = parser.add_argument_group("watching a run")
+    add = watch.add_argument
+    add("--log-dir", metavar="DIR", default=None,
+        help="TensorBoard event files (open with `tensorboard --logdir DIR`)")
+    add("--log-every", type=at_least(1), default=10, help="optimizer steps between step scalars")
+    add("--profile", action="store_true",
+        help="torch.profiler over a few steps of epoch 1 on rank 0: a trace and a table of where the time went")
     if amp:
-        add("--amp", choices=["no", "bf16", "fp16"], default="no",
-            help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
+        parser.add_argument("--amp", choices=["no", "bf16", "fp16"], default="no",
+                            help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
     if local_rank:
         # torch.distributed.launch passes this; torchrun sets the LOCAL_RANK variable instead.
-        add("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+        parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def parse_args(description: str, argv: list[str] | None = None, **options) -> argparse.Namespace:
-    return build_parser(description, **options).parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(description, **options)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.freeze and args.freeze_epochs:
+        parser.error("--freeze trains the last layer only in every epoch; --freeze-epochs K only "
+                     "in the first K: pass one of them")
+    if args.warmup_epochs and args.warmup_epochs >= args.epochs:
+        parser.error(f"argument --warmup-epochs: {args.warmup_epochs} is not less than --epochs "
+                     f"{args.epochs}, so the learning rate would never reach --lr")
+    from src.models import check_image_size  # here, not above: it loads torchvision
+    try:
+        check_image_size(args.arch, args.image_size)
+    except UserError as error:
+        parser.error(str(error))
+    return args
 
 
 AMP_DTYPES = {"no": None, "bf16": "bfloat16", "fp16": "float16"}

@@ -100,6 +100,11 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
                         "(rebuild it with `python -m src.prepare DATA_DIR`)")
     if frame.empty:
         raise UserError(f"{csv_file} lists no images")
+    repeated = frame["filename"][frame["filename"].duplicated()]
+    if len(repeated):
+        # The same image could land in both the training and the validation split.
+        raise UserError(f"{csv_file} lists {repeated.iloc[0]} more than once ({len(repeated)} repeated "
+                        "row(s)); list each image once, or rebuild it with `python -m src.prepare DATA_DIR`")
     names = {"0": 0, "1": 1, "cat": 0, "dog": 1}
     labels = frame["label"].str.strip().str.lower().map(names)
     bad = frame.loc[labels.isna(), "label"]

@@ -4,7 +4,14 @@ from typing import Callable
 
 
 class UserError(Exception):
-    """A problem the user can fix (a flag, a file, the data); the message says what to do."""
+    """A problem the user can fix (a flag, a file, the data); the message says what to do.
+
+    `quiet`: exit 2 without printing, for the ranks that share a problem with one that says it.
+    """
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def one_line(error: BaseException) -> str:
@@ -19,7 +26,8 @@ def exit_on_error(main: Callable[[], None]) -> None:
     try:
         main()
     except UserError as error:
-        print(f"error: {one_line(error)}", file=sys.stderr)
+        if not error.quiet:
+            print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: the files of the last finished epoch are intact; rerun with --resume",

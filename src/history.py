@@ -15,15 +15,20 @@ plt.switch_backend("Agg")
 from src.metrics import summarize  # noqa: E402
 
 
-def epoch_record(epoch: int, train_sums, val_sums, train_seconds: float,
-                 val_seconds: float) -> dict:
-    """One history.json record (epochs count from 1)."""
+def epoch_record(epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
+                 data_wait_seconds: float, lr: float) -> dict:
+    """One history.json record (epochs count from 1).
+
+    data_wait_seconds: the part of train_seconds that rank 0 spent waiting for its data loader;
+    lr: the learning rate after the epoch's last step (the next step's).
+    """
     train, val = summarize(train_sums), summarize(val_sums)
     return {"epoch": epoch + 1,
             "train_loss": train["loss"], "train_acc": train["acc"], "train_samples": train["samples"],
             "val_loss": val["loss"], "val_acc": val["acc"], "val_log_loss": val["log_loss"],
-            "val_samples": val["samples"], "train_seconds": round(train_seconds, 3),
-            "val_seconds": round(val_seconds, 3), "seconds": round(train_seconds + val_seconds, 3)}
+            "val_samples": val["samples"], "lr": lr, "train_seconds": round(train_seconds, 3),
+            "data_wait_seconds": round(data_wait_seconds, 3), "val_seconds": round(val_seconds, 3),
+            "seconds": round(train_seconds + val_seconds, 3)}
 
 
 def format_record(record: dict, epochs: int) -> str:
@@ -35,6 +40,15 @@ def format_record(record: dict, epochs: int) -> str:
 
 def plot_history(history: list[dict], file: BinaryIO | Path) -> None:
     """Accuracy and loss curves, train and validation, one point per epoch, as a PNG."""
+    figure = history_figure(history)
+    try:
+        figure.savefig(file, format="png")
+    finally:
+        plt.close(figure)
+
+
+def history_figure(history: list[dict]) -> plt.Figure:
+    """The figure of plot_history: accuracy on the left, loss on the right, train and validation."""
     epochs = [r["epoch"] for r in history]
     figure, (acc_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
     for axes, key, title in ((acc_axes, "acc", "Accuracy"), (loss_axes, "loss", "Loss")):
@@ -46,10 +60,7 @@ def plot_history(history: list[dict], file: BinaryIO | Path) -> None:
         axes.grid(alpha=0.3)
         axes.legend()
     figure.tight_layout()
-    try:
-        figure.savefig(file, format="png")
-    finally:
-        plt.close(figure)
+    return figure
 
 
 def history_text(history: list[dict]) -> str:

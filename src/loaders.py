@@ -1,24 +1,36 @@
 """The train/validation split and the data loaders, built so that every mode sees the same batches.
 
 Training order: each epoch is one seeded permutation of the training split, `randperm(n)` with a
-generator seeded `seed + epoch` (what `DistributedSampler` draws). With W processes of B images,
-DistributedSampler gives process r the samples perm[r], perm[r + W], ...; its k-th local batch
-is therefore a W-th of perm[k*W*B : (k+1)*W*B], which is exactly the k-th batch that one process
-with batch size W*B sees. Incomplete last batches are dropped in every mode, so every step
-averages the gradient over the same W*B samples.
+generator seeded `seed + epoch` (what `DistributedSampler` draws), cut to a whole number of
+global batches. With W processes of B images, process r takes the samples perm[r], perm[r + W],
+... (as DistributedSampler does); its k-th local batch is therefore a W-th of
+perm[k*W*B : (k+1)*W*B], which is exactly the k-th batch that one process with batch size W*B
+sees. With --accumulate N, N consecutive micro-batches make one step, perm[j*N*W*B : (j+1)*N*W*B]
+in every mode: one process with --accumulate N takes the steps of N processes. The last
+incomplete global batch is dropped in every mode, so every step averages the gradient over the
+same N*W*B samples.
+
+The sampler yields (epoch, position) pairs rather than positions: loader workers keep their own
+copy of the dataset for the whole run (persistent workers), so the epoch that --augment draws
+from has to travel with each index.
 
 Validation: each process takes a contiguous slice of the split without padding, so the summed
 counts cover every validation sample exactly once, whatever the number of processes.
 """
-import os
+import hashlib
 from pathlib import Path
+from typing import NamedTuple
 
+import pandas as pd
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from src.augment import augment, crop_params
 from src.cache import cached
 from src.datasets import DogCatDataset, load_labels
+from src.devices import available_cpus, check_shared_memory
 from src.errors import UserError
+from src.ranks import from_rank_0
 from src.transforms import image_transform
 
 
@@ -30,6 +42,46 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
                         f"({n - n_val} train, {n_val} validation)")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+class EpochSampler(Sampler[tuple[int, int]]):
+    """This rank's share of each epoch's seeded permutation of range(n), cut to whole global batches.
+
+    Yields (epoch, position); call set_epoch(epoch) before each epoch.
+    """
+
+    def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.n, self.seed, self.rank, self.world_size = n, seed, rank, world_size
+        self.used = n // global_batch * global_batch
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return iter([(self.epoch, i) for i in perm[:self.used].tolist()[self.rank::self.world_size]])
+
+    def __len__(self) -> int:
+        return self.used // self.world_size
+
+
+class TrainSplit(Dataset):
+    """The training images, indexed by (epoch, position in the split); augmented with --augment."""
+
+    def __init__(self, dataset: Dataset, indices: list[int], augment_seed: int | None = None):
+        self.dataset, self.indices, self.augment_seed = dataset, indices, augment_seed
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, position = key
+        index = self.indices[position]
+        image, label = self.dataset[index]
+        if self.augment_seed is not None:
+            image = augment(image, crop_params(self.augment_seed, epoch, index, image.shape[-1]))
+        return image, label
 
 
 class ShardSampler(Sampler[int]):
@@ -48,43 +100,64 @@ class ShardSampler(Sampler[int]):
 
 def default_workers(local_processes: int = 1) -> int:
     """The CPUs this process may use, shared among the processes on this node."""
-    return max(1, len(os.sched_getaffinity(0)) // local_processes)
+    return max(1, available_cpus() // local_processes)
 
 
 def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], batch_size: int,
                  seed: int, workers: int, rank: int = 0, world_size: int = 1,
-                 pin_memory: bool = False) -> tuple[DataLoader, DataLoader]:
+                 pin_memory: bool = False, accumulate: int = 1,
+                 augment: bool = False) -> tuple[DataLoader, DataLoader]:
     """Loaders of this rank's share; call `train_loader.sampler.set_epoch(epoch)` every epoch."""
-    global_batch = batch_size * world_size
+    global_batch = batch_size * world_size * accumulate
     if len(train_idx) < global_batch:
-        raise UserError(f"--batch-size {batch_size} x {world_size} process(es) = {global_batch} "
-                        f"is more than the {len(train_idx)} training images; lower --batch-size")
+        steps = f" x {accumulate} (--accumulate)" if accumulate > 1 else ""
+        raise UserError(f"--batch-size {batch_size} x {world_size} process(es){steps} = {global_batch} "
+                        f"is more than the {len(train_idx)} training images; lower --batch-size",
+                        quiet=rank != 0)  # every rank finds it: rank 0 says it
     if len(val_idx) < world_size:
         raise UserError(f"{world_size} processes but only {len(val_idx)} validation images; "
-                        "use fewer processes or more data")
-    train_set, val_set = Subset(dataset, train_idx), Subset(dataset, val_idx)
+                        "use fewer processes or more data", quiet=rank != 0)
+    check_shared_memory(workers, batch_size * dataset[train_idx[0]][0].nbytes)
+    train_set = TrainSplit(dataset, train_idx, seed if augment else None)
+    val_set = Subset(dataset, val_idx)
+    # Their own generator: drawing the workers' base seed from the global one would shift what
+    # dropout draws after it, differently in a run that resumes.
     options = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                   persistent_workers=workers > 0)
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
-                                       shuffle=True, seed=seed, drop_last=True)
+                   persistent_workers=workers > 0, generator=torch.Generator())
+    train_sampler = EpochSampler(len(train_set), global_batch, seed, rank, world_size)
     train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, **options)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), world_size, rank), **options)
     return train_loader, val_loader
 
 
-def labelled_images(data_dir: Path, image_size: int, show_progress: bool = True) -> DogCatDataset:
-    """The labelled JPEGs of data_dir/train, decoded and resized to image_size."""
-    return DogCatDataset(load_labels(data_dir, show_progress), data_dir / "train",
-                         image_transform(image_size), draft_size=image_size)
+def labelled_images(data_dir: Path, image_size: int, show_progress: bool = True,
+                    labels: pd.DataFrame | None = None) -> DogCatDataset:
+    """The labelled JPEGs of data_dir/train (the `labels` table, else train.csv or a scan),
+    decoded and resized to image_size."""
+    if labels is None:
+        labels = load_labels(data_dir, show_progress)
+    return DogCatDataset(labels, data_dir / "train", image_transform(image_size), draft_size=image_size)
 
 
-def labelled_data(args, workers: int, show_progress: bool = True) -> tuple[Dataset, list[int], list[int]]:
+class Data(NamedTuple):
+    dataset: Dataset
+    train_idx: list[int]
+    val_idx: list[int]
+    digest: str  # of the label table: --resume refuses other data
+
+
+def labelled_data(args, workers: int, show_progress: bool = True) -> Data:
     """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
 
+    Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
+    one scan instead of one per process, and the same table, so the same split, on every rank.
     `workers` decode the images when the cache has to be built.
     """
-    dataset = labelled_images(Path(args.data_dir), args.image_size, show_progress)
+    data_dir = Path(args.data_dir)
+    table = from_rank_0(lambda: load_labels(data_dir, show_progress))
+    dataset = labelled_images(data_dir, args.image_size, show_progress, table)
     if args.cache:
         dataset = cached(dataset, args.image_size, Path(args.cache), workers, show_progress)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
-    return dataset, train_idx, val_idx
+    digest = hashlib.sha256(table.to_csv(index=False).encode()).hexdigest()
+    return Data(dataset, train_idx, val_idx, digest)

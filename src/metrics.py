@@ -18,8 +18,9 @@ def batch_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     correct = (logits.argmax(dim=1) == labels).sum()
     p_dog = logits.softmax(dim=1)[:, 1].clamp(EPS, 1 - EPS)
     log_loss = -torch.where(labels == 1, p_dog.log(), (1 - p_dog).log()).sum()
-    return torch.stack([loss, correct.float(), torch.tensor(float(len(labels)), device=logits.device),
-                        log_loss])
+    # The count as a device op: torch.tensor(len(labels), device=cuda) would be a blocking copy.
+    count = torch.ones_like(p_dog).sum()
+    return torch.stack([loss, correct.float(), count, log_loss])
 
 
 def summarize(sums: torch.Tensor) -> dict:

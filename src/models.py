@@ -10,18 +10,85 @@ from src.errors import UserError
 
 NUM_CLASSES = 2
 
+# Constructor keywords of our 2-class models beyond num_classes (see model_kwargs).
+# googlenet, inception_v3: no auxiliary classifiers. With them a training-mode forward returns a
+# named tuple (logits and auxiliary logits), which cross_entropy cannot take. torchvision builds
+# them this way itself when it loads their ImageNet weights (aux_logits=False, the aux modules
+# None), and its reference train.py never trains them (their weights are ported from the papers;
+# its README only evaluates them with --test-only). transform_input=True rescales
+# ImageNet-normalised inputs to the [-1, 1] range the ported weights expect, as torchvision sets it
+# with those weights; it is not in the state_dict, so every rebuild must pass it again.
+# vit_h_14: its default weights (IMAGENET1K_SWAG_E2E_V1) are for 518 px, and torchvision builds it
+# at that size to load them; without this, best.pth of --weights default would not load into the
+# 224 px model that get_model builds by default.
+_MODEL_KWARGS = {
+    "googlenet": {"aux_logits": False, "transform_input": True},
+    "inception_v3": {"aux_logits": False, "transform_input": True},
+    "vit_h_14": {"image_size": 518},
+}
+_AUX_MODULES = ("aux1", "aux2", "AuxLogits")  # googlenet's two, inception_v3's one
+
+# The --image-size values a model takes, for the models that do not take every size from the
+# flag's minimum (32) up. Measured with torch 2.14.1 and torchvision 0.29.1 on the CPU: each of the
+# 80 models of classification_models(), random init, num_classes=2, googlenet and inception_v3
+# without aux classifiers, in training mode, ran a forward pass of a batch of 2 random images at
+# 32, 33, 47 and 64 px; where one failed, at every size from 33 up until one worked, then at 4
+# sizes above it (+1, +7, +32, x2). The other 72 models worked at all four sizes, and
+# tests/test_arch_walk.py trains each one a step at 32 px. (vit_h_14 was measured at its
+# default 224 px; with model_kwargs its one size is 518, which the test checks on the meta device.)
+# Smaller images shrink to nothing before the last layers (alexnet's last max pool, 3x3
+# convolutions in inception_v3):
+MIN_IMAGE_SIZE = {"alexnet": 63, "inception_v3": 75}
+# Built for one size (the ViTs' position embeddings, maxvit_t's attention windows; the size is
+# their weights' meta["min_size"]). maxvit_t also passes 221-223 px (its stride-2 convolutions
+# round those up to the same 7x7 grid); it is refused there too, for one plain rule.
+ONLY_IMAGE_SIZE = {"maxvit_t": 224, "vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224,
+                   "vit_l_32": 224, "vit_h_14": 518}
+
 
 def classification_models() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
+def model_kwargs(arch: str) -> dict:
+    """The keywords besides num_classes that build our model of `arch`: pass them to
+    torchvision.models.get_model wherever best.pth is loaded into a fresh model."""
+    return dict(_MODEL_KWARGS.get(arch, {}))
+
+
+def check_image_size(arch: str, image_size: int) -> None:
+    """Raise UserError, naming the size it needs, if `arch` cannot take `image_size` px images."""
+    if arch in ONLY_IMAGE_SIZE and image_size != ONLY_IMAGE_SIZE[arch]:
+        raise UserError(f"--arch {arch} takes --image-size {ONLY_IMAGE_SIZE[arch]} only "
+                        f"(got {image_size})")
+    if image_size < MIN_IMAGE_SIZE.get(arch, 0):
+        raise UserError(f"--arch {arch} needs --image-size {MIN_IMAGE_SIZE[arch]} or more "
+                        f"(got {image_size})")
+
+
+def _drop_aux(model: nn.Module) -> nn.Module:
+    """googlenet or inception_v3 without its auxiliary classifiers, as torchvision's builders leave
+    it after loading ImageNet weights with aux_logits=False; any other model as it is."""
+    if getattr(model, "aux_logits", False):
+        model.aux_logits = False
+        for name in _AUX_MODULES:
+            if hasattr(model, name):
+                setattr(model, name, None)
+    return model
+
+
+def head_of(model: nn.Module) -> tuple[str, nn.Module]:
+    """The name and module of the classification layer: the last Linear (or 1x1 Conv2d, as in SqueezeNet)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))][-1]
+
+
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
-    """Swap the last Linear (or 1x1 Conv2d, as in SqueezeNet) for a fresh one with num_classes outputs.
+    """Swap the classification layer (head_of) for a fresh one with num_classes outputs.
 
     The new layer has the same name as in `torchvision.models.get_model(arch, num_classes=2)`, so
     its state_dict loads into that model.
     """
-    name, layer = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))][-1]
+    name, layer = head_of(model)
     if isinstance(layer, nn.Linear):
         new = nn.Linear(layer.in_features, num_classes)
     else:
@@ -43,8 +110,11 @@ def _load_file(arch: str, path: Path) -> nn.Module:
         state = state["model"]  # a last.pth resume checkpoint
     if not isinstance(state, dict):
         raise UserError(f"--weights {path} does not hold a state_dict")
+    kwargs = model_kwargs(arch)
+    if kwargs.get("aux_logits") is False:  # torchvision's ImageNet files hold the auxiliary classifiers
+        state = {key: value for key, value in state.items() if key.split(".")[0] not in _AUX_MODULES}
     for num_classes in (NUM_CLASSES, 1000):
-        model = torchvision.models.get_model(arch, num_classes=num_classes)
+        model = torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
         try:
             model.load_state_dict(state)
         except RuntimeError:
@@ -63,11 +133,14 @@ def build_model(arch: str = "vgg16", weights: str = "default", dropout: float | 
         raise UserError(f"--arch {arch}: not a torchvision classification model "
                         "(e.g. vgg16, vgg16_bn, resnet50, squeezenet1_1)")
     if weights == "none":
-        model = torchvision.models.get_model(arch, num_classes=NUM_CLASSES)
+        model = torchvision.models.get_model(arch, num_classes=NUM_CLASSES, **model_kwargs(arch))
     elif weights == "default":
         imagenet = torchvision.models.get_model_weights(arch).DEFAULT
+        # With weights, torchvision refuses aux_logits=False (it loads the auxiliary classifiers'
+        # weights too): _drop_aux removes them after loading, as torchvision's googlenet() does.
+        kwargs = {key: value for key, value in model_kwargs(arch).items() if key != "aux_logits"}
         try:
-            model = torchvision.models.get_model(arch, weights=imagenet)
+            model = _drop_aux(torchvision.models.get_model(arch, weights=imagenet, **kwargs))
         except (urllib.error.URLError, OSError) as error:
             raise UserError(f"cannot download the ImageNet weights for {arch} from {imagenet.url} "
                             f"({error}); use --weights none, or --weights PATH to a local file "

@@ -6,7 +6,7 @@ The architecture, image size and normalisation come from best.json, which every 
 writes beside best.pth. Each row is `id,label` with label = p(dog), clipped to [EPS, 1 - EPS]
 (see src/metrics.py): Kaggle's log loss punishes a confident mistake without bound.
 """
-import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -16,11 +16,21 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from src.checkpoint import atomic_write_text
+from src.cli import OneLineParser, at_least
 from src.datasets import DogCatTestDataset
 from src.errors import UserError, exit_on_error
 from src.loaders import default_workers
 from src.metrics import EPS
+from src.models import model_kwargs
 from src.transforms import image_transform, normalize
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
@@ -34,7 +44,10 @@ def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
     except (OSError, ValueError, KeyError):
         raise UserError(f"{info_path} is missing or unreadable: the training scripts write it "
                         "beside best.pth; retrain, or write it by hand") from None
-    model = torchvision.models.get_model(arch, num_classes=num_classes)
+    if "sha256" in info and _sha256(checkpoint) != info["sha256"]:
+        raise UserError(f"{checkpoint} is not the file that {info_path} describes (a run stopped "
+                        "between writing them?): rerun the training with --resume to rewrite both")
+    model = torchvision.models.get_model(arch, num_classes=num_classes, **model_kwargs(arch))
     try:
         model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
     except Exception:  # pickle, shape or key errors: many types
@@ -70,16 +83,14 @@ def submission_text(ids: list[int], p_dog: torch.Tensor) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="folder holding test/")
     parser.add_argument("--checkpoint", type=Path, default=Path("model/best.pth"))
     parser.add_argument("--output", type=Path, default=Path("submission.csv"))
-    parser.add_argument("--batch-size", type=int, default=100)
-    parser.add_argument("--workers", type=int, default=None, help="default: this machine's CPUs")
+    parser.add_argument("--batch-size", type=at_least(1), default=100)
+    parser.add_argument("--workers", type=at_least(0), default=None, help="default: this machine's CPUs")
     parser.add_argument("--tta", action="store_true", help="average over the image and its mirror")
     args = parser.parse_args()
-    if args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
     model, info = load_checkpoint(args.checkpoint)
     ids, p_dog = predict(model, info, args.data_dir / "test", args.batch_size, args.workers, args.tta)
     atomic_write_text(args.output, submission_text(ids, p_dog))

@@ -1,4 +1,6 @@
 """Image preprocessing: resize in the loader workers, normalise on the device."""
+import functools
+
 import torch
 from torchvision import transforms
 
@@ -15,14 +17,28 @@ def image_transform(image_size: int) -> transforms.Compose:
     ])
 
 
+@functools.cache
+def _statistics(device: torch.device, mean: tuple, std: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """mean and std on the device, made once: a tensor built from Python numbers on a GPU is a
+    blocking copy, which would make the host wait for the GPU at every batch."""
+    return (torch.tensor(mean, device=device).view(1, 3, 1, 1),
+            torch.tensor(std, device=device).view(1, 3, 1, 1))
+
+
 def normalize(images: torch.Tensor, channels_last: bool = False, mean: tuple = IMAGENET_MEAN,
               std: tuple = IMAGENET_STD) -> torch.Tensor:
     """uint8 batch (already on the device) -> float batch normalised per channel."""
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    mean = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
+    mean, std = _statistics(images.device, tuple(mean), tuple(std))
     return (images.float() / 255 - mean) / std
+
+
+def model_inputs(batch: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
+    """A loader batch on the device, as the model takes it: uint8 images are normalised there;
+    float batches are the frozen backbone's cached outputs (--freeze --cache) and go as they are."""
+    batch = batch.to(device, non_blocking=True)
+    return normalize(batch, channels_last) if batch.dtype == torch.uint8 else batch
 
 
 def memory_format(args) -> torch.memory_format:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a small synthetic dataset and a runner for the real scripts and launchers."""
+"""Shared fixtures: small synthetic datasets, a runner for the real scripts and launchers, and the
+training runs that several test modules compare against, each made once per session."""
 import json
 import os
 import shutil
@@ -9,17 +10,46 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.synthetic import write_dataset
+# These tests define the CPU behaviour: on a machine with GPUs they must not use them (a CPU run
+# compared with a GPU run, two ranks on one GPU). Set before anything initialises CUDA.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+from src.synthetic import write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+HOOKS = str(ROOT / "tests" / "hooks")
 
-# Small and fast, and the property under test does not need VGG16: ResNet-18 learns the
-# synthetic set in two epochs at 32 px; AlexNet has no batch norm, so a batch split across
-# processes computes exactly what the whole batch does in one process.
-LEARN = ["--arch", "resnet18", "--weights", "none", "--image-size", "32", "--lr", "0.01"]
-EXACT = ["--arch", "alexnet", "--weights", "none", "--image-size", "64", "--dropout", "0",
-         "--lr", "0.01", "--workers", "0"]
+# Small and fast, and the property under test does not need VGG16. ResNet-18 learns the
+# synthetic set in two epochs at 32 px. SqueezeNet 1.1 has no batch norm, so a batch split across
+# processes computes exactly what the whole batch does in one process (up to the order of float
+# sums); at lr 0.001 it keeps learning (at 0.01 its last ReLU dies and nothing moves any more).
+LEARN = ["--arch", "resnet18", "--weights", "none", "--image-size", "32", "--lr", "0.003"]
+EXACT = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", "64", "--dropout", "0",
+         "--lr", "0.001", "--workers", "0"]
+VAL = ["--val-fraction", "0.5025"]
+# Dropout on (SqueezeNet's 0.5) and one persistent loader worker: every random draw must come out
+# the same in a resumed or restarted run as in a straight one, on every rank.
+DROPOUT = [flag for flag in EXACT if flag not in ("--dropout", "0", "--workers")] + ["--workers", "1"]  # the exact set's 201 images: 100 train, 101 validation
+B = 10  # per process in the two-process runs; one process takes 2 * B
+
+# How far apart two runs may end, as a share of the distance between the reference run and a
+# run with another global batch ("far"). Measured for 2 epochs of SqueezeNet: DDP and accelerate
+# with 2 processes end 7e-5 of far from train_single.py (the processes run one thread each, the
+# single one two: float sums in another order); DataParallel on the CPU, 0.
+TOLERANCE = 1e-3
+
+LAUNCH = {
+    "single": lambda: [sys.executable, "train_single.py"],
+    "dp": lambda: [sys.executable, "train_dp.py"],
+    "ddp": lambda: ["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py"],
+    "accelerate": lambda: ["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
+                           "train_accelerate.py"],
+    "accelerate-bf16": lambda: ["accelerate", "launch", "--num_processes", "1", "--mixed_precision",
+                                "bf16", "train_accelerate.py"],
+}
+MODES = ["single", "dp", "ddp", "accelerate"]
+PROCESSES = {"single": 1, "dp": 1, "ddp": 2, "accelerate": 2, "accelerate-bf16": 1}
 
 
 @pytest.fixture(scope="session")
@@ -40,8 +70,7 @@ def exact_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory) -> Path:
-    """A folder for the runs one test module shares, removed when the module is done: an AlexNet
-    run writes 650 MB, and the whole suite's would fill a small disk (it did, on CI)."""
+    """A folder for the runs one test module shares, removed when the module is done."""
     path = tmp_path_factory.mktemp("module")
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -72,8 +101,151 @@ def weights(folder: Path, name: str = "best.pth") -> dict:
     return torch.load(folder / name, map_location="cpu", weights_only=True)
 
 
-def max_relative_difference(a: dict, b: dict) -> float:
-    """The largest |a - b| / |b| over all tensors (norms per tensor)."""
+def last_model(folder: Path) -> dict:
+    return weights(folder, "last.pth")["model"]
+
+
+def distance(a: dict, b: dict) -> float:
+    """The Euclidean distance between two state_dicts, all tensors as one vector."""
     assert a.keys() == b.keys()
-    return max(((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)).item()
-               for k in a)
+    return sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a).sqrt().item()
+
+
+def last_line(result) -> str:
+    """The last line of stderr, without what progress bars drew on it (after a carriage return)."""
+    return (result.stderr.strip().splitlines() or [""])[-1].split("\r")[-1].strip()
+
+
+def fails(result, message: str) -> str:
+    """Assert a run ended with exit 2 and one line naming the problem, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert message in last_line(result), result.stderr[-3000:]
+    return last_line(result)
+
+
+class Runs:
+    """Training runs shared by the whole session: run(mode, *flags) trains once per distinct
+    (mode, flags, env) and returns (output folder, finished process)."""
+
+    def __init__(self, root: Path, exact_data: Path):
+        self.root, self.exact_data, self.done = root, exact_data, {}
+
+    def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None):
+        key = (mode, flags, tuple(sorted((env or {}).items())), str(data))
+        if key not in self.done:
+            out = self.root / f"run{len(self.done)}-{mode}"
+            out.mkdir()
+            full_env = {"PYTHONPATH": HOOKS, "WRITE_LOG": str(out / "writes.log"),
+                        "HF_HOME": str(out / "hf"),  # no accelerate config file
+                        "ACCELERATE_USE_CPU": "1", **(env or {})}
+            result = run([*LAUNCH[mode](), "--data-dir", str(data or self.exact_data), *flags,
+                          *outputs(out / "out")], env=full_env)
+            assert result.returncode == 0, result.stderr[-3000:]
+            self.done[key] = out / "out", result
+        return self.done[key]
+
+    def exact(self, mode: str, *flags: str, epochs: int = 2, env: dict | None = None):
+        """An EXACT run of `mode` with the global batch 2 * B (B per process for two processes)."""
+        batch = 2 * B // PROCESSES[mode]
+        return self(mode, *EXACT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch), *flags, env=env)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, exact_data) -> Runs:
+    root = tmp_path_factory.mktemp("runs")
+    yield Runs(root, exact_data)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def far(runs) -> float:
+    """The distance between the reference (train_single.py, global batch 2 * B, 2 epochs) and the
+    same run with batch B: what a mode that took other batches would be off by."""
+    reference = last_model(runs.exact("single")[0])
+    other = last_model(runs("single", *EXACT, *VAL, "--epochs", "2", "--batch-size", str(B))[0])
+    return distance(reference, other)
+
+
+def assert_same_run(out: Path, reference: Path, far: float, tolerance: float = TOLERANCE) -> float:
+    """Same sample counts, same metrics and last.pth weights within tolerance x far; returns the
+    measured share of far."""
+    got, want = history(out), history(reference)
+    assert [r["epoch"] for r in got] == [r["epoch"] for r in want]
+    for a, b in zip(got, want):
+        assert (a["train_samples"], a["val_samples"]) == (b["train_samples"], b["val_samples"])
+        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_log_loss", "lr"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), (key, a, b)
+    share = distance(last_model(out), last_model(reference)) / far
+    assert share < tolerance, share
+    return share
+
+
+def dropout_run(runs: Runs, mode: str):
+    """Two straight epochs of DROPOUT with the global batch 2 * B."""
+    return runs(mode, *DROPOUT, *VAL, "--epochs", "2", "--batch-size", str(2 * B // PROCESSES[mode]))
+
+
+def same_end(out: Path, reference: Path) -> None:
+    """The same weights, bit for bit (the same processes, threads and data), and history."""
+    assert torch.equal(torch.cat([t.flatten() for t in last_model(out).values()]),
+                       torch.cat([t.flatten() for t in last_model(reference).values()]))
+    timings = {"train_seconds", "val_seconds", "seconds", "data_wait_seconds"}
+    assert [{k: v for k, v in r.items() if k not in timings} for r in history(out)] == \
+        [{k: v for k, v in r.items() if k not in timings} for r in history(reference)]
+
+
+def mode_run(runs: Runs, mode: str):
+    """The two-epoch EXACT run of a mode that test_modes compares and test_watch reads: with
+    TensorBoard logs, --profile, a log of which ranks scanned train/ (there is no train.csv) and
+    of the settings train_accelerate.py gives accelerate."""
+    return runs.exact(mode, "--log-dir", str(runs.root / f"tensorboard-{mode}"), "--log-every", "2", "--profile",
+                      env={"SCAN_LOG": str(runs.root / f"scans-{mode}.log"),
+                           "ACCELERATOR_LOG": str(runs.root / f"accelerator-{mode}.log")})
+
+
+def in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """main() of a command in this process, as `python COMMAND ARGV` runs it, for the checks that
+    end before any training (a subprocess would spend 4 s importing torch); returns
+    (exit code, stdout, stderr)."""
+    from src.errors import exit_on_error
+    monkeypatch.setattr(sys, "argv", [f"{main.__module__.rsplit('.', 1)[-1]}.py", *argv])
+    try:
+        exit_on_error(main)
+        code = 0
+    except SystemExit as exit:
+        code = exit.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def fails_in_process(main, argv: list[str], monkeypatch, capsys, message: str) -> str:
+    """in_process ending with exit 2 and one line on stderr holding message; returns that line."""
+    code, _, err = in_process(main, argv, monkeypatch, capsys)
+    line = err.strip().split("\r")[-1].strip()  # progress bars erase themselves with carriage returns
+    assert code == 2 and err.count("\n") == 1 and message in line, (code, err)
+    return line
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """tmpfs(name, options): a tmpfs mounted at tmp_path / name (e.g. "size=64m", "ro,size=1m"),
+    unmounted after the test; remount(folder, options) changes it. Needs root with mount rights,
+    as on CI; skips elsewhere."""
+    mounted = []
+
+    def mount(name: str, options: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (not root, or no mount rights)")
+        mounted.append(folder)
+        return folder
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def remount(folder: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(folder)], check=True)

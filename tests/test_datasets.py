@@ -87,6 +87,7 @@ def test_csv_from_file_with_word_labels(tmp_path, small_data):
     ("filename,label\ncat.0.jpg,bird\n", "unknown label 'bird'"),
     ("filename,label\ncat.0.jpg,0\ncat.99999.jpg,0\n", "missing from"),
     ("filename,label\n", "lists no images"),
+    ("filename,label\ncat.0.jpg,0\ndog.0.jpg,1\ncat.0.jpg,cat\n", "lists cat.0.jpg more than once"),
 ])
 def test_bad_csv_is_a_clear_error(tmp_path, small_data, text, message):
     csv = tmp_path / "train.csv"

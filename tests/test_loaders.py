@@ -1,10 +1,9 @@
 """The split and the samplers: the same global batches in every mode, each validation sample once."""
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from src.errors import UserError
-from src.loaders import ShardSampler, make_loaders, split_indices
+from src.loaders import EpochSampler, ShardSampler, make_loaders, split_indices
 
 
 def test_split_is_seeded_disjoint_and_complete():
@@ -21,15 +20,16 @@ def test_split_that_would_be_empty_is_refused(fraction, n):
         split_indices(n, fraction, seed=0)
 
 
-def _batches(n, batch_size, world_size, epoch, seed=7):
-    """Per step, the set of dataset indices that all ranks together train on."""
-    data = TensorDataset(torch.arange(n))
+def _batches(n, batch_size, world_size, epoch, seed=7, accumulate=1):
+    """Per optimizer step, the set of dataset indices that all ranks together train on."""
+    data = [(torch.zeros(1), i) for i in range(n)]  # the label is the sample's index
     per_rank = []
     for rank in range(world_size):
         loader, _ = make_loaders(data, list(range(n)), list(range(world_size)), batch_size, seed,
-                                 workers=0, rank=rank, world_size=world_size)
+                                 workers=0, rank=rank, world_size=world_size, accumulate=accumulate)
         loader.sampler.set_epoch(epoch)
-        per_rank.append([batch[0].tolist() for batch in loader])
+        micro = [labels.tolist() for _, labels in loader]
+        per_rank.append([sum(micro[i:i + accumulate], []) for i in range(0, len(micro), accumulate)])
     assert len({len(batches) for batches in per_rank}) == 1
     return [sorted(sum(step, [])) for step in zip(*per_rank)]
 
@@ -44,6 +44,28 @@ def test_ddp_global_batches_equal_single_process_batches(world_size):
     assert _batches(n, batch, 1, 0) != _batches(n, batch, 1, 1), "reshuffled each epoch"
 
 
+@pytest.mark.parametrize("world_size, accumulate", [(1, 4), (2, 2), (4, 1)])
+def test_accumulation_takes_the_steps_of_more_processes(world_size, accumulate):
+    """--accumulate N with W processes of B images: the steps of N * W processes."""
+    n, batch = 103, 5
+    for epoch in range(2):
+        steps = _batches(n, batch, world_size, epoch, accumulate=accumulate)
+        assert steps == _batches(n, batch * 4, 1, epoch)
+        assert len(steps) == n // (batch * 4) and all(len(step) == batch * 4 for step in steps)
+
+
+def test_the_sampler_matches_distributed_samplers_order():
+    """Our sampler yields DistributedSampler's seeded permutation (and the epoch with each index)."""
+    from torch.utils.data import DistributedSampler
+    for rank in (0, 1):
+        ours = EpochSampler(103, 10, seed=7, rank=rank, world_size=2)
+        theirs = DistributedSampler(range(103), num_replicas=2, rank=rank, seed=7, drop_last=True)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert [(epoch, i) for i in list(theirs)[:len(ours)]] == list(ours)
+
+
 @pytest.mark.parametrize("n, world_size", [(101, 2), (101, 3), (7, 4), (5, 5)])
 def test_validation_shards_cover_every_sample_once(n, world_size):
     shards = [list(ShardSampler(n, world_size, rank)) for rank in range(world_size)]
@@ -52,7 +74,7 @@ def test_validation_shards_cover_every_sample_once(n, world_size):
 
 
 def test_too_large_a_batch_or_too_many_processes():
-    data = TensorDataset(torch.arange(10))
+    data = [(torch.zeros(1), i) for i in range(10)]
     with pytest.raises(UserError, match="--batch-size 6 x 2 process"):
         make_loaders(data, list(range(10)), [0, 1], 6, 0, 0, rank=0, world_size=2)
     with pytest.raises(UserError, match="3 processes but only 2 validation images"):

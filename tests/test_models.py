@@ -5,7 +5,7 @@ import torch.nn as nn
 import torchvision
 
 from src.errors import UserError
-from src.models import build_model
+from src.models import build_model, head_of, model_kwargs
 
 
 @pytest.mark.parametrize("arch", ["vgg16", "squeezenet1_1", "resnet18"])
@@ -18,14 +18,24 @@ def test_random_init_model_loads_into_torchvision_two_class_model(arch, tmp_path
     assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 2)
 
 
-def test_imagenet_file_keeps_features_and_gets_a_new_head(tmp_path):
+@pytest.mark.parametrize("arch", ["squeezenet1_1", "resnet18", "mobilenet_v3_small", "efficientnet_b0",
+                                  "regnet_y_400mf", "shufflenet_v2_x0_5", "convnext_tiny", "googlenet"])
+def test_imagenet_file_keeps_every_backbone_tensor_and_gets_a_new_head(arch, tmp_path):
+    """--weights FILE with ImageNet's 1000 classes: each tensor but the head's is the file's, the
+    head has 2 outputs and fresh weights, and the result loads into torchvision's 2-class model."""
     torch.manual_seed(1)
-    imagenet = torchvision.models.get_model("squeezenet1_1")  # 1000 classes, like the real file
+    imagenet = torchvision.models.get_model(arch)  # 1000 classes, like the real file
     torch.save(imagenet.state_dict(), tmp_path / "imagenet.pth")
-    model = build_model("squeezenet1_1", str(tmp_path / "imagenet.pth"))
-    assert torch.equal(model.features[0].weight, imagenet.features[0].weight)
-    assert model.classifier[1].out_channels == 2
-    torchvision.models.squeezenet1_1(num_classes=2).load_state_dict(model.state_dict())
+    model = build_model(arch, str(tmp_path / "imagenet.pth"))
+    head, layer = head_of(model)
+    assert (layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels) == 2
+    file, built = imagenet.state_dict(), model.state_dict()
+    backbone = [k for k in built if not k.startswith(head + ".")]
+    assert len(backbone) == len(built) - 2, "only the head's weight and bias are new"
+    for key in backbone:
+        assert torch.equal(built[key], file[key]), key
+    torchvision.models.get_model(arch, num_classes=2, **model_kwargs(arch)).load_state_dict(built)
+    assert model.eval()(torch.zeros(1, 3, 64, 64)).shape == (1, 2)
 
 
 def test_default_weights_come_through_torchvision_weights_api(tmp_path, monkeypatch):
@@ -43,7 +53,13 @@ def test_default_weights_come_through_torchvision_weights_api(tmp_path, monkeypa
 
 
 def test_default_weights_offline_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty cache: torchvision must download
+    """An empty cache and a download that fails, whether or not this machine is online."""
+    import urllib.error
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+    def no_network(url, *args, **kwargs):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
     with pytest.raises(UserError, match="--weights none, or --weights PATH"):
         build_model("squeezenet1_1", "default")
 

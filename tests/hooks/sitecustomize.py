@@ -1,34 +1,153 @@
-"""Test hooks, loaded by every Python process whose PYTHONPATH holds this folder.
+"""Test hooks, loaded by every Python process whose PYTHONPATH holds this folder. Each is off
+unless its variable is set.
 
 WRITE_LOG=path: log "RANK file" for each os.replace. All our outputs are written to a temporary
 name and renamed into place, so this lists every output file write and the rank that made it.
 
-KILL_AT_STEP=n (with KILL_RANK=r): the process of rank r SIGKILLs itself at its n-th optimizer
-step, in the first attempt only (TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch.
+KILL_AT_STEP=n (with KILL_RANK=r, KILL_LOG=path): the process of rank r writes the time to
+KILL_LOG and SIGKILLs itself at its n-th optimizer step, in the first attempt only
+(TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch.
+
+INTERRUPT_AT_STEP=n: rank 0 sends itself SIGINT (Ctrl-C) at its n-th optimizer step.
+INTERRUPT_AT_REPLACE=name:k: Ctrl-C arrives as the k-th rename onto a file called `name` starts.
+
+FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
+(in the processes that torchrun starts; in-process tests monkeypatch torch.cuda instead).
+
+ACCELERATOR_LOG=path: write the DataLoaderConfiguration that train_accelerate.py gives accelerate.
+
+SLOW_ITEM=seconds: every training or validation image takes that long to load.
+SCAN_LOG=path: log "RANK" each time a process scans train/ for its images.
+AUGMENT_SEED_SHIFT=k: augmentation draws as if the seed were seed + k (a control).
+NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP script did (a control).
+COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
 """
+import importlib.abc
+import importlib.util
 import os
 import signal
+import sys
+import time
 
-if os.environ.get("WRITE_LOG"):
-    _replace = os.replace
+RANK = os.environ.get("RANK", "0")
+
+
+def _after_import(name, patch):
+    """Call patch(module) once `name` has been imported (the scripts import src after this runs)."""
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            sys.meta_path.insert(0, self)
+            original = spec.loader.exec_module
+
+            def exec_module(module):
+                original(module)
+                patch(module)
+            spec.loader.exec_module = exec_module
+            return spec
+    sys.meta_path.insert(0, Finder())
+
+
+if os.environ.get("WRITE_LOG") or os.environ.get("INTERRUPT_AT_REPLACE"):
+    _replace, _renames = os.replace, {}
 
     def _logged_replace(src, dst, *args, **kwargs):
-        with open(os.environ["WRITE_LOG"], "a") as log:
-            log.write(f"{os.environ.get('RANK', '-')} {os.fspath(dst)}\n")
+        if os.environ.get("INTERRUPT_AT_REPLACE"):
+            name, k = os.environ["INTERRUPT_AT_REPLACE"].split(":")
+            if os.path.basename(os.fspath(dst)) == name:
+                _renames[name] = _renames.get(name, 0) + 1
+                if _renames[name] == int(k):
+                    raise KeyboardInterrupt
+        if os.environ.get("WRITE_LOG"):
+            with open(os.environ["WRITE_LOG"], "a") as log:
+                log.write(f"{os.environ.get('RANK', '-')} {os.fspath(dst)}\n")
         return _replace(src, dst, *args, **kwargs)
 
     os.replace = _logged_replace
 
-if (os.environ.get("KILL_AT_STEP") and os.environ.get("RANK") == os.environ.get("KILL_RANK", "1")
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+
+def _on_step(n, action):
+    """Run action() at the n-th optimizer step of this process."""
     import torch
+    for optimizer in (torch.optim.SGD, torch.optim.AdamW):
+        step, count = optimizer.step, [0]
 
-    _step, _count = torch.optim.SGD.step, [0]
+        def counted(self, *args, _step=step, _count=count, **kwargs):
+            _count[0] += 1
+            if _count[0] == n:
+                action()
+            return _step(self, *args, **kwargs)
+        optimizer.step = counted
 
-    def _step_then_die(self, *args, **kwargs):
-        _count[0] += 1
-        if _count[0] == int(os.environ["KILL_AT_STEP"]):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return _step(self, *args, **kwargs)
 
-    torch.optim.SGD.step = _step_then_die
+if (os.environ.get("KILL_AT_STEP") and RANK == os.environ.get("KILL_RANK", "1")
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    def _die():
+        if os.environ.get("KILL_LOG"):
+            with open(os.environ["KILL_LOG"], "w") as log:
+                log.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+    _on_step(int(os.environ["KILL_AT_STEP"]), _die)
+
+if os.environ.get("INTERRUPT_AT_STEP") and RANK == "0":
+    _on_step(int(os.environ["INTERRUPT_AT_STEP"]), lambda: os.kill(os.getpid(), signal.SIGINT))
+
+if os.environ.get("FAKE_GPUS"):
+    import torch
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
+
+if os.environ.get("ACCELERATOR_LOG"):
+    def _log_accelerator(accelerate):
+        class Logged(accelerate.Accelerator):
+            def __init__(self, *args, **kwargs):
+                config = kwargs.get("dataloader_config")
+                with open(os.environ["ACCELERATOR_LOG"], "a") as log:
+                    log.write(f"{RANK} split_batches={config.split_batches} non_blocking={config.non_blocking}\n")
+                super().__init__(*args, **kwargs)
+        accelerate.Accelerator = Logged
+    _after_import("accelerate", _log_accelerator)
+
+if os.environ.get("SLOW_ITEM"):
+    def _slow(datasets):
+        get = datasets.DogCatDataset.__getitem__
+
+        def slow_get(self, index):
+            time.sleep(float(os.environ["SLOW_ITEM"]))
+            return get(self, index)
+        datasets.DogCatDataset.__getitem__ = slow_get
+    _after_import("src.datasets", _slow)
+
+if os.environ.get("SCAN_LOG"):
+    def _log_scans(datasets):
+        scan = datasets.scan_train_dir
+
+        def logged_scan(*args, **kwargs):
+            with open(os.environ["SCAN_LOG"], "a") as log:
+                log.write(f"{RANK}\n")
+            return scan(*args, **kwargs)
+        datasets.scan_train_dir = logged_scan
+    _after_import("src.datasets", _log_scans)
+
+if os.environ.get("AUGMENT_SEED_SHIFT"):
+    def _shift(augment):
+        params = augment.crop_params
+        augment.crop_params = lambda seed, *rest: params(seed + int(os.environ["AUGMENT_SEED_SHIFT"]), *rest)
+    _after_import("src.augment", _shift)
+
+if os.environ.get("NO_RESHUFFLE"):
+    def _no_reshuffle(loaders):
+        loaders.EpochSampler.set_epoch = lambda self, epoch: None
+    _after_import("src.loaders", _no_reshuffle)
+
+if os.environ.get("COMPILE_LOG"):
+    import atexit
+
+    def _write_compiled():
+        from torch._dynamo.utils import counters
+        with open(os.environ["COMPILE_LOG"], "w") as log:
+            log.write(f"{counters['stats']['unique_graphs']}\n")
+    atexit.register(_write_compiled)

@@ -1,0 +1,47 @@
+"""--augment: a random resized crop and a horizontal flip of every training image.
+
+Each image's draw comes from a generator seeded with (seed, epoch, sample index) alone, never from
+a worker's, a rank's or the run's random state, so every mode, every --workers value and a resumed
+run see the same pixels. The crop is taken from the resized square that the loader (or --cache)
+already holds and resized back to --image-size: the cached pixels serve augmented training too,
+at the cost of upsampling the crop (at most the square's resolution). Validation and predict are
+never augmented.
+"""
+import math
+
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+from src.seeds import derive_seed
+
+SCALE = (0.25, 1.0)  # share of the square's area that a crop keeps
+RATIO = (3 / 4, 4 / 3)  # its aspect ratio, drawn on a log scale
+
+
+def crop_params(seed: int, epoch: int, index: int, size: int) -> tuple[int, int, int, int, bool]:
+    """(top, left, height, width, flip) of sample `index` in `epoch`, for a size x size image.
+
+    Like torchvision's RandomResizedCrop.get_params (ten tries, then the whole image), with its
+    own generator.
+    """
+    generator = torch.Generator().manual_seed(derive_seed(seed, epoch, index))
+    flip = bool(torch.rand(1, generator=generator).item() < 0.5)
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        area, ratio, y, x = torch.rand(4, generator=generator).tolist()
+        area = size * size * (SCALE[0] + (SCALE[1] - SCALE[0]) * area)
+        ratio = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * ratio)
+        width, height = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < width <= size and 0 < height <= size:
+            top = min(int(y * (size - height + 1)), size - height)
+            left = min(int(x * (size - width + 1)), size - width)
+            return top, left, height, width, flip
+    return 0, 0, size, size, flip
+
+
+def augment(image: torch.Tensor, params: tuple[int, int, int, int, bool]) -> torch.Tensor:
+    """Crop a uint8 (3, size, size) image, resize it back to size and flip it as params say."""
+    top, left, height, width, flip = params
+    size = list(image.shape[-2:])
+    image = TF.resized_crop(image, top, left, height, width, size, antialias=True)
+    return image.flip(-1) if flip else image

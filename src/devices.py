@@ -1,0 +1,113 @@
+"""The machine a run trains on: its device, the numerics there, and the host limits that would
+otherwise fail late (too few GPUs, a small /dev/shm, no bfloat16, a container's CPU quota)."""
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from src.errors import UserError
+
+SHM = Path("/dev/shm")
+
+
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: its affinity mask, capped by a cgroup CPU quota.
+
+    A container limited to 8 CPUs on a 128-core host sees 128 in its affinity mask; the quota
+    (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`) is what it really gets.
+    """
+    cpus = len(os.sched_getaffinity(0))
+    quota = _cgroup_cpu_quota(Path(cgroup_root))
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def _cgroup_cpu_quota(root: Path) -> float | None:
+    """CPUs allowed by the cgroup of this process, or None when it sets no limit."""
+    own = ""
+    try:  # cgroup v2: "0::/path" in /proc/self/cgroup; containers usually see "/"
+        own = next((line.split("::", 1)[1].strip() for line in
+                    Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")), "")
+    except OSError:
+        pass
+    for folder in dict.fromkeys([root / own.lstrip("/"), root]):
+        try:
+            limit, period = (folder / "cpu.max").read_text().split()[:2]
+            return None if limit == "max" else int(limit) / int(period)
+        except (OSError, ValueError):
+            continue
+    for v1 in ("cpu", "cpu,cpuacct"):
+        try:
+            quota = int((root / v1 / "cpu.cfs_quota_us").read_text())
+            period = int((root / v1 / "cpu.cfs_period_us").read_text())
+            return quota / period if quota > 0 else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def configure_numerics(deterministic: bool) -> None:
+    """--deterministic: IEEE float32 and deterministic kernels, for comparing runs on GPUs.
+
+    Otherwise cuDNN benchmarks its convolution kernels once (the input size never changes) and
+    keeps torch's defaults, under which Ampere and later GPUs run float32 convolutions in TF32.
+    Call before the first CUDA operation: cuBLAS reads its workspace setting when it starts.
+    """
+    if not deterministic:
+        torch.backends.cudnn.benchmark = True
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # no TF32 in convolutions ...
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # ... nor in matrix products
+    torch.backends.cudnn.benchmark = False  # benchmarking may pick another kernel in each run
+    torch.backends.cudnn.deterministic = True
+    # warn_only: torch has no deterministic CUDA kernel for a few ops (adaptive average pooling's
+    # backward, nll_loss); they warn and run. Their atomic adds reorder sums only where several
+    # inputs feed one output, which VGG16 at 224 px and ResNets do not do.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def check_gpus(local_processes: int) -> None:
+    """One process per GPU: refuse more processes on this node than it has GPUs."""
+    gpus = torch.cuda.device_count()
+    if torch.cuda.is_available() and local_processes > gpus:
+        raise UserError(
+            f"{local_processes} processes on this node but only {gpus} GPU(s): run torchrun "
+            f"--nproc_per_node={gpus}, or set CUDA_VISIBLE_DEVICES= to train on the CPU",
+            quiet=int(os.environ.get("LOCAL_RANK", 0)) != 0)
+
+
+def check_bf16(precision: str | None, local_rank: int = 0) -> None:
+    """bfloat16 runs natively on Ampere and later NVIDIA GPUs; older ones emulate it, slowly."""
+    if precision != "bf16" or not torch.cuda.is_available():
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(local_rank)
+        raise UserError(f"this GPU ({name}) has no bfloat16 arithmetic (Ampere and later have it): "
+                        "use --amp fp16 (accelerate: --mixed_precision fp16) or full precision")
+
+
+def training_device(deterministic: bool, precision: str | None, local_rank: int = 0) -> torch.device:
+    """The GPU of this process (its local rank) or the CPU, set up for training."""
+    configure_numerics(deterministic)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    check_bf16(precision, local_rank)
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def check_shared_memory(workers: int, batch_bytes: int, shm: Path | None = None) -> None:
+    """DataLoader workers hand their batches over in /dev/shm; Docker gives it 64 MB by default,
+    and a worker that runs out dies with a bus error in the middle of an epoch."""
+    shm = Path(shm or SHM)
+    if workers == 0 or not shm.is_dir():
+        return
+    need = 2 * workers * 2 * batch_bytes  # prefetch_factor 2 per worker, and room for the batch in use
+    free = shutil.disk_usage(shm).free
+    if free < need:
+        raise UserError(f"{shm} has {free / 2**20:.0f} MB free, but {workers} loader workers need "
+                        f"about {need / 2**20:.0f} MB there for their batches: give the container "
+                        "more (docker run --shm-size=8g, or --ipc=host), or pass --workers 0")

@@ -1,0 +1,154 @@
+"""--freeze and --freeze-epochs: train the new last layer on a fixed pretrained backbone
+("feature extraction"), and the feature cache that makes those epochs cost seconds.
+
+A frozen backbone's parameters get no gradient (so DDP leaves them out of its all-reduce and the
+optimizer gives them no state and no weight decay), and it runs in eval mode: dropout off, batch
+norm statistics fixed. Its output for an image, the input of the last layer, is then the same
+in every epoch; with --cache (and without --augment, which changes the images every epoch) it is
+computed once for every image, by the first process of each node, and kept memory-mapped in
+DIR/features_{arch}_{size}px.f32. The frozen epochs then train the last layer alone on those
+vectors. best.pth is the whole model either way.
+"""
+import argparse
+import hashlib
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from src.cache import ensure_array
+from src.models import head_of
+from src.transforms import model_inputs
+
+FORMAT = 1  # bump when the layout or the computation changes
+
+
+class Stage(NamedTuple):
+    """Consecutive epochs that train the same thing from the same data."""
+    epochs: range
+    frozen: bool
+    net: nn.Module  # what the loop runs: the model, or its last layer on cached backbone outputs
+    data: Dataset  # images (uint8), or the backbone outputs (float32 vectors)
+
+
+def set_frozen(model: nn.Module, frozen: bool) -> None:
+    """Only the last layer trains when frozen; every layer otherwise."""
+    model.requires_grad_(not frozen)
+    head_of(model)[1].requires_grad_(True)
+
+
+def frozen_until(args: argparse.Namespace) -> int:
+    """The number of epochs, from the first, that train the last layer only."""
+    return args.epochs if args.freeze else min(args.freeze_epochs, args.epochs)
+
+
+def stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: int,
+           device: torch.device, workers: int, show: bool = True) -> Iterator[Stage]:
+    """The epochs from `start` on: frozen ones first (all with --freeze, the first K with
+    --freeze-epochs K), then the rest. Each stage freezes or unfreezes the model as it begins."""
+    end = frozen_until(args)
+    if start < end:
+        set_frozen(model, True)
+        features = backbone_outputs(args, model, dataset, device, workers, show)
+        if features is None:
+            yield Stage(range(start, end), True, model, dataset)
+        else:
+            yield Stage(range(start, end), True, head_of(model)[1], features)
+    if max(start, end) < args.epochs:
+        set_frozen(model, False)
+        yield Stage(range(max(start, end), args.epochs), False, model, dataset)
+
+
+class Features(Dataset):
+    """The cached backbone outputs as `(float32 tensor (dim,), label)`."""
+
+    def __init__(self, path: Path, labels: list[int], dim: int):
+        self.path, self.labels, self.dim = Path(path), list(labels), dim
+        self._array = None  # opened lazily in each loader worker
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_array": None}
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if self._array is None:
+            self._array = np.memmap(self.path, dtype=np.float32, mode="r", shape=(len(self), self.dim))
+        return torch.from_numpy(np.array(self._array[index])), self.labels[index]
+
+
+def _head_input(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the last layer's input, the model's output) for a batch, in eval mode without gradients."""
+    seen = []
+    hook = head_of(model)[1].register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
+    try:
+        output = model(images)
+    finally:
+        hook.remove()
+    return seen[-1], output
+
+
+def _weights_digest(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    head = head_of(model)[0]
+    for name, tensor in model.state_dict().items():
+        if not name.startswith(head + "."):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Dataset,
+                     device: torch.device, workers: int, show: bool = True) -> Features | None:
+    """The feature cache of a frozen stage, built if needed; None to train from the images."""
+    if not args.cache:
+        if show:
+            print("--freeze without --cache runs the frozen backbone on every image in every epoch; "
+                  "--cache DIR computes its outputs once")
+        return None
+    if args.augment:
+        if show:
+            print("--freeze with --augment trains from the images: the backbone's outputs change "
+                  "with every augmented image, so they are not cached")
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        probe = model_inputs(torch.stack([dataset[i][0] for i in range(min(4, len(dataset)))]), device)
+        inputs, output = _head_input(model, probe)
+        head = head_of(model)[1]
+        # Only where the last layer's output is the model's output can it train alone on its input
+        # (not so for SqueezeNet, whose 1x1 convolution is followed by pooling).
+        if not (isinstance(head, nn.Linear) and inputs.dim() == 2
+                and torch.allclose(head(inputs), output, rtol=1e-4, atol=1e-5)):
+            if show:
+                print(f"the last layer of {args.arch} is not its output layer: the frozen epochs "
+                      "train from the images")
+            return None
+        dim = head.in_features
+        key = hashlib.sha256(f"{FORMAT} {args.arch} {args.image_size} {getattr(dataset, 'key', '')} "
+                             f"{_weights_digest(model)}".encode()).hexdigest()
+        path = Path(args.cache) / f"features_{args.arch}_{args.image_size}px.f32"
+        labels = dataset.labels  # a CachedImages: --cache holds the pixels too
+
+        def fill(array: np.ndarray) -> None:
+            loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers,
+                                generator=torch.Generator())
+            start = 0
+            for images, _ in tqdm(loader, desc=f"computing {args.arch}'s outputs for {len(dataset)} images",
+                                  disable=not show, leave=False):
+                vectors = _head_input(model, model_inputs(images, device, args.channels_last))[0]
+                array[start:start + len(vectors)] = vectors.float().cpu().numpy()
+                start += len(vectors)
+
+        ensure_array(path, path.with_suffix(".json"), key, (len(dataset), dim), np.float32, fill,
+                     "--cache", f"{args.arch}'s outputs", show)
+        return Features(path, labels, dim)
+    finally:
+        model.train(was_training)

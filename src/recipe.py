@@ -1,0 +1,67 @@
+"""The training recipe the four scripts share: optimizer, learning-rate schedule and the
+optimizer step (gradient clipping and the fp16 gradient scaler act once per step, after the
+micro-batches of --accumulate).
+
+Every piece counts optimizer steps, never processes or micro-batches, so each mode takes the
+same steps with the same learning rates.
+"""
+import argparse
+import math
+
+import torch
+import torch.nn as nn
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+    """--optimizer over every parameter; weight decay on weights, not on biases or normalisation.
+
+    Frozen parameters (--freeze) are in it too but get no gradient, and the optimizers skip a
+    parameter without one: no state, no update, no weight decay, until it is unfrozen.
+    """
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
+    # On GPUs the fused kernels are faster, and they take the fp16 scaler's inf check as a tensor
+    # where the plain ones read it on the host: one synchronisation per step less.
+    fused = device.type == "cuda"
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=args.lr, fused=fused)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=fused)
+
+
+def steps_per_epoch(train_images: int, global_batch: int) -> int:
+    """Optimizer steps in an epoch: the last incomplete global batch is dropped in every mode."""
+    return train_images // global_batch
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """The learning rate of optimizer step `step` (from 0) as a fraction of --lr."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    if schedule == "step":
+        return 0.1 ** ((progress >= 0.5) + (progress >= 0.75))
+    return 1.0
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+                  steps: int) -> LambdaLR:
+    """--lr-schedule with --warmup-epochs, stepped once per optimizer step; `steps` per epoch."""
+    total, warmup = args.epochs * steps, round(args.warmup_epochs * steps)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, total, warmup, args.lr_schedule))
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                   schedule: LambdaLR, clip_grad_norm: float | None) -> None:
+    """Apply the accumulated gradients: clip their norm, step, update the fp16 scale, schedule."""
+    if clip_grad_norm:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    schedule.step()

@@ -1,0 +1,207 @@
+"""src.benchmark's table, chart and checks, the loader measurement it relies on, and --profile
+(src/profiling.py) in all four scripts: the benchmark runs each script with --profile, so one
+small benchmark serves the profile tests too."""
+import csv
+import json
+import shutil
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from conftest import history, python
+from src import benchmark
+from src.benchmark import loader_alone
+from src.errors import exit_on_error
+from src.profiling import Profiler, breakdown, schedule_for
+from src.watch import Watch
+
+# Not single-jpeg, dp and accelerate: three runs less (their --profile tables are checked on the
+# runs of test_modes, in test_watch.py), and --modes is exercised.
+RUNS = ["single", "ddp", "freeze"]
+ROWS = RUNS + ["bare step", "bare forward", "feature cache build", "loader, JPEG", "loader, cache",
+               "loader, cache + augment", "decode full 32 px", "decode draft 32 px",
+               "decode full 224 px", "decode draft 224 px"]
+
+
+@pytest.fixture(scope="module")
+def bench(small_data, module_tmp):
+    """One small benchmark of every run (each with --profile): its folder and its output."""
+    data = module_tmp / "data"
+    shutil.copytree(small_data, data)
+    out = module_tmp / "bench"
+    result = python("-m", "src.benchmark", "--data-dir", str(data), "--out-dir", str(out),
+                    "--processes", "2", "--arch", "resnet18", "--image-size", "32",
+                    "--batch-size", "8", "--epochs", "1", "--steps", "2", "--modes", ",".join(RUNS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_benchmark_writes_the_table_chart_and_checks(bench):
+    out, result = bench
+    with open(out / "benchmark.csv") as f:
+        rows = {row["row"]: row for row in csv.DictReader(f)}
+    assert list(rows) == ROWS
+    assert [rows[m]["processes"] for m in RUNS] == ["1", "2", "1"]
+    assert all(float(row["train_images_per_s"]) > 0 for row in rows.values())
+    assert float(rows["single"]["speedup"]) == 1.0
+    assert rows["bare forward"]["train_images_per_s"] == rows["bare step"]["val_images_per_s"]
+    for mode in RUNS:
+        record = history(out / "runs" / mode)[-1]
+        assert record["train_samples"] == 192 // 16 * 16  # global batch 16 in every mode
+        assert float(rows[mode]["epoch_seconds"]) == pytest.approx(record["seconds"], abs=1e-3)
+        assert float(rows[mode]["data_wait_share"]) == pytest.approx(
+            record["data_wait_seconds"] / record["train_seconds"], abs=1e-3)
+        # Only the two-process run communicates.
+        communication = float(rows[mode]["communication_share"])
+        assert (communication > 0) == (mode == "ddp"), (mode, communication)
+    markdown = (out / "benchmark.md").read_text()
+    assert "| run | processes (DP: devices) | train images/s | val images/s | epoch s | speed-up | data wait | communication |" in markdown
+    assert "| ddp | 2 |" in markdown and "| loader, cache + augment | 1 |" in markdown
+    checks = markdown.split("Checks:")[1]
+    for text in ("of the bare step (target >= 0.90)", "the cache loader delivers",
+                 "the cache loader with --augment delivers", "an epoch of --freeze from the feature cache is",
+                 "the feature-cache build runs at", "draft decode at 32 px", "draft decode at 224 px"):
+        assert text in checks, text
+    assert "feature cache build (--freeze): 240 images in" in markdown
+    assert markdown in result.stdout
+    assert (out / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (out / "cache").iterdir()) == [
+        "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]
+    assert not (out / "features").exists()  # the timed build's copy is removed
+
+
+# In this process (torch is imported already): a subprocess would spend seconds importing it.
+def test_benchmark_bad_out_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--out-dir", str(tmp_path / "file" / "bench")])
+    with pytest.raises(SystemExit) as exit:
+        exit_on_error(benchmark.main)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: --out-dir {tmp_path / 'file' / 'bench'}: cannot create it (Not a directory)"
+
+
+def test_benchmark_unknown_mode_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        benchmark.parse_args(["--out-dir", str(tmp_path), "--modes", "single,fsdp"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        ": error: argument --modes: unknown run 'fsdp' (choose from single-jpeg, single, dp, ddp, "
+        "accelerate, freeze) (see --help)")
+
+
+class SlowImages(Dataset):
+    """Tiny images that take `delay` seconds each to make (a sleep: no CPU used)."""
+
+    def __init__(self, n: int, delay: float):
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int):
+        time.sleep(self.delay)
+        return torch.zeros(3, 8, 8, dtype=torch.uint8), 0
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_loader_alone_measures_a_loader_of_known_speed():
+    # 4 workers of 100 images/s: 400 images/s. They start together and stay in step, so when the
+    # first batch arrives the other three are ready too, and a clock started there counted them
+    # for free: 600 to 870 images/s measured here over 6 batches.
+    rate = loader_alone(SlowImages(100, delay=0.01), batch=4, workers=4, max_batches=6)
+    assert 0.8 * 400 < rate < 1.1 * 400
+
+
+def test_schedule_fits_a_short_epoch():
+    assert schedule_for(None) == schedule_for(10) == schedule_for(100) == (2, 2, 6)
+    assert schedule_for(5) == (1, 1, 3)
+    assert schedule_for(1) == (0, 0, 1)
+    assert schedule_for(0) is None
+    for cycles in range(1, 12):
+        assert sum(schedule_for(cycles)) <= cycles
+
+
+def _event(name, thread, start, end, parent=None, device=False, **extra):
+    fields = dict(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end),
+                  device_type=DeviceType.CUDA if device else DeviceType.CPU, is_async=False,
+                  activity_type="kernel" if device else "cpu_op", id=0, linked_correlation_id=0,
+                  cpu_parent=parent, device_index=0)
+    return SimpleNamespace(**{**fields, **extra})
+
+
+def test_breakdown_partitions_host_and_gpu_time():
+    """One made-up CUDA DDP step (microseconds): backward on autograd's thread 2, NCCL on thread 3."""
+    conv = _event("aten::conv2d", 1, 120, 300, id=11)
+    convolution_backward = _event("autograd::engine::evaluate_function: ConvolutionBackward0", 2, 400, 600, id=12)
+    optimizer = _event("Optimizer.step#SGD.step", 1, 800, 900, id=55)
+    host = [
+        _event("ProfilerStep*", 1, 0, 1000, id=1),
+        _event("data wait", 1, 10, 110, id=2),
+        conv,
+        _event("c10d::broadcast_", 1, 300, 350, id=13),  # DDP's buffer broadcast in its forward
+        convolution_backward,
+        _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 2, 600, 650, id=14),
+        _event("c10d::allreduce_", 2, 610, 620, id=15),
+        _event("nccl:all_reduce", 3, 620, 750, id=16, is_async=True),  # in flight
+        _event("torch.distributed.ddp.reducer::copy_bucket_to_grad", 2, 760, 780, id=17),
+        optimizer,
+    ]
+    launches = [_event("cudaLaunchKernel", 1, 130, 135, conv, id=101, activity_type="cuda_runtime",
+                       linked_correlation_id=11),
+                _event("cudaLaunchKernel", 2, 410, 415, convolution_backward, id=102,
+                       activity_type="cuda_runtime", linked_correlation_id=12)]
+    kernels = [_event("sgemm", 0, 150, 450, device=True, id=101, linked_correlation_id=11),
+               _event("wgrad", 0, 450, 700, device=True, id=102, linked_correlation_id=12),
+               _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 630, 800, device=True, id=104),
+               _event("multi_tensor_apply", 0, 820, 880, device=True, id=103, linked_correlation_id=55),
+               _event("ProfilerStep#1", 0, 0, 1000, device=True, activity_type="gpu_user_annotation"),
+               _event("sgemm", 0, 0, 1000, device=True, device_index=1)]
+    result = breakdown(host + launches + kernels, device_index=0)
+    assert result["steps"] == 1 and result["wall_seconds"] == pytest.approx(1e-3)
+    expected = {"data wait": 100, "forward": 240, "backward": 270, "optimizer": 100,
+                "communication": 160, "other": 130}
+    assert result["host"]["seconds"] == pytest.approx({k: v / 1e6 for k, v in expected.items()})
+    assert result["host"]["communication"] == pytest.approx({"broadcast": 50e-6, "all-reduce": 110e-6})
+    assert result["host"]["in_flight_seconds"] == pytest.approx(130e-6)
+    device = {"forward": 300, "backward": 250, "optimizer": 60, "communication": 100, "other": 0, "idle": 290}
+    assert result["device"]["seconds"] == pytest.approx({k: v / 1e6 for k, v in device.items()})
+    assert result["device"]["communication"] == pytest.approx({"all-reduce": 100e-6})
+    assert result["device"]["in_flight_seconds"] == pytest.approx(170e-6)
+
+
+@pytest.mark.parametrize("batches, steps", [(12, 6), (4, 1)])
+def test_profile_fits_the_pass(tmp_path, batches, steps):
+    """Through the training loop's Steps: a pass too short for the usual schedule gets a shorter one."""
+    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1,
+                           accumulate=1)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(2 * batches, 4), torch.zeros(2 * batches, dtype=torch.long))
+    watch = Watch(args, optimizer, batches, 2, torch.device("cpu"))
+    for inputs, labels in watch.steps(DataLoader(data, batch_size=2), "train", epoch=0).track(torch.zeros(4)):
+        torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    figures = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert figures["steps"] == steps and figures["host"]["seconds"]["backward"] > 0
+    assert watch.profiler.done
+
+
+def test_profile_cut_short_by_the_end_of_the_pass(tmp_path):
+    """Without the pass's length: the default schedule, and the pass ends while it records."""
+    profiler = Profiler(SimpleNamespace(log_dir=str(tmp_path), checkpoint="unused"), torch.device("cpu"))
+    x = torch.ones(3, requires_grad=True)
+    for _ in range(6):  # steps 0, 1 skipped, 2, 3 warm-up, 4, 5 recorded but not yet saved
+        with torch.profiler.record_function("data wait"):
+            pass
+        (x * 2).sum().backward()
+        profiler.step(0.0)
+    profiler.finish()
+    figures = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert figures["steps"] == 1  # step 4; step 5 is the loop's tail, with no training in it
+    assert profiler.done

@@ -1,0 +1,69 @@
+"""python -m src.compare_recipes: both recipes, the same steps, figures from the runs' history.json."""
+import csv
+import json
+
+import pytest
+
+from conftest import fails_in_process, python
+from src import compare_recipes
+
+
+@pytest.fixture(scope="module")
+def compared(module_tmp):
+    """A tiny comparison: 40 hard images at 32 px, one epoch of 4 steps per recipe."""
+    out = module_tmp / "compare"
+    result = python("-m", "src.compare_recipes", "--out-dir", str(out), "--images", "40",
+                    "--image-size", "32", "--epochs", "1", "--batch-size", "8", "--workers", "0",
+                    "--arch", "resnet18", "--weights", "none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_table_and_csv_report_both_recipes_from_their_histories(compared):
+    out, result = compared
+    rows = {row["recipe"]: row for row in csv.DictReader(open(out / "compare.csv"))}
+    assert list(rows) == ["seed", "full"]
+    markdown = (out / "compare.md").read_text()
+    assert markdown in result.stdout  # printed too
+    for name, row in rows.items():
+        history = json.loads((out / "runs" / name / "history.json").read_text())
+        assert len(history) == 1 and int(row["epochs"]) == 1
+        last = history[-1]
+        assert float(row["last_val_log_loss"]) == pytest.approx(last["val_log_loss"], abs=1e-6)
+        assert float(row["best_val_log_loss"]) == pytest.approx(last["val_log_loss"], abs=1e-6)
+        assert float(row["last_val_acc"]) == pytest.approx(last["val_acc"], abs=1e-6)
+        assert int(row["val_images"]) == last["val_samples"] == 8
+        assert int(row["steps"]) == last["train_samples"] // 8 == 4
+        assert (f"| {name} | {last['val_log_loss']:.4f} (1) | {last['val_log_loss']:.4f} | "
+                f"{last['val_acc']:.4f} (1) | {last['val_acc']:.4f} | 4 |") in markdown
+    assert "validation log loss: " in markdown and "standard error" in markdown
+
+
+def test_runs_differ_only_in_the_recipe(compared):
+    out, _ = compared
+    seed, full = (json.loads((out / "runs" / name / "best.json").read_text()) for name in ("seed", "full"))
+    # The same data, split, model and steps...
+    for key in ("arch", "image_size", "batch_size", "seed", "val_fraction", "data", "epochs", "lr"):
+        assert seed[key] == full[key], key
+    # ...the seed recipe with the scripts' defaults, the full one with every piece on.
+    assert (seed["augment"], seed["lr_schedule"], seed["warmup_epochs"], seed["weight_decay"],
+            seed["label_smoothing"], seed["clip_grad_norm"]) == (False, "constant", 0.0, 0.0, 0.0, None)
+    assert full["augment"] and full["lr_schedule"] == "cosine" and 0 < full["warmup_epochs"] < 1
+    assert full["weight_decay"] > 0 and full["label_smoothing"] > 0 and full["clip_grad_norm"] > 0
+    assert json.loads((out / "data" / "synthetic.json").read_text())["hard"] is True
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "compare_recipes.py: error: argument --epochs: must be at least 1, got 0 (see --help)"),
+    (["--lr", "-1"], "compare_recipes.py: error: argument --lr: must be > 0, got -1.0 (see --help)"),
+    (["--optimiser", "sgd"], "compare_recipes.py: error: unrecognized arguments: --optimiser sgd (see --help)"),
+])
+def test_bad_flag_is_one_line_and_exit_2(tmp_path, flags, message, monkeypatch, capsys):
+    assert fails_in_process(compare_recipes.main, ["--out-dir", str(tmp_path), *flags], monkeypatch, capsys,
+                            message) == message
+
+
+def test_missing_data_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    line = fails_in_process(compare_recipes.main, ["--out-dir", str(tmp_path / "out"), "--data-dir",
+                                                   str(tmp_path / "nowhere")], monkeypatch, capsys, "--data-dir")
+    assert line == f"error: --data-dir {tmp_path / 'nowhere'}: no train/ folder in it"

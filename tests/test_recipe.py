@@ -1,0 +1,202 @@
+"""The fine-tuning recipe keeps the four modes training the same model: augmentation, a warm-up
+and cosine schedule, weight decay, label smoothing, clipping and gradient accumulation, all at
+once over two epochs; each flag's effect and its bad values."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from conftest import (B, EXACT, HOOKS, TOLERANCE, VAL, assert_same_run, distance, history, last_model,
+                      python, weights)
+from src.augment import augment, crop_params
+from src.checkpoint import best_record
+from src.cli import parse_args
+from src.loaders import TrainSplit, make_loaders
+from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
+
+# Every recipe flag on. 100 training images; a global batch of 4 * B = 40 makes 2 optimizer steps
+# an epoch, so the half-epoch warm-up is one step and the cosine spans steps 1 to 3. Measured on
+# the single-process run (2026-12-04), leaving one flag out moves the end weights by this share of
+# `recipe_far`: --clip-grad-norm 0.41, --weight-decay 0.36, the schedule 0.22, --augment 0.069,
+# --label-smoothing 0.0067; another augmentation seed 0.050. A mode that ignored any of them would
+# fail TOLERANCE (1e-3).
+RECIPE = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--weight-decay", "0.01",
+          "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--best-by", "val_log_loss"]
+MICRO = {"single": (B, 4), "dp": (2 * B, 2), "ddp": (B, 2), "accelerate": (B, 2)}  # batch, --accumulate
+
+
+def _recipe_run(runs, mode, *extra, env=None, batch=None, accumulate=None):
+    b, n = MICRO[mode]
+    return runs(mode, *EXACT, *VAL, *RECIPE, "--epochs", "2", "--batch-size", str(batch or b),
+                "--accumulate", str(accumulate or n), *extra, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    """train_single.py with --accumulate 4: one process takes the steps of 2 processes x 2."""
+    return _recipe_run(runs, "single")[0]
+
+
+@pytest.fixture(scope="module")
+def recipe_far(runs, reference):
+    """The reference against the same recipe with half the global batch."""
+    other = _recipe_run(runs, "single", accumulate=2)[0]
+    return distance(last_model(other), last_model(reference))
+
+
+@pytest.mark.parametrize("mode", ["dp", "ddp", "accelerate"])
+def test_every_mode_with_the_full_recipe_matches_single(mode, runs, reference, recipe_far):
+    out, result = _recipe_run(runs, mode)
+    assert "x 2 micro-batches" in result.stdout
+    assert_same_run(out, reference, recipe_far)
+
+
+def test_a_different_augmentation_is_outside_the_tolerance(runs, reference, recipe_far):
+    control = _recipe_run(runs, "single", env={"AUGMENT_SEED_SHIFT": "1"})[0]
+    assert distance(last_model(control), last_model(reference)) / recipe_far > 20 * TOLERANCE
+
+
+def test_the_learning_rate_follows_warmup_then_cosine(reference):
+    """Recorded after each epoch: the rate of the next step. 4 steps, the first one warming up."""
+    expected = [0.001 * 0.5 * (1 + math.cos(math.pi * (2 - 1) / 3)), 0.0]
+    assert [r["lr"] for r in history(reference)] == pytest.approx(expected)
+    assert weights(reference, "last.pth")["schedule"]["last_epoch"] == 4  # steps taken
+
+
+def test_best_by_log_loss_picks_best_pth_and_writes_it_only_when_it_improves(reference):
+    records = history(reference)
+    best = min(records, key=lambda r: r["val_log_loss"])
+    assert json.loads((reference / "best.json").read_text())["epoch"] == best["epoch"]
+    writes = [line.split()[1] for line in (reference.parent / "writes.log").read_text().splitlines()]
+    improved = [r for i, r in enumerate(records) if best_record(records[:i + 1], "val_log_loss") is r]
+    assert sum(path.endswith("/best.pth") for path in writes) == len(improved)
+    assert writes[0].endswith("/best.pth"), "epoch 1 is always the best so far"
+
+
+def test_resume_in_the_middle_of_the_schedule_equals_the_straight_run(exact_data, reference, recipe_far,
+                                                                      tmp_path):
+    """Ctrl-C at the first step of epoch 2, then --resume with two loader workers instead of none."""
+    flags = ["--data-dir", str(exact_data), *EXACT, *VAL, *RECIPE, "--epochs", "2",
+             "--batch-size", str(B), "--accumulate", "4", "--checkpoint", str(tmp_path / "best.pth"),
+             "--plot", str(tmp_path / "curves.png")]
+    stopped = python("train_single.py", *flags, env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "3"})
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert [r["epoch"] for r in history(tmp_path)] == [1]
+    result = python("train_single.py", *flags, "--resume", "--workers", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert assert_same_run(tmp_path, reference, recipe_far) == 0
+
+
+# In-process: each flag changes what train_single.py's loop does.
+
+def _train_one_epoch(**flags) -> dict:
+    import train_single
+    from src.watch import Watch
+    argv = ["--lr", "0.1", "--batch-size", "4"]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    args = parse_args("", argv)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    data = TensorDataset(torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.arange(32) % 2)
+    dataset = [(image, int(label)) for image, label in data]
+    loader, _ = make_loaders(dataset, list(range(32)), [0], args.batch_size, 0, 0,
+                             accumulate=args.accumulate, augment=args.augment)
+    device = torch.device("cpu")
+    optimizer = make_optimizer(model, args, device)
+    steps = steps_per_epoch(32, args.batch_size * args.accumulate)
+    schedule = make_schedule(optimizer, args, steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    watch = Watch(args, optimizer, steps, args.batch_size, device, show=False)
+    loader.sampler.set_epoch(0)
+    train_single.run_epoch(model, watch.steps(loader, "test", 0), device, args, optimizer, scaler, schedule)
+    return {**model.state_dict(), "steps": torch.tensor(schedule.last_epoch)}
+
+
+@pytest.mark.parametrize("flag, value", [("augment", True), ("weight_decay", 0.5), ("label_smoothing", 0.3),
+                                         ("clip_grad_norm", 0.01), ("accumulate", 2), ("optimizer", "adamw"),
+                                         ("lr_schedule", "cosine"), ("warmup_epochs", 0.5)])
+def test_each_recipe_flag_changes_the_training(flag, value):
+    plain, changed = _train_one_epoch(epochs=2), _train_one_epoch(**{flag: value, "epochs": 2})
+    assert plain["steps"] == 8 and changed["steps"] == (4 if flag == "accumulate" else 8)
+    assert any(not torch.equal(plain[k], changed[k]) for k in plain if k != "steps"), flag
+
+
+def test_weight_decay_spares_biases_and_frozen_parameters():
+    args = parse_args("", ["--weight-decay", "0.1"])
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    groups = make_optimizer(model, args, torch.device("cpu")).param_groups
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(2, 0.1), (4, 0.0)]
+    assert all(p.ndim == 2 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
+
+
+def test_lr_factor_shapes():
+    assert [lr_factor(s, 10, 2, "constant") for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert [round(lr_factor(s, 10, 0, "step"), 6) for s in (0, 4, 5, 7, 8)] == [1, 1, 0.1, 0.1, 0.01]
+    assert lr_factor(0, 10, 0, "cosine") == 1 and lr_factor(10, 10, 0, "cosine") == pytest.approx(0)
+
+
+def test_one_samples_augmentation_is_the_same_whatever_the_workers_or_the_rank():
+    """TrainSplit draws from (seed, epoch, sample index) alone: every --workers value and either
+    of two ranks see the same pixels for a sample, and another epoch sees other ones."""
+    images = torch.randint(0, 256, (24, 3, 32, 32), dtype=torch.uint8)
+    dataset = [(images[i], i % 2) for i in range(24)]
+
+    def seen(workers, rank, world, epoch):
+        loader, _ = make_loaders(dataset, list(range(24)), [0, 1], 4, 7, workers, rank, world, augment=True)
+        loader.sampler.set_epoch(epoch)
+        split = loader.dataset
+        return {split.indices[position]: image for batch_keys, (batch, _) in
+                zip(_batches(loader.sampler, 4), loader) for (_, position), image in zip(batch_keys, batch)}
+
+    one = seen(0, 0, 1, 3)
+    assert len(one) == 24
+    for workers in (0, 2):
+        for rank in (0, 1):
+            for index, image in seen(workers, rank, 2, 3).items():
+                assert torch.equal(image, one[index]), (workers, rank, index)
+    other_epoch = seen(0, 0, 1, 4)
+    assert sum(torch.equal(image, other_epoch[i]) for i, image in one.items()) < 3, "per epoch"
+    assert sum(torch.equal(image, images[i]) for i, image in one.items()) < 3, "it augments"
+    assert torch.equal(one[5], augment(images[5], crop_params(7, 3, 5, 32)))
+
+
+def _batches(sampler, size):
+    keys = list(sampler)
+    return [keys[i:i + size] for i in range(0, len(keys), size)]
+
+
+def test_train_split_without_augment_is_the_plain_image():
+    images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
+    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3])
+    assert torch.equal(split[(5, 1)][0], images[3])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--accumulate", "0"], "argument --accumulate: must be at least 1"),
+    (["--warmup-epochs", "-1"], "argument --warmup-epochs: must be >= 0"),
+    (["--warmup-epochs", "2", "--epochs", "2"], "--warmup-epochs: 2.0 is not less than --epochs 2"),
+    (["--label-smoothing", "1"], "argument --label-smoothing: must be in [0, 1)"),
+    (["--clip-grad-norm", "0"], "argument --clip-grad-norm: must be > 0"),
+    (["--weight-decay", "-0.1"], "argument --weight-decay: must be >= 0"),
+    (["--optimizer", "lion"], "argument --optimizer: invalid choice: 'lion'"),
+    (["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice: 'linear'"),
+    (["--best-by", "loss"], "argument --best-by: invalid choice: 'loss'"),
+    (["--freeze", "--freeze-epochs", "1"], "pass one of them"),
+])
+def test_bad_recipe_values_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parse_args("", argv)
+    assert caught.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+
+
+def test_a_bad_recipe_value_through_the_script(exact_data, tmp_path):
+    result = python("train_ddp.py", "--data-dir", str(exact_data), "--accumulate", "0",
+                    "--checkpoint", str(tmp_path / "best.pth"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "argument --accumulate: must be at least 1" in result.stderr

@@ -1,0 +1,90 @@
+"""Watching a run: TensorBoard event files from rank 0 alone (accelerate through its own tracker),
+the time spent waiting for data, the progress bars, and --profile in all four scripts."""
+import json
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import history, mode_run
+from src.profiling import CATEGORIES
+
+# The EXACT runs: 100 training images in batches of 20, 5 optimizer steps an epoch, 2 epochs,
+# --log-every 2: step scalars after steps 2, 4 and 5 of each epoch (the last step always reports).
+STEPS = [2, 4, 5, 7, 9, 10]
+
+
+def _events(folder: Path) -> tuple[list[Path], EventAccumulator]:
+    files = sorted(folder.rglob("events.out.tfevents.*"))
+    assert files, f"no event file under {folder}"
+    accumulator = EventAccumulator(str(files[0].parent))
+    accumulator.Reload()
+    return files, accumulator
+
+
+@pytest.mark.parametrize("mode", ["single", "dp", "ddp", "accelerate"])
+def test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only(mode, runs):
+    out, _ = mode_run(runs, mode)
+    files, events = _events(runs.root / f"tensorboard-{mode}")
+    assert len(files) == 1, f"one writer: {files}"
+    if mode == "accelerate":  # accelerate's TensorBoard tracker: a run folder named by init_trackers
+        assert files[0].parent.name == "train_accelerate"
+    records = history(out)
+    tags = set(events.Tags()["scalars"])
+    for field in records[0]:
+        if field != "epoch":
+            scalars = events.Scalars(f"epoch/{field}")
+            assert [s.step for s in scalars] == [1, 2], field
+            assert [s.value for s in scalars] == pytest.approx([r[field] for r in records], rel=1e-6), field
+    assert [s.step for s in events.Scalars("step/loss")] == STEPS
+    assert [s.step for s in events.Scalars("step/lr")] == STEPS
+    assert [s.value for s in events.Scalars("step/lr")] == pytest.approx([0.001] * 6)
+    # images/s between two reports of a pass: two an epoch
+    assert [s.step for s in events.Scalars("step/images_per_s")] == [4, 5, 9, 10]
+    assert all(s.value > 0 for s in events.Scalars("step/images_per_s"))
+    assert all(0.3 < s.value < 1.5 for s in events.Scalars("step/loss"))
+    assert tags == {f"epoch/{f}" for f in records[0] if f != "epoch"} | {"step/loss", "step/lr", "step/images_per_s"}
+
+
+def test_the_progress_bar_shows_a_recent_loss_and_images_per_second(runs):
+    _, result = mode_run(runs, "single")
+    assert "loss=" in result.stderr and "img/s=" in result.stderr
+
+
+def test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not(runs):
+    """20 ms more for each image (SLOW_ITEM): 100 training images wait 2 s longer for data; the
+    model's share of the epoch (train_seconds - data_wait_seconds) stays what it was."""
+    normal = history(mode_run(runs, "single")[0])[0]
+    slow = history(runs.exact("single", epochs=1, env={"SLOW_ITEM": "0.02"})[0])[0]
+    assert slow["data_wait_seconds"] >= normal["data_wait_seconds"] + 100 * 0.02 * 0.95
+    model_time = [r["train_seconds"] - r["data_wait_seconds"] for r in (normal, slow)]
+    assert model_time[1] < 2 * model_time[0] + 0.5, model_time
+    assert normal["data_wait_seconds"] < 0.5 * normal["train_seconds"]
+
+
+@pytest.mark.parametrize("mode", ["single", "dp", "ddp", "accelerate"])
+def test_profile_writes_a_trace_and_the_table(runs, mode):
+    """--profile on the mode runs: with 5 steps an epoch the profile is shortened to fit
+    (src/profiling.py schedule_for): two steps recorded."""
+    _, result = mode_run(runs, mode)
+    folder = runs.root / f"tensorboard-{mode}" / "profile"
+    trace = json.loads((folder / "rank0.pt.trace.json").read_text())
+    assert any(event.get("name", "").startswith("ProfilerStep#") for event in trace["traceEvents"])
+    table = (folder / "profile.md").read_text()
+    for category in CATEGORIES:
+        assert f"| {category} | " in table
+    assert table.split("\n\n")[1] in result.stdout  # printed by rank 0, once
+    assert result.stdout.count("| where the time went |") == 1
+    assert "gpuGetDeviceCount" not in result.stderr + result.stdout  # kineto kept quiet without a GPU
+    figures = json.loads((folder / "profile.json").read_text())
+    assert figures["steps"] == 2 and figures["world_size"] == (2 if mode in ("ddp", "accelerate") else 1)
+    seconds = figures["host"]["seconds"]
+    assert sum(seconds.values()) == pytest.approx(figures["wall_seconds"], rel=1e-6)
+    assert seconds["forward"] > 0 and seconds["backward"] > 0 and seconds["optimizer"] > 0
+    # The loop's own clock and the profiler's "data wait" ranges agree.
+    assert seconds["data wait"] == pytest.approx(figures["data_wait_by_clock_seconds"], abs=0.02)
+    if mode in ("ddp", "accelerate"):
+        assert figures["host"]["communication"]["all-reduce"] > 0
+        assert "| - all-reduce | " in table and "gloo collectives were in flight" in table
+    else:
+        assert seconds["communication"] == 0
