@@ -106,7 +106,8 @@ def main() -> None:
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = make_loaders(stage.data, train_idx, val_idx, args.batch_size * processes,
                                                 args.seed, workers, pin_memory=device.type == "cuda",
-                                                accumulate=args.accumulate, augment=args.augment)
+                                                accumulate=args.accumulate, augment=args.augment,
+                                                split=processes)
         net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, accelerator.process_index)

@@ -215,7 +215,13 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
             raise UserError(f"{path} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
+        # load_state_dict takes the saving run's kernel choice too (fused on a GPU, not on a CPU):
+        # keep this device's, which the fp16 scaler relies on.
+        kernels = [{key: group[key] for key in ("fused", "foreach") if key in group}
+                   for group in optimizer.param_groups]
         optimizer.load_state_dict(state["optimizer"])
+        for group, kept in zip(optimizer.param_groups, kernels):
+            group.update(kept)
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])

@@ -58,8 +58,11 @@ def configure_numerics(deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = True
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    torch.backends.cudnn.conv.fp32_precision = "ieee"  # no TF32 in convolutions ...
-    torch.backends.cuda.matmul.fp32_precision = "ieee"  # ... nor in matrix products
+    # No TF32 in convolutions nor in matrix products. The allow_tf32 setters, not the newer
+    # fp32_precision ones: after those, torch refuses to read allow_tf32 (a "mix of the legacy and
+    # new APIs"), which cudnn.flags() and inductor's convolution templates still do.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = False  # benchmarking may pick another kernel in each run
     torch.backends.cudnn.deterministic = True
     # warn_only: torch has no deterministic CUDA kernel for a few ops (adaptive average pooling's
@@ -79,10 +82,14 @@ def check_gpus(local_processes: int) -> None:
 
 
 def check_bf16(precision: str | None, local_rank: int = 0) -> None:
-    """bfloat16 runs natively on Ampere and later NVIDIA GPUs; older ones emulate it, slowly."""
-    if precision != "bf16" or not torch.cuda.is_available():
+    """bfloat16 runs natively on Ampere and later NVIDIA GPUs; older ones emulate it, slowly.
+
+    Asks about this process's GPU (its local rank), not the current one, which is GPU 0 until
+    the process selects its own.
+    """
+    if precision != "bf16" or not torch.cuda.is_available() or torch.version.hip:
         return
-    if not torch.cuda.is_bf16_supported(including_emulation=False):
+    if torch.cuda.get_device_capability(local_rank) < (8, 0):
         name = torch.cuda.get_device_name(local_rank)
         raise UserError(f"this GPU ({name}) has no bfloat16 arithmetic (Ampere and later have it): "
                         "use --amp fp16 (accelerate: --mixed_precision fp16) or full precision")

@@ -57,6 +57,8 @@ def stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: 
         if features is None:
             yield Stage(range(start, end), True, model, dataset)
         else:
+            if show:
+                print(f"epochs {start + 1} to {end}: the last layer trains on {args.arch}'s cached outputs")
             yield Stage(range(start, end), True, head_of(model)[1], features)
     if max(start, end) < args.epochs:
         set_frozen(model, False)

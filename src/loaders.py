@@ -105,9 +105,13 @@ def default_workers(local_processes: int = 1) -> int:
 
 def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], batch_size: int,
                  seed: int, workers: int, rank: int = 0, world_size: int = 1,
-                 pin_memory: bool = False, accumulate: int = 1,
-                 augment: bool = False) -> tuple[DataLoader, DataLoader]:
-    """Loaders of this rank's share; call `train_loader.sampler.set_epoch(epoch)` every epoch."""
+                 pin_memory: bool = False, accumulate: int = 1, augment: bool = False,
+                 split: int = 1) -> tuple[DataLoader, DataLoader]:
+    """Loaders of this rank's share; call `train_loader.sampler.set_epoch(epoch)` every epoch.
+
+    `split`: the processes that share each batch (accelerate's split_batches), each loading its own
+    part of it.
+    """
     global_batch = batch_size * world_size * accumulate
     if len(train_idx) < global_batch:
         steps = f" x {accumulate} (--accumulate)" if accumulate > 1 else ""
@@ -117,7 +121,7 @@ def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], bat
     if len(val_idx) < world_size:
         raise UserError(f"{world_size} processes but only {len(val_idx)} validation images; "
                         "use fewer processes or more data", quiet=rank != 0)
-    check_shared_memory(workers, batch_size * dataset[train_idx[0]][0].nbytes)
+    check_shared_memory(workers, batch_size // split * dataset[train_idx[0]][0].nbytes)
     train_set = TrainSplit(dataset, train_idx, seed if augment else None)
     val_set = Subset(dataset, val_idx)
     # Their own generator: drawing the workers' base seed from the global one would shift what

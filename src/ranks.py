@@ -22,9 +22,20 @@ def from_rank_0(make: Callable[[], T]) -> T:
     if rank == 0:
         try:
             box = [make()]
-        except UserError as error:  # the others would wait in the broadcast until its timeout
-            box = [error]
+        except Exception as error:  # the others would wait in the broadcast until its timeout
+            box = [error if isinstance(error, UserError) else _Failed(type(error).__name__)]
+            dist.broadcast_object_list(box, src=0)
+            raise
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], UserError):
-        raise UserError(str(box[0]), quiet=rank != 0)
+        raise UserError(str(box[0]), quiet=True)  # rank 0 says it
+    if isinstance(box[0], _Failed):
+        raise UserError(f"rank 0 failed ({box[0].name})", quiet=True)  # rank 0 shows the traceback
     return box[0]
+
+
+class _Failed:
+    """What rank 0 sends in place of a result when make() raised something else than a UserError."""
+
+    def __init__(self, name: str):
+        self.name = name

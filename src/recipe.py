@@ -24,8 +24,10 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.dev
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     groups = [group for group in groups if group["params"]]
     # On GPUs the fused kernels are faster, and they take the fp16 scaler's inf check as a tensor
-    # where the plain ones read it on the host: one synchronisation per step less.
-    fused = device.type == "cuda"
+    # where the plain ones read it on the host: one synchronisation per step less. Not SGD with
+    # --freeze-epochs: after the unfreezing its momentum buffers would be set for the head only,
+    # and fused SGD takes a group's buffers as all set or all missing (torch/optim/sgd.py).
+    fused = device.type == "cuda" and (args.optimizer == "adamw" or not args.freeze_epochs)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=fused)
     return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=fused)

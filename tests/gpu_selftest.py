@@ -99,11 +99,17 @@ def agreement(work: Path, data: Path, gpus: int) -> list[str]:
     return lines
 
 
+def _per_process(mode: str, global_batch: int, gpus: int) -> list[str]:
+    """--batch-size for a global batch: the same number of steps whatever the GPUs."""
+    return ["--batch-size", str(global_batch if mode in ("single", "dp") else max(1, global_batch // gpus))]
+
+
 def fast_path(work: Path, data: Path, gpus: int) -> list[str]:
-    flags = TRAIN + ["--batch-size", "64", "--amp", "bf16", "--channels-last", "--compile"]
+    flags = TRAIN + ["--amp", "bf16", "--channels-last", "--compile"]
     lines = []
     for mode in ("single", "ddp"):
-        out = _train(f"fast-{mode}", _launchers(gpus)[mode], SCRIPTS[mode], flags, work, data)
+        out = _train(f"fast-{mode}", _launchers(gpus)[mode], SCRIPTS[mode], flags + _per_process(mode, 64, gpus),
+                     work, data)
         record = json.loads((out / "history.json").read_text())[-1]
         lines.append(f"{mode}: val acc {record['val_acc']:.3f}, epoch 2 in {record['seconds']:.1f} s")
         if record["val_acc"] < 0.8:
@@ -112,6 +118,8 @@ def fast_path(work: Path, data: Path, gpus: int) -> list[str]:
 
 
 def no_syncs(work: Path, data: Path, gpus: int) -> list[str]:
+    """Steps 2 to 8 of the first epoch under set_sync_debug_mode("error"): 512 training images in
+    global batches of 32 make 16 micro-batches on every rank, whatever the GPUs."""
     launch, lines = _launchers(gpus), []
     cases = [("single", ["--amp", "bf16"], {}), ("single-fp16", ["--amp", "fp16"], {}),
              ("dp", ["--amp", "bf16"], {}), ("ddp", ["--amp", "bf16"], {}),
@@ -122,7 +130,7 @@ def no_syncs(work: Path, data: Path, gpus: int) -> list[str]:
             launcher = launch[mode][:2] + ["--mixed_precision", "bf16"] + launch[mode][2:]
         else:
             launcher = launch[mode]
-        _train(f"sync-{name}", launcher, SCRIPTS[mode], TRAIN + ["--batch-size", "32", "--epochs", "1", *extra],
+        _train(f"sync-{name}", launcher, SCRIPTS[mode], TRAIN + _per_process(mode, 32, gpus) + ["--epochs", "1", *extra],
                work, data, {"SYNC_CHECK_STEPS": "2:8", **env})
         lines.append(f"{name}: steps 2 to 8 ran under set_sync_debug_mode('error')")
     return lines
@@ -143,8 +151,11 @@ def resume(work: Path, data: Path, gpus: int) -> list[str]:
         if result.returncode != 0:
             raise RuntimeError(f"resume {mode} failed: {result.stderr.strip().splitlines()[-1:]}")
         distance = _distance(_model(stopped), _model(straight))
-        lines.append(f"{mode}: distance between resumed and straight weights {distance:.3g}")
-        if distance != 0:
+        norm = _distance(_model(straight), {k: v * 0 for k, v in _model(straight).items()})
+        lines.append(f"{mode}: distance between resumed and straight weights {distance:.3g} (weights' norm {norm:.3g})")
+        # One device: bit for bit. DDP with 3 or more ranks may differ in the rounding: its first
+        # step after a start all-reduces one bucket of every gradient, later steps rebuilt buckets.
+        if distance > (0 if mode == "single" or gpus < 3 else 1e-6 * norm):
             raise AssertionError("; ".join(lines))
     return lines
 

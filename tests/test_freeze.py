@@ -35,15 +35,20 @@ def frozen_runs(runs, small_data, backbone):
     return get
 
 
-def test_frozen_training_changes_only_the_head(frozen_runs, backbone, runs):
-    out, _ = frozen_runs("single", "--cache", str(runs.root / "frozen-cache"))
-    assert sorted(p.name for p in (runs.root / "frozen-cache").iterdir()) == [
-        "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]
+def _backbone_unchanged(out, backbone):
     file = torch.load(backbone, weights_only=True)
     for state in (weights(out), last_model(out)):
         for key, tensor in state.items():
             if not key.startswith("fc."):
                 assert torch.equal(tensor, file[key]), key  # weights and batch-norm statistics
+
+
+def test_frozen_training_changes_only_the_head(frozen_runs, backbone, runs):
+    out, result = frozen_runs("single", "--cache", str(runs.root / "frozen-cache"))
+    assert "epochs 1 to 2: the last layer trains on resnet18's cached outputs" in result.stdout
+    assert sorted(p.name for p in (runs.root / "frozen-cache").iterdir()) == [
+        "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]
+    _backbone_unchanged(out, backbone)
     torch.manual_seed(42)
     start = build_model("resnet18", str(backbone))
     assert not torch.equal(last_model(out)["fc.weight"], start.fc.weight)
@@ -52,10 +57,12 @@ def test_frozen_training_changes_only_the_head(frozen_runs, backbone, runs):
     assert history(out)[-1]["val_acc"] > 0.8
 
 
-def test_the_feature_cache_trains_the_same_head_as_the_images(frozen_runs, runs):
+def test_the_feature_cache_trains_the_same_head_as_the_images(frozen_runs, runs, backbone):
     cached_out = frozen_runs("single", "--cache", str(runs.root / "frozen-cache"))[0]
     images_out, result = frozen_runs("single")
     assert "--freeze without --cache runs the frozen backbone on every image" in result.stdout
+    assert "cached outputs" not in result.stdout
+    _backbone_unchanged(images_out, backbone)  # frozen while the whole model runs
     assert torch.allclose(last_model(images_out)["fc.weight"], last_model(cached_out)["fc.weight"], atol=1e-6)
     assert history(images_out)[-1]["val_loss"] == pytest.approx(history(cached_out)[-1]["val_loss"], rel=1e-5)
 
@@ -65,7 +72,8 @@ def test_every_mode_freezes_the_same(mode, frozen_runs, runs):
     cache = ["--cache", str(runs.root / "frozen-cache")]
     reference = last_model(frozen_runs("single", *cache)[0])
     far = distance(last_model(frozen_runs("single", *cache, batch=8)[0]), reference)
-    out, _ = frozen_runs(mode, *cache)
+    out, result = frozen_runs(mode, *cache)
+    assert result.stdout.count("the last layer trains on resnet18's cached outputs") == 1
     assert distance(last_model(out), reference) / far < TOLERANCE
 
 

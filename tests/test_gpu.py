@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 import train_accelerate
+import train_ddp
 import train_dp
 import train_single
 from conftest import EXACT, HOOKS, LAUNCH, fails_in_process, mode_run, outputs, run
@@ -113,12 +114,28 @@ def test_no_tensor_is_built_from_python_values_inside_a_step():
     assert mode.calls == []
 
 
+@pytest.mark.parametrize("script", [train_single, train_dp])
+def test_channels_last_reaches_the_model_through_the_loop(script):
+    """The batches the training loop hands the model are channels-last with --channels-last."""
+    seen = []
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model.register_forward_pre_hook(lambda module, inputs: seen.append(
+        inputs[0].is_contiguous(memory_format=torch.channels_last)))
+    dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 2) for i in range(8)]
+    for flag in ([], ["--channels-last"]):
+        args = parse_args("", ["--batch-size", "4", *flag])
+        loader, _ = make_loaders(dataset, list(range(8)), [0], 4, 0, 0)
+        device = torch.device("cpu")
+        watch = Watch(args, torch.optim.SGD(model.parameters(), lr=0.1), 2, 4, device, show=False)
+        script.run_epoch(model, watch.steps(loader, "val"), device, args)
+    assert seen == [False, False, True, True]
+
+
 def test_accelerate_copies_batches_without_blocking(runs):
     """accelerate's prepared loader blocks on each copy unless non_blocking is set."""
     mode_run(runs, "accelerate")
     log = (runs.root / "accelerator-accelerate.log").read_text().split("\n")
-    assert log[:2] == ["0 split_batches=True non_blocking=True", "1 split_batches=True non_blocking=True"] or \
-        sorted(log[:2]) == ["0 split_batches=True non_blocking=True", "1 split_batches=True non_blocking=True"]
+    assert sorted(log[:2]) == ["0 split_batches=True non_blocking=True", "1 split_batches=True non_blocking=True"]
 
 
 @pytest.fixture
@@ -128,7 +145,7 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 0))
     return fake
 
 
@@ -194,37 +211,48 @@ def restore_numerics(monkeypatch):
     """Put torch's global numerics settings back after a test changes them."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     backends = torch.backends
-    saved = (torch.are_deterministic_algorithms_enabled(), backends.cudnn.conv.fp32_precision,
-             backends.cuda.matmul.fp32_precision, backends.cudnn.benchmark, backends.cudnn.deterministic)
+    saved = (torch.are_deterministic_algorithms_enabled(), backends.cudnn.allow_tf32,
+             backends.cuda.matmul.allow_tf32, backends.cudnn.benchmark, backends.cudnn.deterministic)
     yield
     torch.use_deterministic_algorithms(saved[0])
-    backends.cudnn.conv.fp32_precision, backends.cuda.matmul.fp32_precision = saved[1:3]
+    backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = saved[1:3]
     backends.cudnn.benchmark, backends.cudnn.deterministic = saved[3:]
 
 
 def _numerics():
     import os
     backends = torch.backends
-    return [torch.are_deterministic_algorithms_enabled(), backends.cudnn.conv.fp32_precision,
-            backends.cuda.matmul.fp32_precision, backends.cudnn.benchmark, backends.cudnn.deterministic,
+    return [torch.are_deterministic_algorithms_enabled(), backends.cudnn.allow_tf32,
+            backends.cuda.matmul.allow_tf32, backends.cudnn.benchmark, backends.cudnn.deterministic,
             os.environ.get("CUBLAS_WORKSPACE_CONFIG")]
 
 
 def test_deterministic_switches_off_tf32_and_nondeterministic_kernels(restore_numerics):
     from src.devices import configure_numerics
     configure_numerics(False)
-    assert _numerics() == [False, "tf32", "none", True, False, None]  # torch's defaults, and benchmark
+    assert _numerics() == [False, True, False, True, False, None]  # torch's defaults, and benchmark
     configure_numerics(True)
-    assert _numerics() == [True, "ieee", "ieee", False, True, ":4096:8"]
+    assert _numerics() == [True, False, False, False, True, ":4096:8"]
 
 
-def test_the_scripts_pass_deterministic_on(small_data, tmp_path, monkeypatch, capsys):
-    asked = []
-    monkeypatch.setattr("src.devices.configure_numerics", lambda deterministic: asked.append(deterministic))
-    monkeypatch.setattr("sys.argv", ["train_single.py", "--data-dir", str(tmp_path / "none"), "--deterministic"])
-    with pytest.raises(SystemExit):
-        train_single.exit_on_error(train_single.main)
-    assert asked == [True]
+class _Asked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("script", [train_single, train_dp, train_ddp, train_accelerate])
+def test_the_scripts_pass_deterministic_on(script, monkeypatch):
+    """Each script hands --deterministic to configure_numerics before it does anything else."""
+    def configure(deterministic):
+        raise _Asked(deterministic)
+    monkeypatch.setattr("src.devices.configure_numerics", configure)
+    monkeypatch.setattr(train_accelerate, "configure_numerics", configure)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # as a launcher sets them
+        monkeypatch.setenv(name, "1" if "WORLD" in name else "0")
+    for flags, expected in ((["--deterministic"], True), ([], False)):
+        monkeypatch.setattr("sys.argv", ["script.py", *flags])
+        with pytest.raises(_Asked) as asked:
+            script.main()
+        assert asked.value.args == (expected,)
 
 
 def test_make_test_gpu_on_a_machine_without_one_says_so_and_claims_nothing():

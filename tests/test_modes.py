@@ -51,7 +51,8 @@ def test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans(mode
     assert {rank for rank, _ in writes} == {"0"}, writes
     assert {Path(path).name for _, path in writes} >= {
         "best.pth", "best.json", "last.pth", "history.json", "curves.png"}
-    assert result.stdout.count("epoch 1/2  train loss") == 1, "one rank prints"
+    for line in ("on 2 x cpu", "epoch 1/2  train loss", "done in "):
+        assert result.stdout.count(line) == 1, f"one rank prints {line!r}"
     assert result.stderr.count("epoch 1/2 train:   0%") == 1, "one rank draws progress bars"
     # No train.csv: rank 0 scans train/ (opening every image) and sends the table to rank 1.
     assert (runs.root / f"scans-{mode}.log").read_text().split() == ["0"]

@@ -1,6 +1,7 @@
 """The speed options change nothing they should not, and each really takes effect: --cache (also
 shared by ranks, several builders, a damaged file), the draft JPEG decode, --channels-last,
 --compile, --amp bf16 and fp16."""
+import json
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from src import prepare
 from src.cli import parse_args
 from src.cache import cache_paths, cached
 from src.datasets import open_rgb
+from src.errors import UserError
 from src.loaders import labelled_data, labelled_images
 from src.transforms import image_transform, model_inputs
 
@@ -122,6 +124,38 @@ def test_two_nodes_build_one_shared_cache_at_once(small_data, tmp_path):
     expected = sum(int(image.sum()) for image, _ in labelled_images(small_data, 32, show_progress=False))
     assert [int(out) for out, _ in results] == [expected] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train_32px.json", "train_32px.u8"]
+
+
+def test_the_first_complete_build_wins_and_builders_never_share_a_file(tmp_path, monkeypatch):
+    """Builder A starts; while it fills its file, builder B (another node, the same process id and
+    host name, as in identical containers) builds the whole cache. A then finds B's complete
+    build, keeps it and drops its own; nobody deleted the record B wrote."""
+    import src.cache as cache
+    monkeypatch.setattr("os.getpid", lambda: 1234)
+    monkeypatch.setattr("socket.gethostname", lambda: "node")
+    data, meta = tmp_path / "a.u8", tmp_path / "a.json"
+    names = []
+
+    def fill_b(array):
+        names.append(array.filename)
+        array[:] = 2
+
+    def fill_a(array):
+        names.append(array.filename)
+        array[:] = 1
+        cache.ensure_array(data, meta, "key", (4,), np.uint8, fill_b, "--cache", "test")
+    cache.ensure_array(data, meta, "key", (4,), np.uint8, fill_a, "--cache", "test")
+    assert len(set(names)) == 2, "each builder writes its own temporary file"
+    assert data.read_bytes() == b"\x02" * 4 and json.loads(meta.read_text())["key"] == "key"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "a.u8"]
+
+
+def test_a_process_waiting_for_a_cache_that_never_comes_stops_with_one_line(tmp_path, monkeypatch):
+    import src.cache as cache
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(cache, "WAIT_SECONDS", 1)
+    with pytest.raises(UserError, match="waited 0 min for .*a.u8, which the first process of this node builds"):
+        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, None, "--cache", "x")
 
 
 def test_a_damaged_cache_is_rebuilt(small_data, tmp_path, capsys):

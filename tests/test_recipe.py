@@ -200,3 +200,38 @@ def test_a_bad_recipe_value_through_the_script(exact_data, tmp_path):
                     "--checkpoint", str(tmp_path / "best.pth"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "argument --accumulate: must be at least 1" in result.stderr
+
+
+def test_ddp_all_reduces_the_gradients_once_per_optimizer_step():
+    """--accumulate 2: train_ddp.py's loop all-reduces on a step's last micro-batch only (no_sync);
+    without it, every micro-batch would. Counted with a DDP communication hook, in a world of one."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import train_ddp
+    from src.watch import Watch
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        args = parse_args("", ["--batch-size", "4", "--accumulate", "2", "--log-every", "1000"])
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)))
+        all_reduces = []
+
+        def count(state, bucket):
+            all_reduces.append(bucket.index())
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+        ddp.register_comm_hook(None, count)
+        dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 2) for i in range(16)]
+        loader, _ = make_loaders(dataset, list(range(16)), [0], 4, 0, 0, accumulate=2)
+        device = torch.device("cpu")
+        optimizer = make_optimizer(ddp, args, device)
+        schedule = make_schedule(optimizer, args, 2)
+        loader.sampler.set_epoch(0)
+        steps = Watch(args, optimizer, 2, 4, device, show=False).steps(loader, "test", 0)
+        train_ddp.run_epoch(ddp, steps, device, args, optimizer, torch.amp.GradScaler("cpu", enabled=False), schedule)
+        assert schedule.last_epoch == 2  # 4 micro-batches, 2 optimizer steps
+        assert all_reduces == [0, 0], "one bucket, all-reduced once per step"
+    finally:
+        dist.destroy_process_group()
