@@ -144,12 +144,15 @@ def run_info(args, global_batch: int, data: str) -> dict:
 
 
 def is_better(record: dict, than: dict | None, best_by: str) -> bool:
-    """Whether an epoch's record beats another by --best-by (accuracy up, log loss down)."""
+    """Whether an epoch's record beats another by --best-by (accuracy up, log loss down).
+
+    Equal accuracies, common on small validation sets, go to the lower log loss.
+    """
     if than is None:
         return True
     if best_by == "val_log_loss":
         return record["val_log_loss"] < than["val_log_loss"]
-    return record["val_acc"] > than["val_acc"]
+    return (record["val_acc"], -record["val_log_loss"]) > (than["val_acc"], -than["val_log_loss"])
 
 
 def best_record(history: list[dict], best_by: str) -> dict:

@@ -76,6 +76,14 @@ def test_best_by_log_loss_picks_best_pth_and_writes_it_only_when_it_improves(ref
     assert writes[0].endswith("/best.pth"), "epoch 1 is always the best so far"
 
 
+def test_best_by_accuracy_gives_equal_accuracies_to_the_lower_log_loss():
+    records = [{"epoch": 1, "val_acc": 0.9, "val_log_loss": 0.3}, {"epoch": 2, "val_acc": 1.0, "val_log_loss": 0.2},
+               {"epoch": 3, "val_acc": 1.0, "val_log_loss": 0.1}, {"epoch": 4, "val_acc": 1.0, "val_log_loss": 0.1},
+               {"epoch": 5, "val_acc": 0.95, "val_log_loss": 0.05}]
+    assert best_record(records, "val_acc")["epoch"] == 3  # not 2 (same accuracy), nor the tie 4, nor 5
+    assert best_record(records, "val_log_loss")["epoch"] == 5
+
+
 def test_resume_in_the_middle_of_the_schedule_equals_the_straight_run(exact_data, reference, recipe_far,
                                                                       tmp_path):
     """Ctrl-C at the first step of epoch 2, then --resume with two loader workers instead of none."""
