@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import torchvision
 from accelerate import init_empty_weights
 
-from conftest import fails_in_process, python
+from conftest import fails_in_process, in_process
 from src.errors import UserError
 from src.models import (MIN_IMAGE_SIZE, ONLY_IMAGE_SIZE, build_model, check_image_size, head_of,
                         model_kwargs)
@@ -129,15 +129,16 @@ def test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads(ar
             assert torch.equal(loaded(images), model.eval()(images))
 
 
-def test_the_command_line_refuses_the_size_in_one_line_before_reading_data(tmp_path):
+def test_train_single_refuses_the_size_in_one_line_before_reading_data(tmp_path, monkeypatch, capsys):
     # The data folder does not exist: had anything read it first, the error would name it.
-    result = python("train_single.py", "--arch", "vit_b_16", "--image-size", "64", "--weights", "none",
-                    "--data-dir", str(tmp_path / "no-data"), "--checkpoint", str(tmp_path / "out" / "best.pth"),
-                    timeout=120)
-    assert result.returncode == 2, result.stderr[-3000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--arch vit_b_16" in lines[0] and "--image-size 224 only" in lines[0], result.stderr
-    assert result.stdout == "" and not (tmp_path / "out").exists()
+    import train_single
+    code, out, err = in_process(train_single.main, [
+        "--arch", "vit_b_16", "--image-size", "64", "--weights", "none", "--data-dir", str(tmp_path / "no-data"),
+        "--checkpoint", str(tmp_path / "out" / "best.pth")], monkeypatch, capsys)
+    assert code == 2, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--arch vit_b_16" in lines[0] and "--image-size 224 only" in lines[0], err
+    assert out == "" and not (tmp_path / "out").exists()
 
 
 def test_train_ddp_refuses_the_size_too(tmp_path, monkeypatch, capsys):

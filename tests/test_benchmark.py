@@ -1,7 +1,9 @@
 """src.benchmark's table, chart and checks, the loader measurement it relies on, and --profile
 (src/profiling.py) in all four scripts: the benchmark runs each script with --profile, so one
 small benchmark serves the profile tests too."""
+import contextlib
 import csv
+import io
 import json
 import shutil
 import sys
@@ -13,7 +15,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import history, python
+from conftest import history
 from src import benchmark
 from src.benchmark import loader_alone
 from src.errors import exit_on_error
@@ -34,15 +36,19 @@ def bench(small_data, module_tmp):
     data = module_tmp / "data"
     shutil.copytree(small_data, data)
     out = module_tmp / "bench"
-    result = python("-m", "src.benchmark", "--data-dir", str(data), "--out-dir", str(out),
-                    "--processes", "2", "--arch", "resnet18", "--image-size", "32",
-                    "--batch-size", "8", "--epochs", "1", "--steps", "2", "--modes", ",".join(RUNS))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, result
+    argv = ["--data-dir", str(data), "--out-dir", str(out), "--processes", "2", "--arch", "resnet18",
+            "--image-size", "32", "--batch-size", "8", "--epochs", "1", "--steps", "2", "--modes", ",".join(RUNS)]
+    # main() in this process (torch is imported already; the runs and the bare step are its
+    # subprocesses), with the random state it seeds given back.
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as stdout, \
+            torch.random.fork_rng():
+        patch.setattr(sys, "argv", ["benchmark.py", *argv])
+        benchmark.main()
+    return out, stdout.getvalue()
 
 
 def test_benchmark_writes_the_table_chart_and_checks(bench):
-    out, result = bench
+    out, printed = bench
     with open(out / "benchmark.csv") as f:
         rows = {row["row"]: row for row in csv.DictReader(f)}
     assert list(rows) == ROWS
@@ -68,7 +74,7 @@ def test_benchmark_writes_the_table_chart_and_checks(bench):
                  "the feature-cache build runs at", "draft decode at 32 px", "draft decode at 224 px"):
         assert text in checks, text
     assert "feature cache build (--freeze): 240 images in" in markdown
-    assert markdown in result.stdout
+    assert markdown in printed
     assert (out / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (out / "cache").iterdir()) == [
         "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]

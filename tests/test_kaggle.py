@@ -96,11 +96,16 @@ def trained(small_data, module_tmp):
     return data, model
 
 
-def _predict(data, model, out, *extra):
-    result = python("-m", "src.predict", "--data-dir", str(data), "--checkpoint", str(model / "best.pth"),
-                    "--output", str(out), *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"wrote 30 predictions to {out}" in result.stdout
+def _predict(data, model, out, *extra, monkeypatch=None, capsys=None):
+    """src.predict through the command line, or in this process given monkeypatch and capsys."""
+    argv = ["--data-dir", str(data), "--checkpoint", str(model / "best.pth"), "--output", str(out), *extra]
+    if monkeypatch is None:
+        result = python("-m", "src.predict", *argv)
+        code, stdout, stderr = result.returncode, result.stdout, result.stderr
+    else:
+        code, stdout, stderr = in_process(predict.main, argv, monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    assert f"wrote 30 predictions to {out}" in stdout
     submission = pd.read_csv(out)
     assert list(submission.columns) == ["id", "label"]
     assert list(submission["id"]) == list(range(1, 31))
@@ -114,12 +119,12 @@ def test_prepare_train_predict_submission_scores(trained, small_data, tmp_path):
     assert _log_loss(submission, pd.read_csv(small_data / TEST_LABELS)) < 0.3, submission
 
 
-def test_tta_averages_each_image_with_its_mirror(trained, tmp_path):
+def test_tta_averages_each_image_with_its_mirror(trained, tmp_path, monkeypatch, capsys):
     """--tta: each p(dog) is the mean of the image's and its mirror image's, computed here from
     the checkpoint and the test JPEGs; the submission differs from the plain one."""
     data, model_dir = trained
-    plain = _predict(data, model_dir, tmp_path / "plain.csv")
-    tta = _predict(data, model_dir, tmp_path / "tta.csv", "--tta")
+    plain = _predict(data, model_dir, tmp_path / "plain.csv", monkeypatch=monkeypatch, capsys=capsys)
+    tta = _predict(data, model_dir, tmp_path / "tta.csv", "--tta", monkeypatch=monkeypatch, capsys=capsys)
     assert not np.allclose(plain["label"], tta["label"], atol=1e-4)
     model, info = load_checkpoint(model_dir / "best.pth")
     images = torch.stack([image_transform(32)(open_rgb(data / "test" / f"{i}.jpg", draft_size=32))

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 from conftest import (B, EXACT, HOOKS, TOLERANCE, VAL, assert_same_run, distance, history, last_model,
-                      python, weights)
+                      fails_in_process, python, weights)
 from src.augment import augment, crop_params
 from src.checkpoint import best_record
 from src.cli import parse_args
@@ -203,11 +203,13 @@ def test_bad_recipe_values_are_one_line_and_exit_2(argv, message, capsys):
     assert message in error and error.count("\n") == 1, error
 
 
-def test_a_bad_recipe_value_through_the_script(exact_data, tmp_path):
-    result = python("train_ddp.py", "--data-dir", str(exact_data), "--accumulate", "0",
-                    "--checkpoint", str(tmp_path / "best.pth"))
-    assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "argument --accumulate: must be at least 1" in result.stderr
+def test_a_bad_recipe_value_through_the_script(exact_data, tmp_path, monkeypatch, capsys):
+    """In this process: the exit path of train_ddp.py itself is tested under torchrun (test_modes.py)."""
+    import train_ddp
+    fails_in_process(train_ddp.main, ["--data-dir", str(exact_data), "--accumulate", "0",
+                                      "--checkpoint", str(tmp_path / "best.pth")], monkeypatch, capsys,
+                     "train_ddp.py: error: argument --accumulate: must be at least 1")
+    assert not tmp_path.joinpath("best.pth").exists()
 
 
 def test_ddp_all_reduces_the_gradients_once_per_optimizer_step():

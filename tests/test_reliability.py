@@ -43,22 +43,29 @@ def test_dropout_differs_from_the_run_without_it(straight, runs):
     assert not torch.equal(last_model(straight)["features.0.weight"], last_model(without)["features.0.weight"])
 
 
-@pytest.mark.parametrize("stop", ["INTERRUPT_AT_STEP=7", "INTERRUPT_AT_REPLACE=last.pth:2"])
-def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(stop, exact_data, straight, tmp_path):
-    """Ctrl-C at step 7 (epoch 2 of 2, 5 steps an epoch), or while epoch 2's last.pth is being
-    renamed into place: exit 130, epoch 1's files intact, no temporary file left; --resume
-    then ends exactly where the straight run does."""
-    name, value = stop.split("=")
-    flags = _flags(exact_data, tmp_path, 2 * B, 2)
-    result = python("train_single.py", *flags, env={"PYTHONPATH": HOOKS, name: value})
+def _interrupted(result, tmp_path):
+    """Exit 130 with its message, and epoch 1's files as they were: nothing of epoch 2 kept."""
     assert result.returncode == 130, result.stderr[-2000:]
     assert "interrupted: the files of the last finished epoch are intact" in result.stderr
     assert "Traceback" not in result.stderr
     assert weights(tmp_path, "last.pth")["epoch"] == 1 and [r["epoch"] for r in history(tmp_path)] == [1]
     assert not list(tmp_path.glob(".*.tmp")), "no temporary file left behind"
 
+
+def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(exact_data, straight, tmp_path):
+    """Ctrl-C at step 7 (epoch 2 of 2, 5 steps an epoch); then --resume, and Ctrl-C again while
+    epoch 2's last.pth is being renamed into place; then --resume, which ends exactly where the
+    straight run does."""
+    flags = _flags(exact_data, tmp_path, 2 * B, 2)
+    _interrupted(python("train_single.py", *flags, env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "7"}), tmp_path)
+
     # A SIGKILL during a save leaves its temporary file (up to 1 GB): the next start removes it.
     (tmp_path / ".last.pth.abc123.tmp").write_bytes(b"half a checkpoint")
+    result = python("train_single.py", *flags, "--resume",
+                    env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_REPLACE": "last.pth:1"})
+    assert "resumed from" in result.stdout and "epoch 2/2 train" in result.stderr, "epoch 2 was trained"
+    _interrupted(result, tmp_path)  # and the stale temporary file is gone
+
     (tmp_path / ".unrelated.tmp").write_bytes(b"not ours")
     result = python("train_single.py", *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -80,7 +87,7 @@ def test_killed_worker_is_restarted_and_the_job_finishes_the_same(exact_data, st
 
 
 @pytest.mark.parametrize("mode", ["dp", "accelerate"])
-def test_dp_and_accelerate_resume_a_run_to_thesame_end(mode, runs, far, tmp_path):
+def test_dp_and_accelerate_resume_a_run_to_the_same_end(mode, runs, far, tmp_path):
     """Epoch 1 of train_single.py, then --resume in another mode with the same global batch:
     last.pth is the same in every mode, and the end equals two straight epochs."""
     shutil.copytree(runs.exact("single", epochs=1)[0], tmp_path / "out")
@@ -164,12 +171,13 @@ def test_crash_during_a_save_keeps_the_previous_file(tmp_path, monkeypatch, fail
     assert [p.name for p in tmp_path.iterdir()] == ["best.pth"], "no temporary file left behind"
 
 
-def test_a_full_disk_stops_with_one_line_and_keeps_the_last_epoch(exact_data, tmpfs):
+def test_a_full_disk_stops_with_one_line_and_keeps_the_last_epoch(runs, tmpfs):
     """A real full disk: epoch 2 cannot be saved; the error names the file, epoch 1's files
-    stay byte for byte, and --resume finishes once there is room."""
+    (those of the shared one-epoch run) stay byte for byte, and --resume finishes once there is room."""
     disk = tmpfs("disk", "size=300m")
-    flags = ["--data-dir", str(exact_data), *EXACT, *VAL, "--batch-size", str(2 * B), *outputs(disk)]
-    assert python("train_single.py", *flags, "--epochs", "1").returncode == 0
+    for file in runs.exact("single", epochs=1)[0].iterdir():
+        shutil.copy(file, disk)
+    flags = ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--batch-size", str(2 * B), *outputs(disk)]
     saved = {p.name: p.read_bytes() for p in disk.iterdir()}
     remount(disk, f"size={shutil.disk_usage(disk).used + 2**20}")  # 1 MB to spare: less than any checkpoint
 
