@@ -85,6 +85,21 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _start_as_a_run() -> None:
+    """In the ceilings' spawned process: start processes the way a script's own process does.
+
+    A spawned child inherits the spawn start method, so the loader workers of the feature build
+    would each import torch again (seconds apiece: the build measured 0.42 of the bare forward on
+    the 2-core CPU); a script started from the shell forks them (Linux's default).
+    """
+    multiprocessing.set_start_method(None, force=True)
+
+
+def fresh_process() -> ProcessPoolExecutor:
+    """One new process for the ceilings, started as a script's would be (see _start_as_a_run)."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_as_a_run)
+
+
 def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
     """Images/s of the model alone on uint8 batches already on the device."""
     torch.manual_seed(0)
@@ -395,7 +410,7 @@ def main() -> None:
     print("measuring the ceilings", flush=True)
     # A fresh process, as each run had: in this one (after the cache build's forked workers) the
     # same step measured up to 25% slower on the 2-core CPU, a ceiling below what the runs reached.
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with fresh_process() as pool:
         train, val = (pool.submit(bare_step, args, device, batch, training).result()
                       for training in (True, False))
         # Timed around src.freeze's own build call rather than read from the --freeze run, whose

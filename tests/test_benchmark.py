@@ -5,6 +5,7 @@ import contextlib
 import csv
 import io
 import json
+import multiprocessing
 import shutil
 import sys
 import time
@@ -79,6 +80,20 @@ def test_benchmark_writes_the_table_chart_and_checks(bench):
     assert sorted(p.name for p in (out / "cache").iterdir()) == [
         "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]
     assert not (out / "features").exists()  # the timed build's copy is removed
+
+
+def test_the_ceilings_process_forks_its_loader_workers_as_a_script_does():
+    """A spawned process inherits the spawn start method: the feature build's loader workers would
+    each import torch again, and the build measured half its speed."""
+    pool = benchmark.fresh_process()
+    pool.shutdown()
+    assert pool._initializer is benchmark._start_as_a_run
+    try:
+        multiprocessing.set_start_method("spawn", force=True)  # what the spawned process starts with
+        benchmark._start_as_a_run()
+        assert multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method(None, force=True)
 
 
 # In this process (torch is imported already): a subprocess would spend seconds importing it.
