@@ -77,5 +77,8 @@ def test_too_large_a_batch_or_too_many_processes():
     data = [(torch.zeros(1), i) for i in range(10)]
     with pytest.raises(UserError, match="--batch-size 6 x 2 process"):
         make_loaders(data, list(range(10)), [0, 1], 6, 0, 0, rank=0, world_size=2)
-    with pytest.raises(UserError, match="3 processes but only 2 validation images"):
-        make_loaders(data, list(range(8)), [8, 9], 1, 0, 0, rank=0, world_size=3)
+    # Every rank checks before any collective (so none waits for the others); rank 0 alone says it.
+    for rank in range(3):
+        with pytest.raises(UserError, match="3 processes but only 2 validation images") as error:
+            make_loaders(data, list(range(8)), [8, 9], 1, 0, 0, rank=rank, world_size=3)
+        assert error.value.quiet == (rank != 0)

@@ -2,6 +2,7 @@
 train_single.py with the same global batch over two epochs (each reshuffled), exact validation
 counting, and rank-0-only output."""
 import os
+import shutil
 import socket
 import subprocess
 from argparse import Namespace
@@ -107,13 +108,14 @@ def _two_nodes(exact_data, folders, *flags):
 
 
 def test_two_nodes_without_a_shared_disk_resume_to_the_straight_run(exact_data, runs, far, tmp_path):
-    """Two torchrun nodes on one machine, each with its own checkpoint folder, dropout on: one
-    epoch, then --resume to two. Only node 0 has last.pth; its rank reads it and sends it to the
-    other, and the job ends where two straight epochs of 2 processes do (to the float rounding:
-    torchrun gives one process per node two threads, and two per node one each)."""
+    """Two torchrun nodes on one machine, each with its own checkpoint folder, dropout on: --resume
+    to epoch 2 from one epoch of DDP (one node, two processes; copied to node 0's folder only).
+    Only node 0 has last.pth; its rank reads it and sends it to the other, and the job ends where
+    two straight epochs of 2 processes do (to the float rounding: torchrun gives one process per
+    node two threads, and two per node one each)."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     flags = [*DROPOUT, *VAL, "--batch-size", str(B)]
-    _two_nodes(exact_data, folders, *flags, "--epochs", "1")
+    shutil.copytree(runs("ddp", *flags, "--epochs", "1")[0], folders[0])
     logs = _two_nodes(exact_data, folders, *flags, "--epochs", "2", "--resume")
     assert "resumed from" in logs[0] and "after epoch 1" in logs[0]
     assert_same_run(folders[0], dropout_run(runs, "ddp")[0], far)
