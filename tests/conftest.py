@@ -1,5 +1,7 @@
 """Shared fixtures: small synthetic datasets, a runner for the real scripts and launchers, and the
 training runs that several test modules compare against, each made once per session."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -217,6 +219,15 @@ def in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, st
         code = exit.code or 0
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def printed_by(main, argv: list[str]) -> str:
+    """What main() of a command prints, run in this process, for module fixtures (in_process needs
+    a test's monkeypatch and capsys)."""
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as stdout:
+        patch.setattr(sys, "argv", [f"{main.__module__.rsplit('.', 1)[-1]}.py", *argv])
+        main()
+    return stdout.getvalue()
 
 
 def fails_in_process(main, argv: list[str], monkeypatch, capsys, message: str) -> str:

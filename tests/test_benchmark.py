@@ -1,9 +1,7 @@
 """src.benchmark's table, chart and checks, the loader measurement it relies on, and --profile
 (src/profiling.py) in all four scripts: the benchmark runs each script with --profile, so one
 small benchmark serves the profile tests too."""
-import contextlib
 import csv
-import io
 import json
 import multiprocessing
 import shutil
@@ -16,7 +14,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import history
+from conftest import history, printed_by
 from src import benchmark
 from src.benchmark import loader_alone
 from src.errors import exit_on_error
@@ -41,11 +39,8 @@ def bench(small_data, module_tmp):
             "--image-size", "32", "--batch-size", "8", "--epochs", "1", "--steps", "2", "--modes", ",".join(RUNS)]
     # main() in this process (torch is imported already; the runs and the bare step are its
     # subprocesses), with the random state it seeds given back.
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as stdout, \
-            torch.random.fork_rng():
-        patch.setattr(sys, "argv", ["benchmark.py", *argv])
-        benchmark.main()
-    return out, stdout.getvalue()
+    with torch.random.fork_rng():
+        return out, printed_by(benchmark.main, argv)
 
 
 def test_benchmark_writes_the_table_chart_and_checks(bench):

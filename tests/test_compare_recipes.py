@@ -1,13 +1,10 @@
 """python -m src.compare_recipes: both recipes, the same steps, figures from the runs' history.json."""
-import contextlib
 import csv
-import io
 import json
-import sys
 
 import pytest
 
-from conftest import fails_in_process
+from conftest import fails_in_process, printed_by
 from src import compare_recipes
 
 
@@ -18,10 +15,7 @@ def compared(module_tmp):
     out = module_tmp / "compare"
     argv = ["--out-dir", str(out), "--images", "40", "--image-size", "32", "--epochs", "1", "--batch-size", "8",
             "--workers", "0", "--arch", "resnet18", "--weights", "none"]
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as stdout:
-        patch.setattr(sys, "argv", ["compare_recipes.py", *argv])
-        compare_recipes.main()
-    return out, stdout.getvalue()
+    return out, printed_by(compare_recipes.main, argv)
 
 
 def test_table_and_csv_report_both_recipes_from_their_histories(compared):

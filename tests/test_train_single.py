@@ -8,6 +8,7 @@ import torchvision
 
 import train_single
 from conftest import LEARN, fails, history, in_process, outputs, python, weights
+from src.checkpoint import best_record
 from src.history import history_figure, plot_history
 
 
@@ -43,7 +44,7 @@ def test_trains_learns_and_writes_every_output(learned):
     model.load_state_dict(torch.load(out / "best.pth", weights_only=True))
     info = json.loads((out / "best.json").read_text())
     assert info["arch"] == "resnet18" and info["image_size"] == 32
-    assert info["epoch"] == max(records, key=lambda r: (r["val_acc"], -r["val_log_loss"]))["epoch"]
+    assert info["epoch"] == best_record(records, "val_acc")["epoch"]
     assert set(weights(out, "last.pth")) == {"model", "optimizer", "scaler", "schedule", "epoch",
                                              "history", "info"}
 
