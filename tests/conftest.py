@@ -1,6 +1,9 @@
 """Shared fixtures: small synthetic datasets, a runner for the real scripts and launchers, and the
-training runs that several test modules compare against, each made once per session."""
+training runs that several test modules compare against, each made once per session, whichever of
+the test runner's workers needs it first."""
 import contextlib
+import fcntl
+import hashlib
 import io
 import json
 import os
@@ -9,12 +12,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 # These tests define the CPU behaviour: on a machine with GPUs they must not use them (a CPU run
 # compared with a GPU run, two ranks on one GPU). Set before anything initialises CUDA.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# `make test` runs two test workers, and most tests start processes of two threads each: OpenMP
+# threads that spin while they wait for each other take the cores the other processes need (the
+# suite measured 524 s spinning, 380 s passive, on 2 cores). How a thread waits changes no result.
+# Read when torch loads OpenMP: set before it is imported, here and in every process started.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from src.synthetic import write_dataset  # noqa: E402
 
@@ -45,8 +53,9 @@ LAUNCH = {
     "single": lambda: [sys.executable, "train_single.py"],
     "dp": lambda: [sys.executable, "train_dp.py"],
     "ddp": lambda: ["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py"],
+    # Port 0: a free one (the test runner's two workers may run two of these at once).
     "accelerate": lambda: ["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
-                           "train_accelerate.py"],
+                           "--main_process_port", "0", "train_accelerate.py"],
     "accelerate-bf16": lambda: ["accelerate", "launch", "--num_processes", "1", "--mixed_precision",
                                 "bf16", "train_accelerate.py"],
 }
@@ -54,19 +63,53 @@ MODES = ["single", "dp", "ddp", "accelerate"]
 PROCESSES = {"single": 1, "dp": 1, "ddp": 2, "accelerate": 2, "accelerate-bf16": 1}
 
 
+def shared_folder(config: pytest.Config) -> Path:
+    """The folder that the test runner's workers (`make test` runs two) share for one session:
+    the synthetic datasets and the training runs are made there once, by whichever worker needs
+    them first."""
+    base = config._tmp_path_factory.getbasetemp()  # a worker's is <the session's>/gwN
+    return (base.parent if hasattr(config, "workerinput") else base) / "shared"
+
+
+@contextlib.contextmanager
+def made_once(folder: Path):
+    """with made_once(folder) as missing: if missing, make folder's contents. Only one process at a
+    time gets past the lock, and a folder counts as made once the block finished without error."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = folder.parent / f"{folder.name}.done"
+        if done.exists():
+            yield False
+            return
+        shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+        folder.mkdir()
+        yield True
+        done.touch()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the last process out: no worker needs it any more
+        shutil.rmtree(shared_folder(session.config), ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def small_data(tmp_path_factory) -> Path:
+def small_data(request) -> Path:
     """240 training and 30 test images of about 64 px."""
-    path = tmp_path_factory.mktemp("synthetic")
-    write_dataset(path, n_train=240, n_test=30, size=64, seed=1)
+    path = shared_folder(request.config) / "synthetic"
+    with made_once(path) as missing:
+        if missing:
+            write_dataset(path, n_train=240, n_test=30, size=64, seed=1)
     return path
 
 
 @pytest.fixture(scope="session")
-def exact_data(tmp_path_factory) -> Path:
+def exact_data(request) -> Path:
     """201 labelled images (with --val-fraction 0.5025: 100 train, 101 validation), 20 test."""
-    path = tmp_path_factory.mktemp("exact")
-    write_dataset(path, n_train=201, n_test=20, size=64, seed=2)
+    path = shared_folder(request.config) / "exact"
+    with made_once(path) as missing:
+        if missing:
+            write_dataset(path, n_train=201, n_test=20, size=64, seed=2)
     return path
 
 
@@ -127,25 +170,26 @@ def fails(result, message: str) -> str:
 
 
 class Runs:
-    """Training runs shared by the whole session: run(mode, *flags) trains once per distinct
-    (mode, flags, env) and returns (output folder, finished process)."""
+    """Training runs shared by the whole session (every worker of it): run(mode, *flags) trains
+    once per distinct (mode, flags, env, data) and returns (output folder, finished process)."""
 
     def __init__(self, root: Path, exact_data: Path):
-        self.root, self.exact_data, self.done = root, exact_data, {}
+        self.root, self.exact_data = root, exact_data
 
     def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None):
-        key = (mode, flags, tuple(sorted((env or {}).items())), str(data))
-        if key not in self.done:
-            out = self.root / f"run{len(self.done)}-{mode}"
-            out.mkdir()
-            full_env = {"PYTHONPATH": HOOKS, "WRITE_LOG": str(out / "writes.log"),
-                        "HF_HOME": str(out / "hf"),  # no accelerate config file
-                        "ACCELERATE_USE_CPU": "1", **(env or {})}
-            result = run([*LAUNCH[mode](), "--data-dir", str(data or self.exact_data), *flags,
-                          *outputs(out / "out")], env=full_env)
-            assert result.returncode == 0, result.stderr[-3000:]
-            self.done[key] = out / "out", result
-        return self.done[key]
+        key = json.dumps([mode, flags, sorted((env or {}).items()), str(data)])
+        out = self.root / f"run-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        with made_once(out) as missing:
+            if missing:
+                full_env = {"PYTHONPATH": HOOKS, "WRITE_LOG": str(out / "writes.log"),
+                            "HF_HOME": str(out / "hf"),  # no accelerate config file
+                            "ACCELERATE_USE_CPU": "1", **(env or {})}
+                result = run([*LAUNCH[mode](), "--data-dir", str(data or self.exact_data), *flags,
+                              *outputs(out / "out")], env=full_env)
+                assert result.returncode == 0, result.stderr[-3000:]
+                (out / "result.json").write_text(json.dumps([result.args, result.stdout, result.stderr]))
+        args, stdout, stderr = json.loads((out / "result.json").read_text())
+        return out / "out", subprocess.CompletedProcess(args, 0, stdout, stderr)
 
     def exact(self, mode: str, *flags: str, epochs: int = 2, env: dict | None = None):
         """An EXACT run of `mode` with the global batch 2 * B (B per process for two processes)."""
@@ -154,10 +198,8 @@ class Runs:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory, exact_data) -> Runs:
-    root = tmp_path_factory.mktemp("runs")
-    yield Runs(root, exact_data)
-    shutil.rmtree(root, ignore_errors=True)
+def runs(request, exact_data) -> Runs:
+    return Runs(shared_folder(request.config) / "runs", exact_data)
 
 
 @pytest.fixture(scope="session")
