@@ -23,7 +23,7 @@ demo: $(VENV)/.installed $(SYNTHETIC)/train
 	$(PY) train_single.py $(DEMO_FLAGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 tests
 
 test-gpu: $(VENV)/.installed
 	$(PY) tests/gpu_selftest.py

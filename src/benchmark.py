@@ -162,7 +162,7 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
     The clock starts with the prefetch queue empty. When the first batch arrives the other
     workers have been at work as long, and their batches (up to the queue's depth,
     prefetch_factor per worker) arrive at once: a clock started there counts them for free
-    (measured: 600 to 870 images/s for a loader of 400, tests/test_benchmark.py). So the queue's
+    (measured: 264 to 349 images/s for a loader of 200, tests/test_benchmark.py). So the queue's
     depth of batches after the first is taken uncounted, the clock starts when the last of them
     arrives, and a whole number of rounds over the workers is counted (workers whose batches cost
     the same stay in step, a round arriving at once).
@@ -209,8 +209,8 @@ def _commands(args) -> dict:
     """Each run's launcher command, processes and per-process batch."""
     p = args.processes
     accelerate = ["accelerate", "launch", "--num_processes", str(p), "--mixed_precision", args.amp]
-    if p > 1:
-        accelerate.insert(2, "--multi_gpu")
+    if p > 1:  # on a free port: accelerate's default, 29500, may be taken
+        accelerate[2:2] = ["--multi_gpu", "--main_process_port", "0"]
     return {
         "single-jpeg": ([sys.executable, "train_single.py"], 1, args.batch_size * p),
         "single": ([sys.executable, "train_single.py"], 1, args.batch_size * p),

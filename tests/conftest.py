@@ -67,29 +67,40 @@ def shared_folder(config: pytest.Config) -> Path:
     """The folder that the test runner's workers (`make test` runs two) share for one session:
     the synthetic datasets and the training runs are made there once, by whichever worker needs
     them first."""
-    base = config._tmp_path_factory.getbasetemp()  # a worker's is <the session's>/gwN
+    base = config._tmp_path_factory.getbasetemp()  # a worker's is <the session's>/popen-gwN
     return (base.parent if hasattr(config, "workerinput") else base) / "shared"
 
 
 @contextlib.contextmanager
 def made_once(folder: Path):
-    """with made_once(folder) as missing: if missing, make folder's contents. Only one process at a
-    time gets past the lock, and a folder counts as made once the block finished without error."""
+    """with made_once(folder) as missing: if missing, make folder's contents. One process at a
+    time gets past the lock; a folder counts as made once the block ended without error, and one
+    whose block failed fails every later test that needs it at once, with the same message (a
+    process that died in the block leaves no verdict: the next one tries again)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f"{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        done = folder.parent / f"{folder.name}.done"
+        done, failed = (folder.parent / f"{folder.name}.{verdict}" for verdict in ("done", "failed"))
+        if failed.exists():
+            pytest.fail(f"{folder.name} failed earlier in this session:\n{failed.read_text()}")
         if done.exists():
             yield False
             return
-        shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+        shutil.rmtree(folder, ignore_errors=True)  # what a process that died in the block left
         folder.mkdir()
-        yield True
+        try:
+            yield True
+        except BaseException as error:
+            failed.write_text(str(error)[-3000:])
+            raise
         done.touch()
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # the last process out: no worker needs it any more
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """In the controller (or the only process), once every worker has ended: remove the shared
+    runs unless a test failed (then they stay for a look, as pytest keeps failed tests' tmp_path)."""
+    factory = session.config._tmp_path_factory
+    if not hasattr(session.config, "workerinput") and factory._basetemp is not None and exitstatus == 0:
         shutil.rmtree(shared_folder(session.config), ignore_errors=True)
 
 
@@ -181,9 +192,12 @@ class Runs:
         out = self.root / f"run-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         with made_once(out) as missing:
             if missing:
+                # "{run}" in a flag or an environment value: a path in the run's own folder.
+                flags = [flag.replace("{run}", str(out)) for flag in flags]
                 full_env = {"PYTHONPATH": HOOKS, "WRITE_LOG": str(out / "writes.log"),
                             "HF_HOME": str(out / "hf"),  # no accelerate config file
-                            "ACCELERATE_USE_CPU": "1", **(env or {})}
+                            "ACCELERATE_USE_CPU": "1",
+                            **{k: v.replace("{run}", str(out)) for k, v in (env or {}).items()}}
                 result = run([*LAUNCH[mode](), "--data-dir", str(data or self.exact_data), *flags,
                               *outputs(out / "out")], env=full_env)
                 assert result.returncode == 0, result.stderr[-3000:]
@@ -241,11 +255,11 @@ def same_end(out: Path, reference: Path) -> None:
 
 def mode_run(runs: Runs, mode: str):
     """The two-epoch EXACT run of a mode that test_modes compares and test_watch reads: with
-    TensorBoard logs, --profile, a log of which ranks scanned train/ (there is no train.csv) and
-    of the settings train_accelerate.py gives accelerate."""
-    return runs.exact(mode, "--log-dir", str(runs.root / f"tensorboard-{mode}"), "--log-every", "2", "--profile",
-                      env={"SCAN_LOG": str(runs.root / f"scans-{mode}.log"),
-                           "ACCELERATOR_LOG": str(runs.root / f"accelerator-{mode}.log")})
+    TensorBoard logs (OUT/../tensorboard), --profile, a log of which ranks scanned train/ (there is
+    no train.csv; OUT/../scans.log) and of the settings train_accelerate.py gives accelerate
+    (OUT/../accelerator.log), where OUT is the run's output folder."""
+    return runs.exact(mode, "--log-dir", "{run}/tensorboard", "--log-every", "2", "--profile",
+                      env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
 
 
 def in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:

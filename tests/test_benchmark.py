@@ -126,11 +126,12 @@ class SlowImages(Dataset):
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_loader_alone_measures_a_loader_of_known_speed():
-    # 4 workers of 100 images/s: 400 images/s. They start together and stay in step, so when the
+    # 4 workers of 50 images/s: 200 images/s. They start together and stay in step, so when the
     # first batch arrives the other three are ready too, and a clock started there counted them
-    # for free: 600 to 870 images/s measured here over 6 batches.
-    rate = loader_alone(SlowImages(100, delay=0.01), batch=4, workers=4, max_batches=6)
-    assert 0.8 * 400 < rate < 1.1 * 400
+    # for free: 264 to 349 images/s measured here over 6 batches (188 to 209 with loader_alone's
+    # clock), with the cores busy as when the test runner's other worker trains.
+    rate = loader_alone(SlowImages(100, delay=0.02), batch=4, workers=4, max_batches=6)
+    assert 0.8 * 200 < rate < 1.1 * 200
 
 
 def test_schedule_fits_a_short_epoch():

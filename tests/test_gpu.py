@@ -133,8 +133,8 @@ def test_channels_last_reaches_the_model_through_the_loop(script):
 
 def test_accelerate_copies_batches_without_blocking(runs):
     """accelerate's prepared loader blocks on each copy unless non_blocking is set."""
-    mode_run(runs, "accelerate")
-    log = (runs.root / "accelerator-accelerate.log").read_text().split("\n")
+    out, _ = mode_run(runs, "accelerate")
+    log = (out.parent / "accelerator.log").read_text().split("\n")
     assert sorted(log[:2]) == ["0 split_batches=True non_blocking=True", "1 split_batches=True non_blocking=True"]
 
 

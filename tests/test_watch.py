@@ -25,7 +25,7 @@ def _events(folder: Path) -> tuple[list[Path], EventAccumulator]:
 @pytest.mark.parametrize("mode", ["single", "dp", "ddp", "accelerate"])
 def test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only(mode, runs):
     out, _ = mode_run(runs, mode)
-    files, events = _events(runs.root / f"tensorboard-{mode}")
+    files, events = _events(out.parent / "tensorboard")
     assert len(files) == 1, f"one writer: {files}"
     if mode == "accelerate":  # accelerate's TensorBoard tracker: a run folder named by init_trackers
         assert files[0].parent.name == "train_accelerate"
@@ -52,13 +52,16 @@ def test_the_progress_bar_shows_a_recent_loss_and_images_per_second(runs):
 
 
 def test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not(runs):
-    """20 ms more for each image (SLOW_ITEM): 100 training images wait 2 s longer for data; the
-    model's share of the epoch (train_seconds - data_wait_seconds) stays what it was."""
+    """50 ms more for each image (SLOW_ITEM, a sleep): 100 training images wait 5 s longer for data,
+    and the model's share of the epoch (train_seconds - data_wait_seconds) does not take it. The
+    two runs may be made under other loads (the test runner's other worker): the model's time
+    (0.22 s in a plain run here, 0.27 s in the slow one) would have to grow tenfold to fail this."""
     normal = history(mode_run(runs, "single")[0])[0]
-    slow = history(runs.exact("single", epochs=1, env={"SLOW_ITEM": "0.02"})[0])[0]
-    assert slow["data_wait_seconds"] >= normal["data_wait_seconds"] + 100 * 0.02 * 0.95
+    slow = history(runs.exact("single", epochs=1, env={"SLOW_ITEM": "0.05"})[0])[0]
+    injected = 100 * 0.05
+    assert slow["data_wait_seconds"] >= normal["data_wait_seconds"] + 0.8 * injected
     model_time = [r["train_seconds"] - r["data_wait_seconds"] for r in (normal, slow)]
-    assert model_time[1] < 2 * model_time[0] + 0.5, model_time
+    assert model_time[1] < model_time[0] + injected / 2, model_time
     assert normal["data_wait_seconds"] < 0.5 * normal["train_seconds"]
 
 
@@ -66,8 +69,8 @@ def test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not(runs):
 def test_profile_writes_a_trace_and_the_table(runs, mode):
     """--profile on the mode runs: with 5 steps an epoch the profile is shortened to fit
     (src/profiling.py schedule_for): two steps recorded."""
-    _, result = mode_run(runs, mode)
-    folder = runs.root / f"tensorboard-{mode}" / "profile"
+    out, result = mode_run(runs, mode)
+    folder = out.parent / "tensorboard" / "profile"
     trace = json.loads((folder / "rank0.pt.trace.json").read_text())
     assert any(event.get("name", "").startswith("ProfilerStep#") for event in trace["traceEvents"])
     table = (folder / "profile.md").read_text()
