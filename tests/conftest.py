@@ -104,24 +104,25 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(shared_folder(session.config), ignore_errors=True)
 
 
+def shared_dataset(request, name: str, **sizes) -> Path:
+    """A synthetic dataset (src.synthetic.write_dataset) made once per session in the shared folder."""
+    path = shared_folder(request.config) / name
+    with made_once(path) as missing:
+        if missing:
+            write_dataset(path, **sizes)
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_data(request) -> Path:
     """240 training and 30 test images of about 64 px."""
-    path = shared_folder(request.config) / "synthetic"
-    with made_once(path) as missing:
-        if missing:
-            write_dataset(path, n_train=240, n_test=30, size=64, seed=1)
-    return path
+    return shared_dataset(request, "synthetic", n_train=240, n_test=30, size=64, seed=1)
 
 
 @pytest.fixture(scope="session")
 def exact_data(request) -> Path:
     """201 labelled images (with --val-fraction 0.5025: 100 train, 101 validation), 20 test."""
-    path = shared_folder(request.config) / "exact"
-    with made_once(path) as missing:
-        if missing:
-            write_dataset(path, n_train=201, n_test=20, size=64, seed=2)
-    return path
+    return shared_dataset(request, "exact", n_train=201, n_test=20, size=64, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -262,12 +263,17 @@ def mode_run(runs: Runs, mode: str):
                       env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
 
 
+def command_line(main, argv: list[str]) -> list[str]:
+    """sys.argv as `python COMMAND ARGV` sets it for main() of COMMAND (its file name first)."""
+    return [f"{main.__module__.rsplit('.', 1)[-1]}.py", *argv]
+
+
 def in_process(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     """main() of a command in this process, as `python COMMAND ARGV` runs it, for the checks that
     end before any training (a subprocess would spend 4 s importing torch); returns
     (exit code, stdout, stderr)."""
     from src.errors import exit_on_error
-    monkeypatch.setattr(sys, "argv", [f"{main.__module__.rsplit('.', 1)[-1]}.py", *argv])
+    monkeypatch.setattr(sys, "argv", command_line(main, argv))
     try:
         exit_on_error(main)
         code = 0
@@ -281,7 +287,7 @@ def printed_by(main, argv: list[str]) -> str:
     """What main() of a command prints, run in this process, for module fixtures (in_process needs
     a test's monkeypatch and capsys)."""
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as stdout:
-        patch.setattr(sys, "argv", [f"{main.__module__.rsplit('.', 1)[-1]}.py", *argv])
+        patch.setattr(sys, "argv", command_line(main, argv))
         main()
     return stdout.getvalue()
 

@@ -7,7 +7,7 @@ import torch
 import torchvision
 
 import train_single
-from conftest import LEARN, fails, history, in_process, outputs, python, weights
+from conftest import LEARN, fails, fails_in_process, history, in_process, outputs, python, weights
 from src.checkpoint import best_record
 from src.history import history_figure, plot_history
 
@@ -81,12 +81,7 @@ def test_help_lists_every_flag(monkeypatch, capsys):
 
 def _main_fails(monkeypatch, capsys, *argv, message: str) -> str:
     """train_single.main() in this process, as `python train_single.py ARGV` runs it."""
-    monkeypatch.setattr("sys.argv", ["train_single.py", *argv])
-    with pytest.raises(SystemExit) as caught:
-        train_single.exit_on_error(train_single.main)
-    error = capsys.readouterr().err
-    assert caught.value.code == 2 and error.count("\n") == 1 and message in error, error
-    return error
+    return fails_in_process(train_single.main, list(argv), monkeypatch, capsys, message)
 
 
 def test_missing_and_empty_data_dir(tmp_path, monkeypatch, capsys):
