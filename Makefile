@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt requirements-test.txt
 	touch $@
 
 $(SYNTHETIC)/train: | $(VENV)/.installed
-	$(PY) -m src.synthetic $(SYNTHETIC)
+	$(PY) -m src.tools.synthetic $(SYNTHETIC)
 
 demo: $(VENV)/.installed $(SYNTHETIC)/train
 	$(PY) train_single.py $(DEMO_FLAGS)

@@ -5,7 +5,7 @@ made by the same JPEG path as training without the cache (so the tensors are ide
 read back memory-mapped. DIR/train_{size}px.json holds its key, a hash of the data folder, every
 file's name, label, byte size and modification time, and the image size: when any of them
 changes, the next run rebuilds the cache. The first process of each node builds it (LOCAL_RANK
-0, as torchrun and accelerate number them), the others wait for it; `python -m src.prepare
+0, as torchrun and accelerate number them), the others wait for it; `python -m src.tools.prepare
 DATA_DIR --cache DIR --image-size N` builds it ahead of time.
 
 Several builders may meet in one folder (nodes sharing an NFS or Lustre home): each writes its
@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from src.checkpoint import atomic_write_text
+from src.atomic import atomic_write_text
 from src.datasets import DogCatDataset
 from src.errors import UserError
 
@@ -114,28 +114,30 @@ def _wait_for(data_path: Path, meta_path: Path, key: str, nbytes: int, flag: str
         if time.monotonic() > deadline:
             raise UserError(f"waited {WAIT_SECONDS // 60} min for {data_path}, which the first process "
                             f"of this node builds, and it is not there: see that process's error, or "
-                            f"build it ahead with python -m src.prepare (pixel cache) or a one-process run")
+                            f"build it ahead with python -m src.tools.prepare (pixel cache) or a one-process run")
         time.sleep(0.5)
 
 
-class CachedImages(Dataset):
-    """The cached pixels as `(uint8 tensor (3, size, size), label)`, like DogCatDataset's items."""
+class MappedArray(Dataset):
+    """A cache file read back memory-mapped, as `(tensor of one row, label)` items: the pixels of
+    --cache (uint8, 3 x size x size, like DogCatDataset's images) or a frozen backbone's outputs
+    (float32 vectors). `key` identifies what it holds (the feature cache's key includes it)."""
 
-    def __init__(self, data_path: Path, labels: list[int], image_size: int, key: str = ""):
-        self.data_path, self.labels, self.key = Path(data_path), list(labels), key
-        self.shape = (len(self.labels), 3, image_size, image_size)
-        self._pixels = None  # opened lazily in each loader worker
+    def __init__(self, path: Path, labels: list[int], row_shape: tuple, dtype, key: str = ""):
+        self.path, self.labels, self.key = Path(path), list(labels), key
+        self.shape, self.dtype = (len(self.labels), *row_shape), np.dtype(dtype)
+        self._array = None  # opened lazily in each loader worker
 
     def __getstate__(self) -> dict:  # a memmap would be pickled as a full copy of the data
-        return {**self.__dict__, "_pixels": None}
+        return {**self.__dict__, "_array": None}
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if self._pixels is None:
-            self._pixels = np.memmap(self.data_path, dtype=np.uint8, mode="r", shape=self.shape)
-        return torch.from_numpy(np.array(self._pixels[index])), self.labels[index]
+        if self._array is None:
+            self._array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=self.shape)
+        return torch.from_numpy(np.array(self._array[index])), self.labels[index]
 
 
 def _decode_into(pixels: np.ndarray, dataset: Dataset, workers: int, desc: str, show_progress: bool) -> None:
@@ -151,7 +153,7 @@ def _decode_into(pixels: np.ndarray, dataset: Dataset, workers: int, desc: str, 
 def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
                 show_progress: bool = True) -> str:
     """Decode every image of `dataset` (which must resize to image_size) into the cache files,
-    unless they are there already; returns the cache's key. `python -m src.prepare --cache`
+    unless they are there already; returns the cache's key. `python -m src.tools.prepare --cache`
     calls it ahead of training."""
     data_path, meta_path = cache_paths(cache_dir, image_size)
     # The key is taken before decoding: a file that changes during the build makes the next run rebuild.
@@ -164,8 +166,8 @@ def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, worker
 
 
 def cached(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
-           show_progress: bool = True) -> CachedImages:
+           show_progress: bool = True) -> MappedArray:
     """The cache of `dataset` in cache_dir, built first if it is missing, out of date or damaged."""
     key = build_cache(dataset, image_size, cache_dir, workers, show_progress)
-    return CachedImages(cache_paths(cache_dir, image_size)[0], dataset.frame["label"].tolist(),
-                        image_size, key)
+    return MappedArray(cache_paths(cache_dir, image_size)[0], dataset.frame["label"].tolist(),
+                       (3, image_size, image_size), np.uint8, key)

@@ -6,19 +6,17 @@
 - last.pth   everything to resume: model, optimizer, scaler, schedule, epoch, history
 - history.json  one record per finished epoch
 """
-import hashlib
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
 
 import torch
 
 from src.datasets import CLASSES
 from src.errors import UserError, one_line
-from src.history import history_text, plot_history
+from src.atomic import atomic_torch_save, atomic_write, atomic_write_text
+from src.history import best_record, history_text
+from src.plot import plot_history
 from src.ranks import from_rank_0
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
@@ -30,77 +28,6 @@ RECIPE_FLAGS = ("lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "w
 RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data") + RECIPE_FLAGS
 # How each key is spelled on the command line, where it is not --key.
 FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-class _WriteRecorder:
-    """A file that hashes what is written and remembers why a write failed: torch.save reports
-    that as a RuntimeError ("unexpected pos ...") without the errno ("No space left on device")."""
-
-    def __init__(self, file: BinaryIO):
-        self.file, self.error, self.sha256 = file, None, hashlib.sha256()
-
-    def write(self, data) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-        self.sha256.update(data)
-        return written
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
-
-
-def _atomic(path: Path, write: Callable[[BinaryIO], None]) -> str:
-    """write(file) into a temporary file beside path, then rename it onto path: path holds the
-    old or the new content, never half of one. Returns the sha256 of what was written.
-
-    Any failure (a full disk, a folder that cannot be made) becomes a one-line UserError naming
-    path; the old file stays.
-    """
-    path = Path(path)
-    tmp = file = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
-        with os.fdopen(fd, "wb") as raw:
-            file = _WriteRecorder(raw)
-            write(file)
-            raw.flush()
-            os.fsync(raw.fileno())  # the data is on disk before the rename makes it the file
-        os.replace(tmp, path)
-        return file.sha256.hexdigest()
-    except BaseException as error:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(error, (OSError, RuntimeError)):
-            raise UserError(cannot_write(path, getattr(file, "error", None) or error)) from None
-        raise
-
-
-def cannot_write(path: Path, error: BaseException) -> str:
-    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
-    if not isinstance(error, OSError):  # not the disk: say what it was, without advice about room
-        return f"cannot write {path} ({one_line(error)}); {kept}"
-    try:
-        free = f"; {shutil.disk_usage(path.parent).free / 1e6:.1f} MB free there"
-    except OSError:
-        free = ""
-    return f"cannot write {path} ({error.strerror or one_line(error)}{free}): make room or write elsewhere; {kept}"
-
-
-def atomic_torch_save(obj, path: Path) -> str:
-    return _atomic(path, lambda file: torch.save(obj, file))
-
-
-def atomic_write_text(path: Path, text: str) -> str:
-    return _atomic(path, lambda file: file.write(text.encode()))
-
 
 def output_paths(args) -> dict[str, Path]:
     folder = Path(args.checkpoint).parent
@@ -143,27 +70,6 @@ def run_info(args, global_batch: int, data: str) -> dict:
             **{key: getattr(args, key) for key in RECIPE_FLAGS}}
 
 
-def is_better(record: dict, than: dict | None, best_by: str) -> bool:
-    """Whether an epoch's record beats another by --best-by (accuracy up, log loss down).
-
-    Equal accuracies, common on small validation sets, go to the lower log loss.
-    """
-    if than is None:
-        return True
-    if best_by == "val_log_loss":
-        return record["val_log_loss"] < than["val_log_loss"]
-    return (record["val_acc"], -record["val_log_loss"]) > (than["val_acc"], -than["val_log_loss"])
-
-
-def best_record(history: list[dict], best_by: str) -> dict:
-    """The first epoch that no later one beats by --best-by: the epoch of best.pth."""
-    best = None
-    for record in history:
-        if is_better(record, best, best_by):
-            best = record
-    return best
-
-
 def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler, schedule,
                info: dict) -> bool:
     """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far."""
@@ -179,7 +85,7 @@ def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, sca
                        "schedule": schedule.state_dict(), "epoch": history[-1]["epoch"],
                        "history": history, "info": info}, paths["last"])
     atomic_write_text(paths["history"], history_text(history))
-    _atomic(paths["plot"], lambda file: plot_history(history, file))
+    atomic_write(paths["plot"], lambda file: plot_history(history, file))
     return is_best
 
 

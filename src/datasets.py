@@ -38,7 +38,7 @@ def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise UserError(f"cannot read image {path} ({error}); "
-                        "run `python -m src.prepare DATA_DIR` to leave out broken files") from None
+                        "run `python -m src.tools.prepare DATA_DIR` to leave out broken files") from None
 
 
 def _label_of(relative: Path) -> int | None:
@@ -59,7 +59,7 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
     train_dir = Path(train_dir)
     if not train_dir.is_dir():
         raise UserError(f"{train_dir} is not a folder: put Kaggle's train/ images there, "
-                        "or make a synthetic set with `python -m src.synthetic DATA_DIR`")
+                        "or make a synthetic set with `python -m src.tools.synthetic DATA_DIR`")
     candidates = []
     for path in train_dir.rglob("*"):
         relative = path.relative_to(train_dir)
@@ -97,14 +97,14 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
                         "filename,label") from None
     if list(frame.columns) != ["filename", "label"]:
         raise UserError(f"{csv_file} has columns {','.join(frame.columns)}; expected filename,label "
-                        "(rebuild it with `python -m src.prepare DATA_DIR`)")
+                        "(rebuild it with `python -m src.tools.prepare DATA_DIR`)")
     if frame.empty:
         raise UserError(f"{csv_file} lists no images")
     repeated = frame["filename"][frame["filename"].duplicated()]
     if len(repeated):
         # The same image could land in both the training and the validation split.
         raise UserError(f"{csv_file} lists {repeated.iloc[0]} more than once ({len(repeated)} repeated "
-                        "row(s)); list each image once, or rebuild it with `python -m src.prepare DATA_DIR`")
+                        "row(s)); list each image once, or rebuild it with `python -m src.tools.prepare DATA_DIR`")
     names = {"0": 0, "1": 1, "cat": 0, "dog": 1}
     labels = frame["label"].str.strip().str.lower().map(names)
     bad = frame.loc[labels.isna(), "label"]
@@ -114,16 +114,16 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     missing = [name for name in frame["filename"] if not (Path(root_dir) / name).is_file()]
     if missing:
         raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir}, "
-                        f"first {missing[0]}; fix the CSV or rerun `python -m src.prepare`")
+                        f"first {missing[0]}; fix the CSV or rerun `python -m src.tools.prepare`")
     return pd.DataFrame({"filename": frame["filename"], "label": labels.astype(int)})
 
 
 def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
-    """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.prepare` does."""
+    """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.tools.prepare` does."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found: pass --data-dir, put Kaggle's train/ "
-                        f"there, or run `python -m src.synthetic {data_dir}` for a synthetic set")
+                        f"there, or run `python -m src.tools.synthetic {data_dir}` for a synthetic set")
     csv_file = data_dir / "train.csv"
     if csv_file.exists():
         return read_labels_csv(csv_file, data_dir / "train")

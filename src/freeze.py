@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from src.cache import ensure_array
+from src.cache import MappedArray, ensure_array
 from src.models import head_of
 from src.transforms import model_inputs
 
@@ -65,25 +65,6 @@ def stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: 
         yield Stage(range(max(start, end), args.epochs), False, model, dataset)
 
 
-class Features(Dataset):
-    """The cached backbone outputs as `(float32 tensor (dim,), label)`."""
-
-    def __init__(self, path: Path, labels: list[int], dim: int):
-        self.path, self.labels, self.dim = Path(path), list(labels), dim
-        self._array = None  # opened lazily in each loader worker
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_array": None}
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if self._array is None:
-            self._array = np.memmap(self.path, dtype=np.float32, mode="r", shape=(len(self), self.dim))
-        return torch.from_numpy(np.array(self._array[index])), self.labels[index]
-
-
 def _head_input(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the last layer's input, the model's output) for a batch, in eval mode without gradients."""
     seen = []
@@ -107,7 +88,7 @@ def _weights_digest(model: nn.Module) -> str:
 
 @torch.no_grad()
 def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Dataset,
-                     device: torch.device, workers: int, show: bool = True) -> Features | None:
+                     device: torch.device, workers: int, show: bool = True) -> MappedArray | None:
     """The feature cache of a frozen stage, built if needed; None to train from the images."""
     if not args.cache:
         if show:
@@ -137,7 +118,7 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
         key = hashlib.sha256(f"{FORMAT} {args.arch} {args.image_size} {getattr(dataset, 'key', '')} "
                              f"{_weights_digest(model)}".encode()).hexdigest()
         path = Path(args.cache) / f"features_{args.arch}_{args.image_size}px.f32"
-        labels = dataset.labels  # a CachedImages: --cache holds the pixels too
+        labels = dataset.labels  # the pixel cache's MappedArray: --cache holds the pixels too
 
         def fill(array: np.ndarray) -> None:
             loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers,
@@ -151,6 +132,6 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
 
         ensure_array(path, path.with_suffix(".json"), key, (len(dataset), dim), np.float32, fill,
                      "--cache", f"{args.arch}'s outputs", show)
-        return Features(path, labels, dim)
+        return MappedArray(path, labels, (dim,), np.float32)
     finally:
         model.train(was_training)

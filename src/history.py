@@ -1,18 +1,7 @@
-"""The per-epoch history: records, history.json and the training_results.png curves."""
+"""The per-epoch history: its records, the best epoch by --best-by, and history.json's text."""
 import json
-from pathlib import Path
-from typing import BinaryIO
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on servers and in tests
-import matplotlib.pyplot as plt  # noqa: E402
-
-# Load the backend now, not at the first plot: a Ctrl-C landing inside its C-extension
-# initialisation surfaces as ImportError instead of KeyboardInterrupt.
-plt.switch_backend("Agg")
-
-from src.metrics import summarize  # noqa: E402
+from src.metrics import summarize
 
 
 def epoch_record(epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
@@ -38,29 +27,25 @@ def format_record(record: dict, epochs: int) -> str:
             f"log loss {record['val_log_loss']:.4f}  ({record['seconds']:.1f} s)")
 
 
-def plot_history(history: list[dict], file: BinaryIO | Path) -> None:
-    """Accuracy and loss curves, train and validation, one point per epoch, as a PNG."""
-    figure = history_figure(history)
-    try:
-        figure.savefig(file, format="png")
-    finally:
-        plt.close(figure)
+def is_better(record: dict, than: dict | None, best_by: str) -> bool:
+    """Whether an epoch's record beats another by --best-by (accuracy up, log loss down).
+
+    Equal accuracies, common on small validation sets, go to the lower log loss.
+    """
+    if than is None:
+        return True
+    if best_by == "val_log_loss":
+        return record["val_log_loss"] < than["val_log_loss"]
+    return (record["val_acc"], -record["val_log_loss"]) > (than["val_acc"], -than["val_log_loss"])
 
 
-def history_figure(history: list[dict]) -> plt.Figure:
-    """The figure of plot_history: accuracy on the left, loss on the right, train and validation."""
-    epochs = [r["epoch"] for r in history]
-    figure, (acc_axes, loss_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for axes, key, title in ((acc_axes, "acc", "Accuracy"), (loss_axes, "loss", "Loss")):
-        axes.plot(epochs, [r[f"train_{key}"] for r in history], "o-", label=f"Training {title.lower()}")
-        axes.plot(epochs, [r[f"val_{key}"] for r in history], "s-", label=f"Validation {title.lower()}")
-        axes.set_title(f"Training and validation {title.lower()}")
-        axes.set_xlabel("epoch")
-        axes.set_xticks(epochs)
-        axes.grid(alpha=0.3)
-        axes.legend()
-    figure.tight_layout()
-    return figure
+def best_record(history: list[dict], best_by: str) -> dict:
+    """The first epoch that no later one beats by --best-by: the epoch of best.pth."""
+    best = None
+    for record in history:
+        if is_better(record, best, best_by):
+            best = record
+    return best
 
 
 def history_text(history: list[dict]) -> str:

@@ -7,7 +7,7 @@ one loop iteration: the progress report, the wait for the batch, its forward, ba
 on a step's last micro-batch, the optimizer). It writes, into `<--log-dir or the checkpoint's
 folder>/profile/`: rank0.pt.trace.json (Perfetto, chrome://tracing, or TensorBoard's profiler
 plugin: `tensorboard --logdir that/folder`), profile.md (the table) and profile.json (the same
-figures, for src.benchmark).
+figures, for src.tools.benchmark).
 
 What the table's numbers mean (`breakdown` computes them from the profiler's events):
 

@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from src.synthetic import write_dataset  # noqa: E402
+from src.tools.synthetic import write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -105,7 +105,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def shared_dataset(request, name: str, **sizes) -> Path:
-    """A synthetic dataset (src.synthetic.write_dataset) made once per session in the shared folder."""
+    """A synthetic dataset (src.tools.synthetic.write_dataset) made once per session in the shared folder."""
     path = shared_folder(request.config) / name
     with made_once(path) as missing:
         if missing:

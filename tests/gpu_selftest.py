@@ -162,7 +162,7 @@ def resume(work: Path, data: Path, gpus: int) -> list[str]:
 
 def benchmark(work: Path, data: Path, gpus: int) -> list[str]:
     out = work / "benchmark"
-    result = _run([sys.executable, "-m", "src.benchmark", "--images", "2000", "--arch", "resnet18",
+    result = _run([sys.executable, "-m", "src.tools.benchmark", "--images", "2000", "--arch", "resnet18",
                    "--image-size", "64", "--batch-size", "64", "--epochs", "2", "--processes", str(gpus),
                    "--out-dir", str(out)], out)
     if result.returncode != 0:
@@ -178,7 +178,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("make test-gpu: no CUDA GPU is visible here, so nothing was checked (see docs/gpus.md)")
         return 0
-    from src.synthetic import write_dataset
+    from src.tools.synthetic import write_dataset
     gpus = torch.cuda.device_count()
     work = args.out.resolve()
     data = work / "data"

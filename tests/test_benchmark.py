@@ -1,4 +1,4 @@
-"""src.benchmark's table, chart and checks, the loader measurement it relies on, and --profile
+"""src.tools.benchmark's table, chart and checks, the loader measurement it relies on, and --profile
 (src/profiling.py) in all four scripts: the benchmark runs each script with --profile, so one
 small benchmark serves the profile tests too."""
 import csv
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from conftest import history, printed_by
 from src import benchmark
-from src.benchmark import loader_alone
+from src.tools.benchmark import loader_alone
 from src.errors import exit_on_error
 from src.profiling import Profiler, breakdown, schedule_for
 from src.watch import Watch

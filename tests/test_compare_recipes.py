@@ -1,4 +1,4 @@
-"""python -m src.compare_recipes: both recipes, the same steps, figures from the runs' history.json."""
+"""python -m src.tools.compare_recipes: both recipes, the same steps, figures from the runs' history.json."""
 import csv
 import json
 

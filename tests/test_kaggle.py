@@ -12,8 +12,8 @@ from PIL import Image
 from conftest import LEARN, fails, fails_in_process, in_process, outputs, python
 from src import predict, prepare
 from src.datasets import open_rgb
-from src.predict import load_checkpoint, submission_text
-from src.synthetic import TEST_LABELS
+from src.tools.predict import load_checkpoint, submission_text
+from src.tools.synthetic import TEST_LABELS
 from src.transforms import image_transform, normalize
 
 BROKEN = ["dog.1000.jpg", "cat.1000.jpg", "dog.1001.jpg"]
@@ -97,10 +97,10 @@ def trained(small_data, module_tmp):
 
 
 def _predict(data, model, out, *extra, monkeypatch=None, capsys=None):
-    """src.predict through the command line, or in this process given monkeypatch and capsys."""
+    """src.tools.predict through the command line, or in this process given monkeypatch and capsys."""
     argv = ["--data-dir", str(data), "--checkpoint", str(model / "best.pth"), "--output", str(out), *extra]
     if monkeypatch is None:
-        result = python("-m", "src.predict", *argv)
+        result = python("-m", "src.tools.predict", *argv)
         code, stdout, stderr = result.returncode, result.stdout, result.stderr
     else:
         code, stdout, stderr = in_process(predict.main, argv, monkeypatch, capsys)
@@ -163,6 +163,6 @@ def test_predict_detects_a_best_json_of_another_best_pth(trained, tmp_path):
     state = torch.load(tmp_path / "model" / "best.pth", weights_only=True)
     state["fc.bias"] += 1
     torch.save(state, tmp_path / "model" / "best.pth")
-    result = python("-m", "src.predict", "--data-dir", str(data), "--checkpoint",
+    result = python("-m", "src.tools.predict", "--data-dir", str(data), "--checkpoint",
                     str(tmp_path / "model" / "best.pth"))  # through the command line, once
     fails(result, "is not the file that")

@@ -16,7 +16,7 @@ import torchvision
 from conftest import (B, BIN, DROPOUT, EXACT, HOOKS, LAUNCH, MODES, ROOT, TOLERANCE, VAL, assert_same_run, distance,
                       dropout_run, history, last_model, mode_run, outputs, python, run, weights)
 from src.loaders import labelled_data
-from src.predict import load_checkpoint, predict
+from src.tools.predict import load_checkpoint, predict
 from src.transforms import normalize
 
 

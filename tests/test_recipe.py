@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from conftest import (B, EXACT, HOOKS, TOLERANCE, VAL, assert_same_run, distance, history, last_model,
                       fails_in_process, python, weights)
 from src.augment import augment, crop_params
-from src.checkpoint import best_record
+from src.history import best_record
 from src.cli import parse_args
 from src.loaders import TrainSplit, make_loaders
 from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch

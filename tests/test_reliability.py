@@ -8,6 +8,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+import src.atomic as atomic
 import src.checkpoint as checkpoint
 import train_single
 from conftest import (B, DROPOUT, EXACT, HOOKS, LAUNCH, VAL, assert_same_run, dropout_run, fails,
@@ -155,14 +156,14 @@ def test_resume_with_another_data_folder_is_refused_by_the_script(runs, small_da
 ])
 def test_crash_during_a_save_keeps_the_previous_file(tmp_path, monkeypatch, failure, disk):
     path = tmp_path / "best.pth"
-    checkpoint.atomic_torch_save({"w": torch.ones(3)}, path)
+    atomic.atomic_torch_save({"w": torch.ones(3)}, path)
 
     def dies_half_way(obj, file):
         file.write(b"half a checkpoint")
         raise failure
-    monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
+    monkeypatch.setattr(atomic.torch, "save", dies_half_way)
     with pytest.raises(UserError) as caught:
-        checkpoint.atomic_torch_save({"w": torch.zeros(3)}, path)
+        atomic.atomic_torch_save({"w": torch.zeros(3)}, path)
     message = str(caught.value)
     assert message.startswith(f"cannot write {path} (") and "the previous best.pth is intact" in message
     assert ("No space left on device" in message) == disk and ("make room" in message) == disk, message
@@ -205,4 +206,4 @@ def test_image_that_turns_unreadable_during_training(exact_data, tmp_path, monke
     last = fails_in_process(train_single.main, ["--data-dir", str(data), *EXACT, *VAL, "--batch-size", "20",
                                                 *outputs(tmp_path / "out"), "--workers", "1"],
                             monkeypatch, capsys, "error: cannot read image")
-    assert names[5] in last and "src.prepare" in last
+    assert names[5] in last and "src.tools.prepare" in last

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from src.synthetic import TEST_LABELS, main, write_dataset
+from src.tools.synthetic import TEST_LABELS, main, write_dataset
 
 
 def _digest(folder):

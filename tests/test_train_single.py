@@ -8,8 +8,8 @@ import torchvision
 
 import train_single
 from conftest import LEARN, fails, fails_in_process, history, in_process, outputs, python, weights
-from src.checkpoint import best_record
-from src.history import history_figure, plot_history
+from src.history import best_record
+from src.plot import history_figure, plot_history
 
 
 @pytest.fixture(scope="module")

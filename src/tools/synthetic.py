@@ -1,6 +1,6 @@
 """Write a synthetic dataset in the exact Kaggle "Dogs vs. Cats Redux" layout.
 
-    python -m src.synthetic OUT_DIR [--train N] [--test N] [--size PX] [--seed S] [--hard]
+    python -m src.tools.synthetic OUT_DIR [--train N] [--test N] [--size PX] [--seed S] [--hard]
 
 It is NOT real photographs: every image is a striped texture with noise and random blobs. In
 cats the stripes run roughly horizontally, in dogs roughly vertically; that is the only
@@ -10,7 +10,7 @@ the same distributions for both, so a model can only learn the class from the pi
 The default set is easy on purpose (tests and demos): the stripes fill the whole image and are
 within 20 degrees of horizontal or vertical, so any model reaches 1.0 accuracy in a few epochs.
 `--hard` writes a set on which a recipe's effect can be measured (`python -m
-src.compare_recipes`): the class's stripes, now within 40 degrees of horizontal (cats) or
+src.tools.compare_recipes`): the class's stripes, now within 40 degrees of horizontal (cats) or
 vertical (dogs), fill only an ellipse (the "animal") of random size (15-40% of the shorter side
 as radius), shape, rotation and position, partly outside the image near the edges and partly
 hidden by one to five blobs; around it, a background of two gratings of any orientation (some

@@ -1,6 +1,6 @@
 """Predict the Kaggle test set with a trained checkpoint and write submission.csv.
 
-    python -m src.predict [--data-dir data] [--checkpoint model/best.pth] [--output submission.csv] [--tta]
+    python -m src.tools.predict [--data-dir data] [--checkpoint model/best.pth] [--output submission.csv] [--tta]
 
 The architecture, image size and normalisation come from best.json, which every training script
 writes beside best.pth. Each row is `id,label` with label = p(dog), clipped to [EPS, 1 - EPS]
@@ -15,7 +15,7 @@ import torchvision
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from src.checkpoint import atomic_write_text
+from src.atomic import atomic_write_text
 from src.cli import OneLineParser, at_least
 from src.datasets import DogCatTestDataset
 from src.errors import UserError, exit_on_error

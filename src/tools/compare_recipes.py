@@ -1,6 +1,6 @@
 """Train the seed recipe and the full recipe for the same steps and compare their validation log loss.
 
-    python -m src.compare_recipes [--data-dir DIR] [--out-dir compare] [--epochs E] [--images N] ...
+    python -m src.tools.compare_recipes [--data-dir DIR] [--out-dir compare] [--epochs E] [--images N] ...
 
 Runs the real train_single.py twice on the same data, split, data order, architecture, image
 size, batch size, epochs, peak learning rate and seed, each from its own fresh initialisation
@@ -18,23 +18,20 @@ clipped to [0.005, 0.995]) and accuracy, read from each run's history.json, as a
 It reports what it measured whichever recipe wins; one seed on one validation split, so a small
 difference may be noise (the table says how large the noise in accuracy is).
 
-Without --data-dir it writes the --hard synthetic set (src/synthetic.py) of --images labelled
+Without --data-dir it writes the --hard synthetic set (src/tools/synthetic.py) of --images labelled
 images into OUT/data: on the default set any recipe reaches 1.0 accuracy in a few epochs and
 there is nothing to compare. The defaults (2500 images, ResNet-18 from random init at 64 px, batch
 32, lr 0.01, 10 epochs) should take about 7 minutes on 2 idle CPU cores (estimated from a run's
 undisturbed epochs: 15 s for the training pass over 2000 images); measured 34 minutes while
 other work loaded the same 2 cores. Both runs train from one --cache in OUT/cache, decoded once; a
---data-dir without train.csv gets one (as `python -m src.prepare` writes it), so that neither run
+--data-dir without train.csv gets one (as `python -m src.tools.prepare` writes it), so that neither run
 opens every image to list them.
 """
 import csv
 import json
 import math
-import os
-import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from datetime import date
@@ -42,8 +39,8 @@ from pathlib import Path
 
 from src.cli import OneLineParser, at_least
 from src.errors import UserError, exit_on_error
+from src.tools.commands import hardware, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
 WARMUP_SHARE = 0.1  # of all epochs: one epoch in ten, and a fraction of one in a 1-epoch run
 
 # The full recipe's flags besides --augment and the schedule, each a common default for training
@@ -104,7 +101,7 @@ def recipes(epochs: int) -> dict[str, list[str]]:
 
 def synthetic_data(args) -> Path:
     """The --hard synthetic set in OUT/data, written unless the same one is already there."""
-    from src.synthetic import write_dataset
+    from src.tools.synthetic import write_dataset
 
     data_dir = args.out_dir / "data"
     # Images about 1.5x the model's input, so that they are downscaled as photographs are.
@@ -122,7 +119,7 @@ def synthetic_data(args) -> Path:
 
 def write_labels(data_dir: Path) -> None:
     """train.csv, if missing, so that neither run scans (opens) every image again."""
-    from src.checkpoint import atomic_write_text
+    from src.atomic import atomic_write_text
     from src.datasets import load_labels
 
     if not (data_dir / "train.csv").exists():
@@ -146,12 +143,7 @@ def run_recipe(name: str, flags: list[str], args, data_dir: Path) -> list[dict]:
     command += flags
     print(f"running {name}: {shlex.join(command)}", flush=True)
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    (out / "log.txt").write_text(result.stdout + result.stderr)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"the {name} run failed ({tail}); its output is in {out / 'log.txt'}")
+    run_script(name, command, out)
     history = json.loads((out / "history.json").read_text())
     print(f"  {name}: {_epochs(len(history))} in {time.perf_counter() - start:.0f} s", flush=True)
     return history
@@ -173,16 +165,6 @@ def summary(name: str, flags: list[str], history: list[dict], steps_per_epoch: i
             "best_val_acc": best_acc["val_acc"], "best_acc_epoch": best_acc["epoch"],
             "last_val_acc": last["val_acc"], "val_images": last["val_samples"],
             "train_seconds": sum(r["train_seconds"] for r in history)}
-
-
-def hardware() -> str:
-    import torch
-
-    cpus = len(os.sched_getaffinity(0))
-    gpus = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-            if torch.cuda.is_available() else "no GPU")
-    return (f"{platform.processor() or platform.machine()}, {cpus} CPU cores, {gpus}; "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
 def verdict(rows: dict[str, dict]) -> list[str]:
@@ -221,7 +203,7 @@ def write_outputs(rows: dict[str, dict], histories: dict[str, list[dict]], args,
             writer.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
 
     lines = [f"{date.today().isoformat()}, {hardware()}; {seconds:.0f} s in all", "",
-             f"`{shlex.join(['python', '-m', 'src.compare_recipes'] + sys.argv[1:])}`", "",
+             f"`{shlex.join(['python', '-m', 'src.tools.compare_recipes'] + sys.argv[1:])}`", "",
              f"{args.arch} (weights: {args.weights}) at {args.image_size} px, batch {args.batch_size}, "
              f"lr {args.lr:g}, {_epochs(args.epochs)}, seed {args.seed}, data {data_dir}", "",
              "| recipe | best val log loss (epoch) | last val log loss | best val acc (epoch) | "

@@ -1,6 +1,6 @@
 """Time every mode on the same data and print the seed's table, with the ceilings beside it.
 
-    python -m src.benchmark [--processes P] [--data-dir DIR] [--out-dir benchmark] ...
+    python -m src.tools.benchmark [--processes P] [--data-dir DIR] [--out-dir benchmark] ...
 
 Runs the four real scripts (train_single.py from JPEGs, then all four from the --cache, then
 train_single.py --freeze from the feature cache) with the same global batch, for --epochs epochs,
@@ -20,10 +20,7 @@ import argparse
 import csv
 import json
 import multiprocessing
-import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -38,7 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from src.cache import cached  # noqa: E402
-from src.checkpoint import atomic_write_text  # noqa: E402
+from src.atomic import atomic_write_text  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
@@ -46,10 +43,10 @@ from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
 from src.profiling import FIGURES  # noqa: E402
-from src.synthetic import write_dataset  # noqa: E402
+from src.tools.commands import hardware, run_script  # noqa: E402
+from src.tools.synthetic import write_dataset  # noqa: E402
 from src.transforms import image_transform, memory_format, normalize  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
 MODES = ("single-jpeg", "single", "dp", "ddp", "accelerate", "freeze")
@@ -239,15 +236,8 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
     if name != "accelerate" and args.amp != "no":
         flags += ["--amp", args.amp]
     cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "1"}
-    env = {**os.environ, **cpu,
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     print(f"running {name}: {' '.join(command + flags)}", flush=True)
-    result = subprocess.run(command + flags, cwd=ROOT, env=env, capture_output=True, text=True)
-    (out / "log.txt").parent.mkdir(parents=True, exist_ok=True)
-    (out / "log.txt").write_text(result.stdout + result.stderr)
-    if result.returncode != 0:
-        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"the {name} run failed ({tail}); its output is in {out / 'log.txt'}")
+    run_script(name, command + flags, out, cpu)
     last = json.loads((out / "history.json").read_text())[-1]
     return {"row": name, "processes": processes,
             "train_images_per_s": last["train_samples"] / last["train_seconds"],
@@ -268,16 +258,6 @@ def communication_share(figures: Path) -> float | None:
         return None
     view = profile.get("device") or profile["host"]
     return view["seconds"]["communication"] / profile["wall_seconds"] if profile["wall_seconds"] else None
-
-
-def hardware() -> str:
-    cpus = len(os.sched_getaffinity(0))
-    if torch.cuda.is_available():
-        gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    else:
-        gpus = "no GPU"
-    return (f"{platform.processor() or platform.machine()}, {cpus} CPU cores, {gpus}; "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
 def checks(rows: dict, args) -> list[tuple[str, bool]]:
@@ -327,7 +307,7 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
         return "" if value is None else f"{100 * value:.1f}%"
 
     lines = [f"{date.today().isoformat()}, {hardware()}", "",
-             f"`{' '.join(['python -m src.benchmark'] + sys.argv[1:])}`", "",
+             f"`{' '.join(['python -m src.tools.benchmark'] + sys.argv[1:])}`", "",
              "| run | processes (DP: devices) | train images/s | val images/s | epoch s | speed-up "
              "| data wait | communication |",
              "|---|---|---|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """Check every labelled image once and write DATA_DIR/train.csv for the training scripts.
 
-    python -m src.prepare DATA_DIR [--cache DIR --image-size N]
+    python -m src.tools.prepare DATA_DIR [--cache DIR --image-size N]
 
 Finds Kaggle's flat train/cat.N.jpg and train/dog.N.jpg, or one folder per class (train/Cat/,
 train/Dog/, any case, as in Microsoft's PetImages), opens every image, leaves out and lists the
@@ -10,7 +10,7 @@ the pixel cache that the training scripts' --cache DIR --image-size N would buil
 """
 from pathlib import Path
 
-from src.checkpoint import atomic_write_text
+from src.atomic import atomic_write_text
 from src.cli import OneLineParser, at_least
 from src.cache import build_cache, cache_paths
 from src.datasets import scan_train_dir
