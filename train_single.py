@@ -4,39 +4,52 @@ import time
 import torch
 import torch.nn.functional as F
 
-from src.checkpoint import best_record, check_writable, resume, run_info, save_epoch
+from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.devices import training_device
 from src.errors import exit_on_error
 from src.freeze import stages
-from src.history import epoch_record, format_record
-from src.loaders import default_workers, labelled_data, make_loaders
+from src.history import done_line, epoch_record, format_record, run_header
+from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
+from src.progress import LoaderPass, Progress, TensorBoard
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.transforms import memory_format, model_inputs
-from src.watch import Steps, Watch, tensorboard
 
 
-def run_epoch(model, steps: Steps, device, args, optimizer=None, scaler=None, schedule=None,
-              frozen=False) -> torch.Tensor:
-    """One pass over the steps' loader, training if an optimizer is given; returns the metric sums."""
-    training, amp = optimizer is not None, amp_dtype(args)
-    model.train(training and not frozen)  # a frozen backbone keeps dropout and batch norm fixed
+def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, schedule,
+                frozen: bool = False) -> torch.Tensor:
+    """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
+    model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = torch.zeros(4, device=device)
-    for step, (inputs, labels) in enumerate(steps.track(sums)):
+    for step, (inputs, labels) in enumerate(loader.batches(sums)):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
-        with torch.set_grad_enabled(training), torch.autocast(device.type, amp, enabled=amp is not None):
+        last = (step + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
+        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-        if training:
-            scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
-            if (step + 1) % args.accumulate == 0:
-                optimizer_step(model, optimizer, scaler, schedule, args.clip_grad_norm)
+        scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
+        if last:
+            optimizer_step(model, optimizer, scaler, schedule, args.clip_grad_norm)
         sums += batch_sums(logits, labels)
     return sums.cpu()  # waits for the device, so the epoch timings are true
+
+
+@torch.no_grad()
+def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
+    """One pass over the validation batches; the metric sums."""
+    model.eval()
+    sums = torch.zeros(4, device=device)
+    for inputs, labels in loader.batches(sums):
+        inputs = model_inputs(inputs, device, args.channels_last)
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+            logits = model(inputs)
+        sums += batch_sums(logits, labels)
+    return sums.cpu()
 
 
 def main() -> None:
@@ -45,47 +58,40 @@ def main() -> None:
     check_writable(args)
     torch.manual_seed(args.seed)
 
-    workers = default_workers() if args.workers is None else args.workers
-    dataset, train_idx, val_idx, digest = labelled_data(args, workers)
+    data = labelled_data(args)
     global_batch = args.batch_size * args.accumulate
-    steps = steps_per_epoch(len(train_idx), global_batch)
-
+    steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    info = run_info(args, global_batch, digest)
-    history = resume(args, info, model, optimizer, scaler, schedule) if args.resume else []
-    log, close_log = tensorboard(args.log_dir) if args.log_dir else (None, lambda: None)
-    watch = Watch(args, optimizer, steps, args.batch_size, device, log=log)
+    info = run_info(args, global_batch, data.digest)
+    history = resume(args, info, model, optimizer, scaler, schedule)
+    log = TensorBoard(args.log_dir)
+    progress = Progress(args, optimizer, steps, args.batch_size, device, log)
 
-    print(f"{args.arch} on {device}: {len(train_idx)} train / {len(val_idx)} val images, "
-          f"batch {args.batch_size}" + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
+    print(run_header(args, data, device))
     since = time.time()
-    for stage in stages(args, model, dataset, len(history), device, workers):
+    for stage in stages(args, model, data.dataset, len(history), device):
         net = torch.compile(stage.net) if args.compile else stage.net
-        train_loader, val_loader = make_loaders(stage.data, train_idx, val_idx, args.batch_size, args.seed,
-                                                workers, pin_memory=device.type == "cuda",
-                                                accumulate=args.accumulate, augment=args.augment)
+        train_loader, val_loader = run_loaders(stage.data, data, args, device)
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch)
             train_loader.sampler.set_epoch(epoch)
-            start = time.time()
-            desc = f"epoch {epoch + 1}/{args.epochs}"
-            train_steps = watch.steps(train_loader, f"{desc} train", epoch)
-            train_sums = run_epoch(net, train_steps, device, args, optimizer, scaler, schedule, stage.frozen)
+            desc, start = f"epoch {epoch + 1}/{args.epochs}", time.time()
+            train_pass = progress.pass_over(train_loader, f"{desc} train", epoch)
+            train_sums = train_epoch(net, train_pass, device, args, optimizer, scaler, schedule, stage.frozen)
             middle = time.time()
-            val_sums = run_epoch(net, watch.steps(val_loader, f"{desc} val"), device, args)
-            history.append(epoch_record(epoch, train_sums, val_sums, middle - start, time.time() - middle,
-                                        train_steps.data_wait, optimizer.param_groups[0]["lr"]))
+            val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
+            history.append(epoch_record(
+                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
+                val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
+                lr=optimizer.param_groups[0]["lr"]))
             is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info)
-            watch.epoch_end(history[-1])
+            progress.epoch_end(history[-1])
             print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
-    close_log()
-
-    best = best_record(history, args.best_by)
-    print(f"done in {time.time() - since:.0f} s: best {args.best_by} {best[args.best_by]:.4f} "
-          f"(epoch {best['epoch']}) in {args.checkpoint}")
+    log.close()
+    print(done_line(history, args, time.time() - since))
 
 
 if __name__ == "__main__":

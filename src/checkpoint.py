@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from src.atomic import atomic_torch_save, atomic_write, atomic_write_text
 from src.datasets import CLASSES
 from src.errors import UserError, one_line
-from src.atomic import atomic_torch_save, atomic_write, atomic_write_text
 from src.history import best_record, history_text
 from src.plot import plot_history
-from src.ranks import from_rank_0
+from src.ranks import from_rank_0, is_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 # What must match for --resume to continue the same run. --accumulate is not among them: the
@@ -98,15 +98,17 @@ def _read_last(path: Path) -> dict | None:
         raise UserError(f"cannot resume from {path} ({type(error).__name__}); delete it to start over") from None
 
 
-def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule,
-           announce: bool = True) -> list[dict]:
-    """Load last.pth into model, optimizer, scaler and schedule; returns the history so far.
+def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule) -> list[dict]:
+    """With --resume (or in a worker that torchrun restarted), load last.pth into model,
+    optimizer, scaler and schedule; returns the history so far ([] without).
 
     Rank 0 reads the file and sends it to every rank: on nodes without a shared disk only rank
     0's node has it. Refuses a last.pth of another run (flags, data) or one that has --epochs
     already.
     """
-    path = output_paths(args)["last"]
+    if not (args.resume or restarted()):
+        return []
+    path, announce = output_paths(args)["last"], is_first()
     state = from_rank_0(lambda: _read_last(path))
     if state is None:
         if announce:

@@ -54,7 +54,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True, local_rank: bool = False) -> argparse.ArgumentParser:
+def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
     parser = OneLineParser(description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
@@ -120,9 +120,8 @@ def build_parser(description: str, amp: bool = True, local_rank: bool = False) -
     if amp:
         parser.add_argument("--amp", choices=["no", "bf16", "fp16"], default="no",
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
-    if local_rank:
-        # torch.distributed.launch passes this; torchrun sets the LOCAL_RANK variable instead.
-        parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -140,6 +139,9 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         check_image_size(args.arch, args.image_size)
     except UserError as error:
         parser.error(str(error))
+    if args.workers is None:
+        from src.loaders import default_workers
+        args.workers = default_workers()
     return args
 
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from src.cache import MappedArray, ensure_array
 from src.models import head_of
+from src.ranks import is_first
 from src.transforms import model_inputs
 
 FORMAT = 1  # bump when the layout or the computation changes
@@ -47,13 +48,13 @@ def frozen_until(args: argparse.Namespace) -> int:
 
 
 def stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: int,
-           device: torch.device, workers: int, show: bool = True) -> Iterator[Stage]:
+           device: torch.device) -> Iterator[Stage]:
     """The epochs from `start` on: frozen ones first (all with --freeze, the first K with
     --freeze-epochs K), then the rest. Each stage freezes or unfreezes the model as it begins."""
-    end = frozen_until(args)
+    end, show = frozen_until(args), is_first()
     if start < end:
         set_frozen(model, True)
-        features = backbone_outputs(args, model, dataset, device, workers, show)
+        features = backbone_outputs(args, model, dataset, device, args.workers, show)
         if features is None:
             yield Stage(range(start, end), True, model, dataset)
         else:

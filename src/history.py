@@ -4,9 +4,9 @@ import json
 from src.metrics import summarize
 
 
-def epoch_record(epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
+def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
                  data_wait_seconds: float, lr: float) -> dict:
-    """One history.json record (epochs count from 1).
+    """One history.json record (`epoch` counts from 0, the record's from 1).
 
     data_wait_seconds: the part of train_seconds that rank 0 spent waiting for its data loader;
     lr: the learning rate after the epoch's last step (the next step's).
@@ -18,6 +18,21 @@ def epoch_record(epoch: int, train_sums, val_sums, train_seconds: float, val_sec
             "val_samples": val["samples"], "lr": lr, "train_seconds": round(train_seconds, 3),
             "data_wait_seconds": round(data_wait_seconds, 3), "val_seconds": round(val_seconds, 3),
             "seconds": round(train_seconds + val_seconds, 3)}
+
+
+def run_header(args, data, device, processes: int = 1) -> str:
+    """The line a run starts with: model, device, images and batch."""
+    where = str(device) if processes == 1 else f"{processes} x {device.type}"
+    return (f"{args.arch} on {where}: {len(data.train_idx)} train / {len(data.val_idx)} val images, "
+            f"batch {args.batch_size}" + (f" x {processes}" if processes > 1 else "")
+            + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
+
+
+def done_line(history: list[dict], args, seconds: float) -> str:
+    """The line a run ends with: its time and the epoch of best.pth."""
+    best = best_record(history, args.best_by)
+    return (f"done in {seconds:.0f} s: best {args.best_by} {best[args.best_by]:.4f} "
+            f"(epoch {best['epoch']}) in {args.checkpoint}")
 
 
 def format_record(record: dict, epochs: int) -> str:

@@ -18,6 +18,7 @@ Validation: each process takes a contiguous slice of the split without padding, 
 counts cover every validation sample exactly once, whatever the number of processes.
 """
 import hashlib
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,7 +31,7 @@ from src.cache import cached
 from src.datasets import DogCatDataset, load_labels
 from src.devices import available_cpus, check_shared_memory
 from src.errors import UserError
-from src.ranks import from_rank_0
+from src.ranks import from_rank_0, is_first
 from src.transforms import image_transform
 
 
@@ -98,8 +99,11 @@ class ShardSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def default_workers(local_processes: int = 1) -> int:
-    """The CPUs this process may use, shared among the processes on this node."""
+def default_workers(local_processes: int | None = None) -> int:
+    """The CPUs this process may use, shared among the processes on this node (LOCAL_WORLD_SIZE,
+    which torchrun and accelerate set, unless given)."""
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, available_cpus() // local_processes)
 
 
@@ -150,18 +154,28 @@ class Data(NamedTuple):
     digest: str  # of the label table: --resume refuses other data
 
 
-def labelled_data(args, workers: int, show_progress: bool = True) -> Data:
+def labelled_data(args) -> Data:
     """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
 
     Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
     one scan instead of one per process, and the same table, so the same split, on every rank.
-    `workers` decode the images when the cache has to be built.
+    --workers decode the images when the cache has to be built.
     """
-    data_dir = Path(args.data_dir)
-    table = from_rank_0(lambda: load_labels(data_dir, show_progress))
-    dataset = labelled_images(data_dir, args.image_size, show_progress, table)
+    data_dir, show = Path(args.data_dir), is_first()
+    table = from_rank_0(lambda: load_labels(data_dir, show))
+    dataset = labelled_images(data_dir, args.image_size, show, table)
     if args.cache:
-        dataset = cached(dataset, args.image_size, Path(args.cache), workers, show_progress)
+        dataset = cached(dataset, args.image_size, Path(args.cache), args.workers, show)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
     digest = hashlib.sha256(table.to_csv(index=False).encode()).hexdigest()
     return Data(dataset, train_idx, val_idx, digest)
+
+
+def run_loaders(dataset: Dataset, data: Data, args, device: torch.device, rank: int = 0,
+                world_size: int = 1, split: int = 1) -> tuple[DataLoader, DataLoader]:
+    """make_loaders for a training run's flags: `dataset` holds the images (or a frozen stage's
+    backbone outputs) of `data`'s split; `split`: the processes that cut each loader batch
+    (accelerate), so a loader batch is --batch-size x split."""
+    return make_loaders(dataset, data.train_idx, data.val_idx, args.batch_size * split, args.seed,
+                        args.workers, rank, world_size, pin_memory=device.type == "cuda",
+                        accumulate=args.accumulate, augment=args.augment, split=split)

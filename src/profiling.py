@@ -15,7 +15,7 @@ Host columns: the recorded steps' wall time on rank 0, cut into parts that add u
 "training threads" are the main thread and autograd's threads (on a CPU, backward runs on the
 main thread; on a GPU on one autograd thread per device). At each instant the part is the first
 of these that applies:
-  data wait      inside the loop's "data wait" range (src/watch.py): waiting for the loader.
+  data wait      inside the loop's "data wait" range (src/progress.py): waiting for the loader.
   communication  a training thread is inside a collective (c10d::*, gloo:*, nccl:*, DDP's buffer
                  broadcast in its forward, DataParallel's Broadcast/Scatter/Gather/
                  ReduceAddCoalesced), or no training thread is running an op while a

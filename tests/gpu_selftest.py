@@ -8,7 +8,7 @@ Runs the real scripts and launchers on a small synthetic set, on every visible G
    another global batch (the tolerance of the CPU tests, where 7e-5 is measured);
 2. --amp bf16 --channels-last --compile trains (one device, and DDP);
 3. no host synchronisation inside a training step: each script runs a few steps with
-   torch.cuda.set_sync_debug_mode("error") (SYNC_CHECK_STEPS; src/watch.py), which raises at any;
+   torch.cuda.set_sync_debug_mode("error") (SYNC_CHECK_STEPS; tests/hooks/sitecustomize.py), which raises at any;
 4. resume with dropout on ends exactly where the straight run does (one device and DDP);
 5. the benchmark at a small size.
 Writes OUT/report.md (also printed) and exits 1 if any check failed. On a machine without a GPU
@@ -131,7 +131,7 @@ def no_syncs(work: Path, data: Path, gpus: int) -> list[str]:
         else:
             launcher = launch[mode]
         _train(f"sync-{name}", launcher, SCRIPTS[mode], TRAIN + _per_process(mode, 32, gpus) + ["--epochs", "1", *extra],
-               work, data, {"SYNC_CHECK_STEPS": "2:8", **env})
+               work, data, {"SYNC_CHECK_STEPS": "2:8", "PYTHONPATH": str(ROOT / "tests" / "hooks"), **env})
         lines.append(f"{name}: steps 2 to 8 ran under set_sync_debug_mode('error')")
     return lines
 

@@ -8,11 +8,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from accelerate import init_empty_weights
-
 from conftest import fails_in_process, in_process
+
 from src.errors import UserError
-from src.models import (MIN_IMAGE_SIZE, ONLY_IMAGE_SIZE, build_model, check_image_size, head_of,
-                        model_kwargs)
+from src.models import (
+    MIN_IMAGE_SIZE,
+    ONLY_IMAGE_SIZE,
+    build_model,
+    check_image_size,
+    head_of,
+    model_kwargs,
+)
 
 ARCHS = torchvision.models.list_models(module=torchvision.models)
 SMALLEST = 32  # --image-size's minimum

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import history, printed_by
 from torch.autograd import DeviceType
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import history, printed_by
-from src import benchmark
-from src.tools.benchmark import loader_alone
+from src.tools import benchmark
 from src.errors import exit_on_error
 from src.profiling import Profiler, breakdown, schedule_for
-from src.watch import Watch
+from src.progress import Progress
+from src.tools.benchmark import loader_alone
 
 # Not single-jpeg, dp and accelerate: three runs less (their --profile tables are checked on the
 # runs of test_modes, in test_watch.py), and --modes is exercised.
@@ -199,14 +199,14 @@ def test_profile_fits_the_pass(tmp_path, batches, steps):
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(2 * batches, 4), torch.zeros(2 * batches, dtype=torch.long))
-    watch = Watch(args, optimizer, batches, 2, torch.device("cpu"))
-    for inputs, labels in watch.steps(DataLoader(data, batch_size=2), "train", epoch=0).track(torch.zeros(4)):
+    progress = Progress(args, optimizer, batches, 2, torch.device("cpu"))
+    for inputs, labels in progress.pass_over(DataLoader(data, batch_size=2), "train", epoch=0).batches(torch.zeros(4)):
         torch.nn.functional.cross_entropy(model(inputs), labels).backward()
         optimizer.step()
         optimizer.zero_grad()
     figures = json.loads((tmp_path / "profile" / "profile.json").read_text())
     assert figures["steps"] == steps and figures["host"]["seconds"]["backward"] > 0
-    assert watch.profiler.done
+    assert progress.profiler.done
 
 
 def test_profile_cut_short_by_the_end_of_the_pass(tmp_path):

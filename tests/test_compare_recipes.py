@@ -3,9 +3,9 @@ import csv
 import json
 
 import pytest
-
 from conftest import fails_in_process, printed_by
-from src import compare_recipes
+
+from src.tools import compare_recipes
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,14 @@ import pytest
 import torch
 from PIL import Image
 
-from src.datasets import (DogCatDataset, DogCatTestDataset, load_labels, natural_key,
-                          read_labels_csv, scan_train_dir)
+from src.datasets import (
+    DogCatDataset,
+    DogCatTestDataset,
+    load_labels,
+    natural_key,
+    read_labels_csv,
+    scan_train_dir,
+)
 from src.errors import UserError
 from src.transforms import image_transform
 

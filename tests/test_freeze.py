@@ -3,10 +3,10 @@ when it can, the same in every mode, and a resume across the unfreezing is exact
 import pytest
 import torch
 import torchvision
-
 from conftest import TOLERANCE, distance, history, last_model, outputs, python, weights
-from src.cli import parse_args
+
 from src.cache import cached
+from src.cli import parse_args
 from src.freeze import backbone_outputs, set_frozen
 from src.loaders import labelled_images
 from src.models import build_model, head_of

@@ -10,19 +10,21 @@ import traceback
 import pytest
 import torch
 import torch.nn as nn
+from conftest import EXACT, HOOKS, LAUNCH, fails_in_process, mode_run, outputs, run
 from torch.overrides import TorchFunctionMode
 
+import src.data_parallel as data_parallel
 import train_accelerate
 import train_ddp
 import train_dp
 import train_single
-from conftest import EXACT, HOOKS, LAUNCH, fails_in_process, mode_run, outputs, run
 from src.cli import parse_args
 from src.devices import available_cpus, check_shared_memory
 from src.errors import UserError
 from src.loaders import make_loaders
+from src.progress import Progress
 from src.recipe import make_optimizer, make_schedule
-from src.watch import Watch
+
 
 def test_data_parallel_replicas_autocast_to_the_dtype_asked_for():
     """DataParallel runs each replica in a thread that re-enters autocast without a dtype
@@ -30,7 +32,7 @@ def test_data_parallel_replicas_autocast_to_the_dtype_asked_for():
     CUDA, and --amp bf16 asked for bfloat16 in the main thread."""
     model = nn.Linear(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        replica = train_dp.AutocastReplica(copy.deepcopy(model), "cpu")  # made where DataParallel makes it
+        replica = data_parallel.AutocastReplica(copy.deepcopy(model), "cpu")  # made where DataParallel makes it
     seen = {}
 
     def replica_thread():  # what torch/nn/parallel/parallel_apply.py's _worker does
@@ -47,10 +49,10 @@ def test_data_parallel_replicas_autocast_to_the_dtype_asked_for():
 def test_data_parallel_wraps_every_replica(monkeypatch):
     monkeypatch.setattr(nn.DataParallel, "replicate",
                         lambda self, module, device_ids: [copy.deepcopy(module) for _ in device_ids])
-    dp = train_dp.DataParallel(nn.Linear(2, 2))
+    dp = data_parallel.DataParallel(nn.Linear(2, 2))
     dp.src_device_obj = torch.device("cpu")  # what DataParallel sets when it has GPUs
     replicas = dp.replicate(dp.module, [0, 1])
-    assert [type(r) for r in replicas] == [train_dp.AutocastReplica] * 2
+    assert [type(r) for r in replicas] == [data_parallel.AutocastReplica] * 2
 
 
 class HostWaits(TorchFunctionMode):
@@ -105,11 +107,11 @@ def test_no_tensor_is_built_from_python_values_inside_a_step():
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, 8)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    watch = Watch(args, optimizer, 8, 4, device, show=False)
+    progress = Progress(args, optimizer, 8, 4, device)
     mode = HostWaits()
     loader.sampler.set_epoch(0)
-    steps = watch.steps(_Watched(loader, mode), "test", 0)
-    train_single.run_epoch(model, steps, device, args, optimizer, scaler, schedule)
+    loader_pass = progress.pass_over(_Watched(loader, mode), "test", 0)
+    train_single.train_epoch(model, loader_pass, device, args, optimizer, scaler, schedule)
     assert schedule.last_epoch == 8
     assert mode.calls == []
 
@@ -126,8 +128,8 @@ def test_channels_last_reaches_the_model_through_the_loop(script):
         args = parse_args("", ["--batch-size", "4", *flag])
         loader, _ = make_loaders(dataset, list(range(8)), [0], 4, 0, 0)
         device = torch.device("cpu")
-        watch = Watch(args, torch.optim.SGD(model.parameters(), lr=0.1), 2, 4, device, show=False)
-        script.run_epoch(model, watch.steps(loader, "val"), device, args)
+        progress = Progress(args, torch.optim.SGD(model.parameters(), lr=0.1), 2, 4, device)
+        script.evaluate(model, progress.pass_over(loader, "val"), device, args)
     assert seen == [False, False, True, True]
 
 
@@ -241,13 +243,15 @@ class _Asked(Exception):
 
 @pytest.mark.parametrize("script", [train_single, train_dp, train_ddp, train_accelerate])
 def test_the_scripts_pass_deterministic_on(script, monkeypatch):
-    """Each script hands --deterministic to configure_numerics before it does anything else."""
+    """Each script hands --deterministic to configure_numerics before it trains (accelerate: just
+    after Accelerator(), which turns TF32 on for a dynamo backend)."""
     def configure(deterministic):
         raise _Asked(deterministic)
     monkeypatch.setattr("src.devices.configure_numerics", configure)
     monkeypatch.setattr(train_accelerate, "configure_numerics", configure)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # as a launcher sets them
-        monkeypatch.setenv(name, "1" if "WORLD" in name else "0")
+    if script is train_ddp:  # as torchrun sets them (a world of one would set them for good)
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            monkeypatch.setenv(name, "1" if "WORLD" in name else "0")
     for flags, expected in ((["--deterministic"], True), ([], False)):
         monkeypatch.setattr("sys.argv", ["script.py", *flags])
         with pytest.raises(_Asked) as asked:

@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import LEARN, fails, fails_in_process, in_process, outputs, python
 from PIL import Image
 
-from conftest import LEARN, fails, fails_in_process, in_process, outputs, python
-from src import predict, prepare
+from src.tools import predict, prepare
 from src.datasets import open_rgb
 from src.tools.predict import load_checkpoint, submission_text
 from src.tools.synthetic import TEST_LABELS

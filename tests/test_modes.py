@@ -12,9 +12,29 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from conftest import (
+    BIN,
+    DROPOUT,
+    EXACT,
+    HOOKS,
+    LAUNCH,
+    MODES,
+    ROOT,
+    TOLERANCE,
+    VAL,
+    B,
+    assert_same_run,
+    distance,
+    dropout_run,
+    history,
+    last_model,
+    mode_run,
+    outputs,
+    python,
+    run,
+    weights,
+)
 
-from conftest import (B, BIN, DROPOUT, EXACT, HOOKS, LAUNCH, MODES, ROOT, TOLERANCE, VAL, assert_same_run, distance,
-                      dropout_run, history, last_model, mode_run, outputs, python, run, weights)
 from src.loaders import labelled_data
 from src.tools.predict import load_checkpoint, predict
 from src.transforms import normalize
@@ -73,8 +93,8 @@ def test_ddp_validation_metrics_are_what_one_process_computes(exact_data, runs):
     """val_acc, val_loss and val_log_loss of a 2-rank run equal a plain evaluation of its
     last.pth on the split, computed here without the project's metric code."""
     out = mode_run(runs, "ddp")[0]
-    args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42, cache=None)
-    dataset, _, val_idx, _ = labelled_data(args, workers=0, show_progress=False)
+    args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42, cache=None, workers=0)
+    dataset, _, val_idx, _ = labelled_data(args)
     model = torchvision.models.squeezenet1_1(num_classes=2)
     model.load_state_dict(last_model(out))
     model.eval()

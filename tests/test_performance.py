@@ -9,14 +9,25 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import (
+    EXACT,
+    ROOT,
+    TOLERANCE,
+    VAL,
+    distance,
+    fails_in_process,
+    history,
+    in_process,
+    last_model,
+    mode_run,
+    weights,
+)
 from PIL import Image
 
 import train_single
-from conftest import (EXACT, ROOT, TOLERANCE, VAL, distance, fails_in_process, history, in_process, last_model,
-                      mode_run, weights)
-from src import prepare
-from src.cli import parse_args
+from src.tools import prepare
 from src.cache import cache_paths, cached
+from src.cli import parse_args
 from src.datasets import open_rgb
 from src.errors import UserError
 from src.loaders import labelled_data, labelled_images
@@ -181,7 +192,7 @@ def test_prepare_builds_the_cache_training_reads(exact_data, tmp_path, monkeypat
     assert code == 0, err
     assert f"cached 201 images at 64 px in {tmp_path / 'cache' / 'train_64px.u8'}" in out
     args = parse_args("", ["--data-dir", str(data), "--image-size", "64", "--cache", str(tmp_path / "cache")])
-    dataset = labelled_data(args, workers=0).dataset
+    dataset = labelled_data(args).dataset
     assert f"reading images from the cache {tmp_path / 'cache' / 'train_64px.u8'}" in capsys.readouterr().out
     assert len(dataset) == 201
 
@@ -239,7 +250,7 @@ def test_bf16_really_runs_in_bf16_in_single_and_accelerate(runs, far):
     single = last_model(runs.exact("single", "--amp", "bf16")[0])
     assert 1e-3 < distance(single, reference) / far < 0.1
     out, result = runs.exact("accelerate-bf16")
-    assert "(bf16 precision)" in result.stdout
+    assert "mixed precision bf16)" in result.stdout
     assert distance(last_model(out), single) / far < TOLERANCE
     assert all(t.dtype == torch.float32 for t in weights(out).values() if t.is_floating_point())
 

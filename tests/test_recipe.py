@@ -7,13 +7,25 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from conftest import (
+    EXACT,
+    HOOKS,
+    TOLERANCE,
+    VAL,
+    B,
+    assert_same_run,
+    distance,
+    fails_in_process,
+    history,
+    last_model,
+    python,
+    weights,
+)
 from torch.utils.data import TensorDataset
 
-from conftest import (B, EXACT, HOOKS, TOLERANCE, VAL, assert_same_run, distance, history, last_model,
-                      fails_in_process, python, weights)
 from src.augment import augment, crop_params
-from src.history import best_record
 from src.cli import parse_args
+from src.history import best_record
 from src.loaders import TrainSplit, make_loaders
 from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
 
@@ -102,7 +114,7 @@ def test_resume_in_the_middle_of_the_schedule_equals_the_straight_run(exact_data
 
 def _train_one_epoch(**flags) -> dict:
     import train_single
-    from src.watch import Watch
+    from src.progress import Progress
     argv = ["--lr", "0.1", "--batch-size", "4"]
     for name, value in flags.items():
         argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
@@ -118,9 +130,9 @@ def _train_one_epoch(**flags) -> dict:
     steps = steps_per_epoch(32, args.batch_size * args.accumulate)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    watch = Watch(args, optimizer, steps, args.batch_size, device, show=False)
+    progress = Progress(args, optimizer, steps, args.batch_size, device)
     loader.sampler.set_epoch(0)
-    train_single.run_epoch(model, watch.steps(loader, "test", 0), device, args, optimizer, scaler, schedule)
+    train_single.train_epoch(model, progress.pass_over(loader, "test", 0), device, args, optimizer, scaler, schedule)
     return {**model.state_dict(), "steps": torch.tensor(schedule.last_epoch)}
 
 
@@ -219,7 +231,7 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import train_ddp
-    from src.watch import Watch
+    from src.progress import Progress
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         args = parse_args("", ["--batch-size", "4", "--accumulate", "2", "--log-every", "1000"])
@@ -239,8 +251,8 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step():
         optimizer = make_optimizer(ddp, args, device)
         schedule = make_schedule(optimizer, args, 2)
         loader.sampler.set_epoch(0)
-        steps = Watch(args, optimizer, 2, 4, device, show=False).steps(loader, "test", 0)
-        train_ddp.run_epoch(ddp, steps, device, args, optimizer, torch.amp.GradScaler("cpu", enabled=False), schedule)
+        loader_pass = Progress(args, optimizer, 2, 4, device).pass_over(loader, "test", 0)
+        train_ddp.train_epoch(ddp, loader_pass, device, args, optimizer, torch.amp.GradScaler("cpu", enabled=False), schedule)
         assert schedule.last_epoch == 2  # 4 micro-batches, 2 optimizer steps
         assert all_reduces == [0, 0], "one bucket, all-reduced once per step"
     finally:

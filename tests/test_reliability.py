@@ -7,13 +7,31 @@ from argparse import Namespace
 
 import pytest
 import torch
+from conftest import (
+    DROPOUT,
+    EXACT,
+    HOOKS,
+    LAUNCH,
+    VAL,
+    B,
+    assert_same_run,
+    dropout_run,
+    fails,
+    fails_in_process,
+    history,
+    last_model,
+    mode_run,
+    outputs,
+    python,
+    remount,
+    run,
+    same_end,
+    weights,
+)
 
 import src.atomic as atomic
 import src.checkpoint as checkpoint
 import train_single
-from conftest import (B, DROPOUT, EXACT, HOOKS, LAUNCH, VAL, assert_same_run, dropout_run, fails,
-                      fails_in_process, history, last_model, mode_run, outputs, python, remount, run, same_end,
-                      weights)
 from src.cli import parse_args
 from src.errors import UserError
 
@@ -115,7 +133,7 @@ def test_a_dead_rank_ends_the_job_within_the_bound(exact_data, tmp_path):
 
 
 def _resume_args(out, **changes) -> Namespace:
-    argv = [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(2 * B), *outputs(out)]
+    argv = [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(2 * B), *outputs(out), "--resume"]
     args = parse_args("", argv)
     return Namespace(**{**vars(args), **changes})
 
@@ -136,7 +154,7 @@ def test_resume_refuses_another_run(change, message, runs, tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(UserError) as caught:
-        checkpoint.resume(args, info, model, optimizer, None, schedule, announce=False)
+        checkpoint.resume(args, info, model, optimizer, None, schedule)
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 

@@ -5,9 +5,18 @@ import json
 import pytest
 import torch
 import torchvision
+from conftest import (
+    LEARN,
+    fails,
+    fails_in_process,
+    history,
+    in_process,
+    outputs,
+    python,
+    weights,
+)
 
 import train_single
-from conftest import LEARN, fails, fails_in_process, history, in_process, outputs, python, weights
 from src.history import best_record
 from src.plot import history_figure, plot_history
 

@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import history, mode_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import history, mode_run
 from src.profiling import CATEGORIES
 
 # The EXACT runs: 100 training images in batches of 20, 5 optimizer steps an epoch, 2 epochs,

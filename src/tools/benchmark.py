@@ -34,8 +34,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from src.cache import cached  # noqa: E402
 from src.atomic import atomic_write_text  # noqa: E402
+from src.cache import cached  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402

@@ -11,8 +11,8 @@ the pixel cache that the training scripts' --cache DIR --image-size N would buil
 from pathlib import Path
 
 from src.atomic import atomic_write_text
-from src.cli import OneLineParser, at_least
 from src.cache import build_cache, cache_paths
+from src.cli import OneLineParser, at_least
 from src.datasets import scan_train_dir
 from src.errors import UserError, exit_on_error
 from src.loaders import default_workers, labelled_images

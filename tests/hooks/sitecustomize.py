@@ -21,6 +21,8 @@ SCAN_LOG=path: log "RANK" each time a process scans train/ for its images.
 AUGMENT_SEED_SHIFT=k: augmentation draws as if the seed were seed + k (a control).
 NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP script did (a control).
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
+SYNC_CHECK_STEPS=a:b: on a GPU, training micro-batches a to b of the first epoch run under
+torch.cuda.set_sync_debug_mode("error"): any host synchronisation there raises.
 """
 import importlib.abc
 import importlib.util
@@ -151,3 +153,24 @@ if os.environ.get("COMPILE_LOG"):
         with open(os.environ["COMPILE_LOG"], "w") as log:
             log.write(f"{counters['stats']['unique_graphs']}\n")
     atexit.register(_write_compiled)
+
+if os.environ.get("SYNC_CHECK_STEPS"):
+    # SYNC_CHECK_STEPS=a:b (the GPU self-test): any host synchronisation between training
+    # micro-batches a and b of the first epoch raises, through torch.cuda.set_sync_debug_mode.
+    def _check_syncs(progress):
+        batches = progress.LoaderPass.batches
+        first, last = map(int, os.environ["SYNC_CHECK_STEPS"].split(":"))
+
+        def checked(self, sums):
+            import torch
+            watched = self.epoch == 0 and torch.cuda.is_available()
+            try:
+                for step, batch in enumerate(batches(self, sums)):
+                    if watched and step in (first, last):
+                        torch.cuda.set_sync_debug_mode("error" if step == first else "default")
+                    yield batch
+            finally:
+                if watched:
+                    torch.cuda.set_sync_debug_mode("default")
+        progress.LoaderPass.batches = checked
+    _after_import("src.progress", _check_syncs)

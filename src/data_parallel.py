@@ -1,0 +1,44 @@
+"""nn.DataParallel as train_dp.py needs it: its replicas keep --amp's autocast dtype.
+
+On two or more GPUs DataParallel runs each replica in a thread of its own, which re-enters
+autocast without a dtype (torch/nn/parallel/parallel_apply.py); the dtype is per thread and
+float16 by default on CUDA, so --amp bf16 would silently train in float16 without a gradient
+scaler. The replicas here read the dtype in the caller's thread and autocast to it.
+"""
+import torch
+import torch.nn as nn
+
+from src.errors import UserError
+
+
+class AutocastReplica(nn.Module):
+    """A replica that runs under the autocast dtype of the thread that made it."""
+
+    def __init__(self, replica: nn.Module, device_type: str):
+        super().__init__()
+        self.replica, self.device_type = replica, device_type
+        self.dtype = torch.get_autocast_dtype(device_type)  # read in the caller's thread
+
+    def forward(self, *inputs, **kwargs):
+        with torch.autocast(self.device_type, self.dtype, enabled=torch.is_autocast_enabled(self.device_type)):
+            return self.replica(*inputs, **kwargs)
+
+
+class DataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16)."""
+
+    def replicate(self, module, device_ids):
+        return [AutocastReplica(replica, self.src_device_obj.type)
+                for replica in super().replicate(module, device_ids)]
+
+
+def check_data_parallel(compile_model: bool) -> None:
+    """Refuse --compile on 2+ GPUs, and say when DataParallel has one device to run on."""
+    gpus = torch.cuda.device_count()
+    if compile_model and gpus > 1:  # Dynamo compiles per thread, and the replicas run in threads
+        raise UserError(f"--compile with DataParallel on {gpus} GPUs would compile nothing (pytorch/pytorch"
+                        f"#94636): use torchrun --nproc_per_node={gpus} train_ddp.py --compile")
+    if gpus < 2:
+        print(f"train_dp.py: {gpus} GPU(s) visible, DataParallel runs on one device")
+    else:
+        print(f"train_dp.py: DataParallel splits each batch over {gpus} GPUs")
