@@ -48,13 +48,17 @@ def frozen_until(args: argparse.Namespace) -> int:
 
 
 def stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: int,
-           device: torch.device) -> Iterator[Stage]:
+           device: torch.device, cache_features: bool = True) -> Iterator[Stage]:
     """The epochs from `start` on: frozen ones first (all with --freeze, the first K with
-    --freeze-epochs K), then the rest. Each stage freezes or unfreezes the model as it begins."""
+    --freeze-epochs K), then the rest. Each stage freezes or unfreezes the model as it begins.
+    cache_features=False (FSDP, whose last layer is sharded): the frozen epochs train from the images."""
     end, show = frozen_until(args), is_first()
     if start < end:
         set_frozen(model, True)
-        features = backbone_outputs(args, model, dataset, device, args.workers, show)
+        features = backbone_outputs(args, model, dataset, device, args.workers, show) if cache_features else None
+        if not cache_features and args.cache and show:
+            print("--freeze under FSDP runs the frozen backbone on every image in every epoch: the "
+                  "sharded model's last layer cannot train alone on cached outputs")
         if features is None:
             yield Stage(range(start, end), True, model, dataset)
         else:

@@ -1,0 +1,220 @@
+"""FSDP2 for train_fsdp.py: which blocks get their own fully_shard, the whole tensors that
+last.pth and best.pth hold in every mode, gathered from and loaded into the shards, and the bytes
+each rank holds.
+
+fully_shard replaces every parameter by a DTensor cut on dim 0 into one piece per rank (torch.chunk:
+ceil(rows / W) rows a rank), so each rank keeps 1/W of the parameters, and the gradients and
+optimizer state that follow their shape. A unit (a module given its own fully_shard) is
+all-gathered whole just before its forward, freed after it, gathered again for its backward, and
+its gradients are reduce-scattered back to the shards; the root's fully_shard takes every parameter
+that no unit holds. See docs/fsdp.md.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+# Below this many parameters (4 MB in float32) a unit's three collectives a step cost more in
+# latency than gathering its weights with the next unit up saves.
+UNIT_PARAMETERS = 1_000_000
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that get their own fully_shard, innermost first (the order fully_shard wants).
+
+    Going up from the leaves, a module becomes a unit once the parameters it holds that no unit
+    below it holds reach min(UNIT_PARAMETERS, 5% of the model) (small models get units too),
+    provided the model calls it as a module: a child of an nn.Sequential or nn.ModuleList, or of
+    the model itself, with a forward of its own. FSDP gathers a unit's weights in hooks around its
+    forward, so a parent that reads a child's weights directly (nn.MultiheadAttention passes
+    out_proj.weight to a function, torchvision's Swin attention its qkv and proj weights) would
+    get the shards; and fully_shard refuses a ModuleList, which has no forward. Everything left
+    over stays with the root, which is gathered for the whole forward and backward.
+
+    VGG16: classifier.0 and classifier.3 (the 25088x4096 and 4096x4096 Linear layers, 89% of the
+    weights), each convolution from features.17 on, and `features` itself for the first seven
+    convolutions; the root keeps the last Linear (8K parameters). ResNets: their blocks from the
+    size on (resnet18: layer3.0 to layer4.1); ViTs: each encoder layer and its MLP's Linears.
+    """
+    total = sum(p.numel() for p in model.parameters())
+    threshold = min(UNIT_PARAMETERS, total // 20)
+    called = {id(child) for module in model.modules() if isinstance(module, (nn.Sequential, nn.ModuleList))
+              for child in module.children()} | {id(child) for child in model.children()}
+    units = []
+
+    def visit(module: nn.Module) -> int:  # the parameters below and in module that no unit holds yet
+        held = sum(p.numel() for p in module.parameters(recurse=False)) + sum(map(visit, module.children()))
+        if (module is not model and held >= threshold and id(module) in called
+                and type(module).forward is not nn.Module.forward):
+            units.append(module)
+            return 0
+        return held
+    visit(model)
+    return units
+
+
+def shard_model(model: nn.Module, device: torch.device) -> None:
+    """fully_shard each unit (fsdp_units), then the root, over all the ranks; the model must be on
+    `device` already. Call it before making the optimizer: fully_shard replaces the parameters.
+
+    The weights stay float32 and --amp autocasts as in the other modes, rather than FSDP's
+    MixedPrecisionPolicy(param_dtype=...), which would halve the bytes gathered but casts every
+    parameter: measured on the CPU (torch 2.14.1), any model with batch norm then fails (its
+    weights in bfloat16, its running statistics in float32: "expected scalar type BFloat16 but
+    found Float"), and autocast keeps the numerics of train_ddp.py --amp, bit for bit.
+    """
+    # The mesh of the training device, explicitly: fully_shard's default follows the machine's
+    # accelerator, which would be CUDA for a gloo run on the CPU of a machine with a GPU.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class Gathered:
+    """A whole state_dict standing in for a model or optimizer where src/checkpoint.py saves one."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each optimizer parameter's name, in the order of a plain optimizer.state_dict()'s numbers."""
+    name = {param: key for key, param in model.named_parameters()}
+    return [name[param] for group in optimizer.param_groups for param in group["params"]]
+
+
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Gathered, Gathered]:
+    """The model's and the optimizer's state_dict as one process holds them (train_single.py's
+    last.pth: whole tensors, the optimizer's numbered by parameter), on rank 0; empty elsewhere.
+
+    Every rank must call it (each tensor is all-gathered). Rank 0 moves each gathered tensor to
+    the CPU before the next is gathered, so no rank holds more than one tensor whole on the device
+    and only rank 0 keeps the whole state, once.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
+    if not by_name:
+        return Gathered(model_state), Gathered({})
+    number = {name: i for i, name in enumerate(_names(model, optimizer))}
+    return Gathered(model_state), Gathered({
+        "state": {number[name]: state for name, state in by_name["state"].items()},
+        "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
+                         for group in by_name["param_groups"]]})
+
+
+class _LoadsModel:
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def load_state_dict(self, state: dict) -> None:
+        # A copy: set_model_state_dict puts the shards into the dict it is given.
+        set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))
+
+
+class _LoadsOptimizer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def load_state_dict(self, state: dict) -> None:
+        names = _names(self.model, self.optimizer)
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        by_name = {"state": {names[i]: dict(saved) for i, saved in state["state"].items()},
+                   "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                    for group in state["param_groups"]]}
+        # A parameter that was frozen when last.pth was written has no state in it, and must get
+        # none, as a plain load_state_dict leaves it: set_optimizer_state_dict first steps the
+        # optimizer once with zero gradients, which gives every parameter that requires a
+        # gradient a state (SGD's momentum buffer = weight decay x weights), and keeps that
+        # state where the file has none. So during the load exactly the parameters with a state
+        # in the file require gradients.
+        trains = [param.requires_grad for param in params]
+        for i, param in enumerate(params):
+            param.requires_grad_(i in state["state"])
+        try:
+            set_optimizer_state_dict(self.model, self.optimizer, by_name,
+                                     options=StateDictOptions(full_state_dict=True))
+        finally:
+            for param, flag in zip(params, trains):
+                param.requires_grad_(flag)
+
+
+def loading_whole(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[_LoadsModel, _LoadsOptimizer]:
+    """Stand-ins for the model and optimizer where src/checkpoint.py's resume() loads a last.pth
+    of any mode (whole tensors, the optimizer's numbered by parameter): each rank keeps its own
+    pieces of the whole tensors. Every rank must load the same file (resume() sends it to all)."""
+    return _LoadsModel(model), _LoadsOptimizer(model, optimizer)
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Rank 0's buffers (batch norm's running statistics) on every rank, as DDP broadcasts them
+    before each forward. FSDP shards parameters only: each rank's buffers follow its own share of
+    the batches, and the ranks would validate with different statistics than best.pth holds
+    (rank 0's). Every rank must call it."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def forwards_behind(batches: int, device: torch.device) -> int:
+    """How many forward passes this rank's `batches` fall short of the rank with the most. Every
+    forward of a sharded model gathers its weights from all the ranks, and the unpadded validation
+    shards differ by up to a sample, so a rank may have a batch less: it must run that many
+    forwards more. Every rank must call it, before its first forward."""
+    most = torch.tensor(batches, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most) - batches
+
+
+def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False) -> dict[str, int]:
+    """The bytes of parameters, gradients and optimizer state that this rank holds: the local
+    shards of a sharded model (a DTensor's to_local()), every tensor of a plain one; whole: the
+    whole tensors of a sharded model, what each DDP rank holds. Call it after an optimizer step
+    and before zero_grad, when all three exist."""
+    def size(tensor: torch.Tensor) -> int:
+        counted = tensor.to_local() if isinstance(tensor, DTensor) and not whole else tensor
+        return counted.numel() * counted.element_size()
+    params = list(model.parameters())
+    return {"parameters": sum(map(size, params)),
+            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(value) for state in optimizer.state.values() for value in state.values()
+                             if torch.is_tensor(value) and value.dim() > 0)}
+
+
+def watch_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """A dict that every optimizer step updates, at the step that held the most, with this rank's
+    bytes ("rank": rank_bytes) and the whole model's ("whole"). Sizes only: no device is waited for."""
+    held = {"rank": {}, "whole": {}}
+
+    def after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        now = rank_bytes(model, optimizer)
+        if sum(now.values()) > sum(held["rank"].values()):
+            held.update(rank=now, whole=rank_bytes(model, optimizer, whole=True))
+    optimizer.register_step_post_hook(after_step)
+    return held
+
+
+def bytes_line(held: dict[str, dict[str, int]]) -> str:
+    """What watch_rank_bytes saw, in one line."""
+    if not held["rank"]:
+        return "no optimizer step was taken: nothing to say about the memory of the shards"
+    mine, whole = sum(held["rank"].values()), sum(held["whole"].values())
+    parts = " + ".join(f"{value / 1e6:.1f} MB of {name}" for name, value in held["rank"].items())
+    return (f"rank 0 held {mine / 1e6:.1f} MB at its fullest optimizer step ({parts}): "
+            f"{mine / whole:.3f} of the {whole / 1e6:.1f} MB that each DDP process holds")

@@ -1,0 +1,149 @@
+"""Fine-tune VGG16 (or another torchvision classifier) on Dogs vs. Cats with FSDP2 (fully_shard):
+each process holds 1/W of the weights, gradients and optimizer state.
+
+Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
+"""
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from src.checkpoint import check_writable, resume, run_info, save_epoch
+from src.cli import amp_dtype, parse_args
+from src.devices import check_gpus, training_device
+from src.errors import exit_on_error
+from src.freeze import stages
+from src.history import done_line, epoch_record, format_record, run_header
+from src.loaders import labelled_data, run_loaders
+from src.metrics import batch_sums
+from src.models import build_model
+from src.progress import LoaderPass, Progress, TensorBoard
+from src.ranks import end_process_group, torchrun_store, world_of_one_without_launcher
+from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
+from src.seeds import seed_epoch
+from src.sharding import (
+    broadcast_buffers,
+    bytes_line,
+    forwards_behind,
+    gather_state,
+    loading_whole,
+    shard_model,
+    watch_rank_bytes,
+)
+from src.transforms import memory_format, model_inputs
+
+
+def setup_distributed(args) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes in the environment; returns rank, world size, device."""
+    world_of_one_without_launcher()  # plain `python train_fsdp.py`: RANK 0 of WORLD_SIZE 1
+    check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))  # one GPU per process
+    device = training_device(args.deterministic, args.amp, int(os.environ["LOCAL_RANK"]))
+    # A peer that stops answering fails a collective after this long instead of hanging forever.
+    timeout = timedelta(minutes=10)
+    store, rank, world_size = torchrun_store(timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return rank, world_size, device
+
+
+def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, schedule,
+                frozen: bool = False) -> torch.Tensor:
+    """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
+    model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
+    sums = torch.zeros(4, device=device)
+    for step, (inputs, labels) in enumerate(loader.batches(sums)):
+        inputs = model_inputs(inputs, device, args.channels_last)
+        labels = labels.to(device, non_blocking=True)
+        last = (step + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
+        # The gradients of all but a step's last micro-batch stay whole on each rank: one
+        # reduce-scatter a step.
+        model.set_requires_gradient_sync(last)
+        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+        scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
+        if last:
+            optimizer_step(model, optimizer, scaler, schedule, args.clip_grad_norm)
+        sums += batch_sums(logits, labels)
+    dist.all_reduce(sums)  # every rank's samples
+    return sums.cpu()  # waits for the device, so the epoch timings are true
+
+
+@torch.no_grad()
+def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
+    """One pass over the validation batches; the metric sums."""
+    model.eval()
+    broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
+    behind = forwards_behind(len(loader.loader), device)  # each forward gathers from every rank
+    sums = torch.zeros(4, device=device)
+    for inputs, labels in loader.batches(sums):
+        inputs = model_inputs(inputs, device, args.channels_last)
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+            logits = model(inputs)
+        sums += batch_sums(logits, labels)
+    for _ in range(behind):  # as many forwards as the rank with the most batches, for nothing
+        model(inputs[:1])
+    dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
+    return sums.cpu()
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    rank, world_size, device = setup_distributed(args)
+    check_writable(args)
+    torch.manual_seed(args.seed)
+
+    data = labelled_data(args)
+    global_batch = args.batch_size * world_size * args.accumulate
+    steps = steps_per_epoch(len(data.train_idx), global_batch)
+    model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    shard_model(model, device)  # fully_shard per block and on the root
+    optimizer = make_optimizer(model, args, device)
+    schedule = make_schedule(optimizer, args, steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    info = run_info(args, global_batch, data.digest)
+    # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
+    history = resume(args, info, *loading_whole(model, optimizer), scaler, schedule)
+    held = watch_rank_bytes(model, optimizer)
+    log = TensorBoard(args.log_dir)
+    progress = Progress(args, optimizer, steps, args.batch_size * world_size, device, log)
+
+    if rank == 0:
+        print(run_header(args, data, device, world_size))
+    since = time.time()
+    # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
+    for stage in stages(args, model, data.dataset, len(history), device, cache_features=False):
+        net = torch.compile(stage.net) if args.compile else stage.net
+        train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
+        for epoch in stage.epochs:
+            seed_epoch(args.seed, epoch, rank)
+            train_loader.sampler.set_epoch(epoch)
+            desc, start = f"epoch {epoch + 1}/{args.epochs}", time.time()
+            train_pass = progress.pass_over(train_loader, f"{desc} train", epoch)
+            train_sums = train_epoch(net, train_pass, device, args, optimizer, scaler, schedule, stage.frozen)
+            middle = time.time()
+            val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
+            history.append(epoch_record(
+                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
+                val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
+                lr=optimizer.param_groups[0]["lr"]))
+            whole = gather_state(model, optimizer)  # every rank sends its shards; rank 0 gets them
+            if rank == 0:
+                is_best = save_epoch(args, history, *whole, scaler, schedule, info)
+                progress.epoch_end(history[-1])
+                print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
+    log.close()
+    if rank == 0:
+        print(done_line(history, args, time.time() - since))
+        print(bytes_line(held))
+
+
+if __name__ == "__main__":
+    try:
+        exit_on_error(main)
+    finally:
+        end_process_group()  # destroy_process_group(), the model freed first
