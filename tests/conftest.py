@@ -53,6 +53,7 @@ LAUNCH = {
     "single": lambda: [sys.executable, "train_single.py"],
     "dp": lambda: [sys.executable, "train_dp.py"],
     "ddp": lambda: ["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py"],
+    "fsdp": lambda: ["torchrun", "--standalone", "--nproc_per_node=2", "train_fsdp.py"],
     # Port 0: a free one (the test runner's two workers may run two of these at once).
     "accelerate": lambda: ["accelerate", "launch", "--multi_gpu", "--num_processes", "2",
                            "--main_process_port", "0", "train_accelerate.py"],
@@ -60,7 +61,7 @@ LAUNCH = {
                                 "bf16", "train_accelerate.py"],
 }
 MODES = ["single", "dp", "ddp", "accelerate"]
-PROCESSES = {"single": 1, "dp": 1, "ddp": 2, "accelerate": 2, "accelerate-bf16": 1}
+PROCESSES = {"single": 1, "dp": 1, "ddp": 2, "fsdp": 2, "accelerate": 2, "accelerate-bf16": 1}
 
 
 def shared_folder(config: pytest.Config) -> Path:

@@ -21,6 +21,8 @@ SCAN_LOG=path: log "RANK" each time a process scans train/ for its images.
 AUGMENT_SEED_SHIFT=k: augmentation draws as if the seed were seed + k (a control).
 NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP script did (a control).
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
+COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...):
+the epochs' checkpoints that the next one replaces.
 SYNC_CHECK_STEPS=a:b: on a GPU, training micro-batches a to b of the first epoch run under
 torch.cuda.set_sync_debug_mode("error"): any host synchronisation there raises.
 """
@@ -144,6 +146,19 @@ if os.environ.get("NO_RESHUFFLE"):
     def _no_reshuffle(loaders):
         loaders.EpochSampler.set_epoch = lambda self, epoch: None
     _after_import("src.loaders", _no_reshuffle)
+
+if os.environ.get("COPY_LAST"):
+    import shutil
+    _replace_and_copy, _copies = os.replace, [0]
+
+    def _copy_last(src, dst, *args, **kwargs):
+        result = _replace_and_copy(src, dst, *args, **kwargs)
+        if os.path.basename(os.fspath(dst)) == "last.pth":
+            _copies[0] += 1
+            os.makedirs(os.environ["COPY_LAST"], exist_ok=True)
+            shutil.copy(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.pth"))
+        return result
+    os.replace = _copy_last
 
 if os.environ.get("COMPILE_LOG"):
     import atexit

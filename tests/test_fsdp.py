@@ -1,0 +1,288 @@
+"""train_fsdp.py, FSDP2 under torchrun, trains the same model as the other modes: the full recipe
+with --accumulate against train_single.py at the doubled batch; last.pth resumed across modes
+(also by workers that torchrun restarted, and across the unfreezing of --freeze-epochs); each
+rank's bytes of VGG16 against a DDP rank's; the blocks that get their own fully_shard. And
+train_accelerate.py refuses accelerate's FSDP, DeepSpeed and Megatron-LM in one line."""
+import json
+import shutil
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from accelerate.utils import DistributedType
+from conftest import (
+    DROPOUT,
+    EXACT,
+    HOOKS,
+    LAUNCH,
+    VAL,
+    B,
+    assert_same_run,
+    distance,
+    dropout_run,
+    fails_in_process,
+    in_process,
+    last_model,
+    outputs,
+    python,
+    run,
+    weights,
+)
+from test_recipe import RECIPE, _recipe_run
+
+import train_accelerate
+import train_fsdp
+import train_single
+from src.accelerate_checks import check_accelerator
+from src.cli import parse_args
+from src.models import build_model, head_of
+from src.ranks import end_process_group
+from src.recipe import make_optimizer
+from src.sharding import fsdp_units, rank_bytes, shard_model
+
+# Two processes of B images and 2 micro-batches a step: the global batch of the recipe's reference,
+# train_single.py with B images and --accumulate 4.
+FSDP_RECIPE = [*EXACT, *VAL, *RECIPE, "--epochs", "2", "--batch-size", str(B), "--accumulate", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return _recipe_run(runs, "single")[0]
+
+
+@pytest.fixture(scope="module")
+def recipe_far(runs, reference):
+    return distance(last_model(_recipe_run(runs, "single", accumulate=2)[0]), last_model(reference))
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(runs):
+    """Two processes, every recipe flag, --accumulate 2, TensorBoard, --profile; each epoch's
+    last.pth kept (OUT/../copies/last.K.pth)."""
+    return runs("fsdp", *FSDP_RECIPE, "--log-dir", "{run}/tensorboard", "--profile",
+                env={"COPY_LAST": "{run}/copies"})
+
+
+def test_fsdp_with_the_full_recipe_and_accumulate_matches_single(fsdp_run, reference, recipe_far):
+    out, result = fsdp_run
+    assert "on 2 x cpu" in result.stdout and "x 2 micro-batches" in result.stdout
+    assert_same_run(out, reference, recipe_far)
+
+
+def test_only_rank_0_writes_and_prints_and_best_pth_is_the_plain_model(fsdp_run):
+    out, result = fsdp_run
+    writes = [line.split(" ", 1) for line in (out.parent / "writes.log").read_text().splitlines()]
+    assert {rank for rank, _ in writes} == {"0"}, writes
+    assert {Path(path).name for _, path in writes} >= {"best.pth", "best.json", "last.pth", "history.json",
+                                                        "curves.png"}
+    for line in ("epoch 1/2  train loss", "done in ", "rank 0 held "):
+        assert result.stdout.count(line) == 1, line
+    assert result.stderr.count("epoch 1/2 train:   0%") == 1, "one rank draws progress bars"
+    state = weights(out)
+    assert all(type(tensor) is torch.Tensor for tensor in state.values())  # no DTensor
+    torchvision.models.squeezenet1_1(num_classes=2).load_state_dict(state)  # strict: every key, every shape
+    assert json.loads((out / "best.json").read_text())["sha256"]
+
+
+def test_profile_counts_the_all_gathers_and_reduce_scatters(fsdp_run):
+    out, result = fsdp_run
+    folder = out.parent / "tensorboard" / "profile"
+    figures = json.loads((folder / "profile.json").read_text())
+    assert figures["world_size"] == 2
+    communication = figures["host"]["communication"]
+    assert communication["all-gather"] > 0 and communication["reduce-scatter"] > 0, communication
+    table = (folder / "profile.md").read_text()
+    assert "| - all-gather | " in table and "| - reduce-scatter | " in table
+    assert result.stdout.count("| where the time went |") == 1
+
+
+def test_each_rank_holds_half_of_the_model_at_a_step(fsdp_run):
+    """SqueezeNet's parameters all have an even first dimension: each of the two ranks holds
+    exactly half of each, and of its gradient and momentum."""
+    _, result = fsdp_run
+    line = next(line for line in result.stdout.splitlines() if line.startswith("rank 0 held "))
+    assert ": 0.500 of the " in line and "MB of gradients" in line, line
+
+
+def test_an_fsdp_last_pth_resumes_under_train_single(fsdp_run, runs, reference, recipe_far, tmp_path):
+    """Epoch 1's last.pth of the FSDP run (whole tensors gathered from the two ranks' shards, the
+    optimizer's state numbered as one process numbers it), resumed by one process with the same
+    global batch in the middle of the cosine schedule: it ends where the reference does."""
+    out, _ = fsdp_run
+    (tmp_path / "out").mkdir()
+    shutil.copy(out.parent / "copies" / "last.1.pth", tmp_path / "out" / "last.pth")
+    saved = torch.load(tmp_path / "out" / "last.pth", weights_only=True)
+    assert saved["epoch"] == 1 and sorted(saved["optimizer"]["state"]) == list(range(52))
+    result = python("train_single.py", "--data-dir", str(runs.exact_data), *EXACT, *VAL, *RECIPE, "--epochs", "2",
+                    "--batch-size", str(B), "--accumulate", "4", "--resume", *outputs(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
+    assert_same_run(tmp_path / "out", reference, recipe_far)
+
+
+def test_a_ddp_last_pth_resumes_under_fsdp_also_in_restarted_workers(runs, far, tmp_path):
+    """Epoch 1 of train_ddp.py with dropout, then train_fsdp.py --resume to epoch 2 under
+    torchrun --max-restarts=1, with rank 1 killed at its 3rd step: the restarted workers resume
+    from the same last.pth, and the job ends where two straight epochs of DDP do."""
+    flags = [*DROPOUT, *VAL, "--batch-size", str(B)]
+    shutil.copytree(runs("ddp", *flags, "--epochs", "1")[0], tmp_path / "out")
+    result = run([*LAUNCH["fsdp"]()[:-1], "--max-restarts=1", "train_fsdp.py", "--data-dir",
+                  str(runs.exact_data), *flags, "--epochs", "2", "--resume", *outputs(tmp_path / "out")],
+                 env={"PYTHONPATH": HOOKS, "KILL_AT_STEP": "3", "KILL_RANK": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exitcode: -9" in result.stderr  # torchrun saw the SIGKILL
+    assert result.stdout.count("resumed from") == 2 and "after epoch 1" in result.stdout
+    assert_same_run(tmp_path / "out", dropout_run(runs, "ddp")[0], far)
+
+
+# In this process, as a world of one (torch is imported already; each launch costs seconds).
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """The environment torchrun gives a world of one, on a free port; the process group that
+    train_fsdp.main() makes is destroyed after the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    yield
+    end_process_group()
+
+
+def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_path, world_of_one,
+                                                               monkeypatch, capsys):
+    """--freeze-epochs 1 with weight decay. Epoch 1 under FSDP trains the last layer alone, from
+    the images even with --cache, as one process does. A last.pth of that frozen epoch holds the
+    momentum of the last layer only; FSDP resumes it to epoch 2, which trains every layer, and
+    ends where train_single.py's two straight epochs do. (Loading an optimizer state into the
+    shards must leave the parameters without one in the file without one, as a plain
+    load_state_dict does: torch's set_optimizer_state_dict gives each one a state first.)"""
+    flags = ["--data-dir", str(exact_data), *EXACT, *VAL, "--batch-size", "20", "--freeze-epochs", "1",
+             "--weight-decay", "0.01", "--cache", str(tmp_path / "cache")]
+
+    def train(main, folder, *extra):
+        try:
+            code, out, err = in_process(main, [*flags, *outputs(tmp_path / folder), *extra], monkeypatch, capsys)
+        finally:
+            end_process_group()  # as train_fsdp.py's end does
+        assert code == 0, err[-3000:]
+        return out
+
+    printed = train(train_fsdp.main, "fsdp", "--epochs", "1")
+    assert printed.count("--freeze under FSDP runs the frozen backbone on every image") == 1
+    frozen = torch.load(tmp_path / "fsdp" / "last.pth", weights_only=True)
+    torch.manual_seed(42)  # what main() draws the model from
+    start = build_model("squeezenet1_1", "none").state_dict()
+    head = head_of(torchvision.models.squeezenet1_1())[0]
+    for key, tensor in frozen["model"].items():
+        assert torch.equal(tensor, start[key]) != key.startswith(head + "."), key
+    assert len(frozen["optimizer"]["state"]) == 2, "momentum for the last layer's weight and bias only"
+
+    train(train_single.main, "single", "--epochs", "1")
+    assert distance(last_model(tmp_path / "single"), frozen["model"]) < 1e-6  # the same epoch, one process
+    train(train_fsdp.main, "single", "--epochs", "2", "--resume")
+    train(train_single.main, "straight", "--epochs", "2")
+    moved = distance(last_model(tmp_path / "straight"), frozen["model"])
+    assert distance(last_model(tmp_path / "single"), last_model(tmp_path / "straight")) < 1e-6 * moved
+    assert len(torch.load(tmp_path / "single" / "last.pth", weights_only=True)["optimizer"]["state"]) == 52
+
+
+def _vgg16_step(backend: str, world_size: int, wrap) -> tuple[dict, nn.Module]:
+    """rank_bytes of rank 0 after an SGD step with momentum of VGG16 (2 images of 32 px), with
+    `wrap` applied to the model in a process group of `backend` and `world_size`."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=world_size)
+    try:
+        with torch.device("meta"):  # uninitialised weights: the bytes do not depend on them, and
+            model = torchvision.models.vgg16(num_classes=2)  # drawing them costs seconds
+        net = wrap(model.to_empty(device="cpu"))
+        optimizer = make_optimizer(model, parse_args("", []), torch.device("cpu"))
+        F.cross_entropy(net(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
+        optimizer.step()
+        return rank_bytes(model, optimizer), model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_vgg16_rank_holds_half_of_what_a_ddp_rank_holds():
+    """A DDP rank holds the whole model, its gradient and momentum whatever the world size: measured
+    in a world of one. FSDP's rank 0 of two, as torch's "fake" process group simulates it (no
+    communication, so the values are meaningless; the shards, gradients and optimizer state are
+    the real ones). VGG16's parameters all have an even first dimension, so each rank holds
+    exactly half of each; the issue's bound is 0.55."""
+    ddp, _ = _vgg16_step("gloo", 1, nn.parallel.DistributedDataParallel)
+    fsdp, model = _vgg16_step("fake", 2, lambda model: shard_model(model, torch.device("cpu")) or model)
+    assert ddp["parameters"] == (138_357_544 - 4096 * 998 - 998) * 4  # torchvision's, less 998 classes
+    assert ddp == {"parameters": ddp["parameters"], "gradients": ddp["parameters"], "optimizer": ddp["parameters"]}
+    assert {key: 2 * value for key, value in fsdp.items()} == ddp
+    assert sum(fsdp.values()) <= 0.55 * sum(ddp.values())
+    # The 25088x4096 Linear (77% of the weights): 2048 of its rows on each rank.
+    assert dict(model.named_parameters())["classifier.0.weight"].to_local().shape == (2048, 25088)
+
+
+def _names(model: nn.Module, units: list[nn.Module]) -> list[str]:
+    return [name for name, module in model.named_modules() if any(module is unit for unit in units)]
+
+
+def test_the_units_are_the_big_blocks_that_the_model_calls():
+    with torch.device("meta"):
+        vgg16, resnet18, vit, swin = (torchvision.models.get_model(arch, num_classes=2)
+                                      for arch in ("vgg16", "resnet18", "vit_b_16", "swin_t"))
+    assert _names(vgg16, fsdp_units(vgg16)) == [
+        "features", "features.17", "features.19", "features.21", "features.24", "features.26",
+        "features.28", "classifier.0", "classifier.3"]
+    assert _names(resnet18, fsdp_units(resnet18)) == ["layer3.0", "layer3.1", "layer4.0", "layer4.1"]
+    vit_units = _names(vit, fsdp_units(vit))
+    assert "encoder.layers.encoder_layer_0" in vit_units and "encoder.layers.encoder_layer_0.mlp.0" in vit_units
+    # Modules whose parent reads their weights instead of calling them are never units.
+    assert not any(name.endswith(("out_proj", "qkv", "proj")) for name in
+                   vit_units + _names(swin, fsdp_units(swin)))
+    for model in (vgg16, resnet18, vit, swin):
+        assert all(type(unit).forward is not nn.Module.forward for unit in fsdp_units(model))
+
+
+# train_accelerate.py and accelerate's sharding plugins.
+
+@pytest.mark.parametrize("variable, plugin", [("ACCELERATE_USE_FSDP", "FSDP"),
+                                              ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"),
+                                              ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")])
+def test_accelerate_refuses_a_sharding_plugin_it_was_asked_for(variable, plugin, exact_data, tmp_path,
+                                                              monkeypatch, capsys):
+    """What accelerate launch --use_fsdp (--use_deepspeed, --use_megatron_lm) sets, and the
+    Accelerator reads: refused before it is made (on a CPU it would train plain DDP; without
+    DeepSpeed it would stop with a traceback)."""
+    monkeypatch.setenv(variable, "true")
+    line = fails_in_process(train_accelerate.main, ["--data-dir", str(exact_data), *outputs(tmp_path / "out")],
+                            monkeypatch, capsys, f"accelerate was asked for {plugin} ({variable}=true)")
+    assert line.endswith("to shard the model over the processes run torchrun --nproc_per_node=1 train_fsdp.py")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", list(DistributedType))
+def test_accelerate_trains_only_with_its_ddp(kind, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    accelerator = SimpleNamespace(distributed_type=kind, num_processes=1, is_main_process=True)
+    if kind == DistributedType.NO or kind.value.startswith("MULTI_"):
+        check_accelerator(accelerator)
+    else:
+        with pytest.raises(Exception, match=f"accelerate's distributed type is {kind.value}; .*train_fsdp.py"):
+            check_accelerator(accelerator)
+
+
+def test_accelerate_launch_use_fsdp_is_refused_once(exact_data, tmp_path):
+    """The launch that trained plain DDP on a CPU, saying nothing: two processes, one line."""
+    result = run(["accelerate", "launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", "2",
+                  "--main_process_port", "0", "train_accelerate.py", "--data-dir", str(exact_data), *EXACT,
+                  *outputs(tmp_path / "out")], env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode != 0
+    assert result.stderr.count("error: accelerate was asked for FSDP (ACCELERATE_USE_FSDP=true); ") == 1
+    assert "run torchrun --nproc_per_node=2 train_fsdp.py" in result.stderr
+    assert result.stderr.count("exitcode  : 2") == 2  # each process, as the launcher reports it
+    assert not (tmp_path / "out").exists()
