@@ -103,10 +103,10 @@ def test_benchmark_bad_out_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, cap
 
 def test_benchmark_unknown_mode_is_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
-        benchmark.parse_args(["--out-dir", str(tmp_path), "--modes", "single,fsdp"])
+        benchmark.parse_args(["--out-dir", str(tmp_path), "--modes", "single,deepspeed"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().endswith(
-        ": error: argument --modes: unknown run 'fsdp' (choose from single-jpeg, single, dp, ddp, "
+        ": error: argument --modes: unknown run 'deepspeed' (choose from single-jpeg, single, dp, ddp, fsdp, "
         "accelerate, freeze) (see --help)")
 
 

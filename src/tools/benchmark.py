@@ -49,7 +49,7 @@ from src.transforms import image_transform, memory_format, normalize  # noqa: E4
 
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
-MODES = ("single-jpeg", "single", "dp", "ddp", "accelerate", "freeze")
+MODES = ("single-jpeg", "single", "dp", "ddp", "fsdp", "accelerate", "freeze")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -214,6 +214,8 @@ def _commands(args) -> dict:
         "dp": ([sys.executable, "train_dp.py"], torch.cuda.device_count() or 1, args.batch_size * p),
         "ddp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_ddp.py"], p,
                 args.batch_size),
+        "fsdp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_fsdp.py"], p,
+                 args.batch_size),
         "accelerate": (accelerate + ["train_accelerate.py"], p, args.batch_size),
         "freeze": ([sys.executable, "train_single.py"], 1, args.batch_size * p),
     }
@@ -247,6 +249,13 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
             "communication_share": communication_share(out / "profile" / FIGURES),
             # for the chart, not the CSV
             "train_seconds": last["train_seconds"], "data_wait_seconds": last["data_wait_seconds"]}
+
+
+def held_line(log: Path) -> str:
+    """train_fsdp.py's line on the bytes of parameters, gradients and optimizer state that its rank 0
+    held, against a DDP rank's (src.sharding.bytes_line), from its run's log."""
+    return next((line for line in log.read_text().splitlines() if line.startswith("rank 0 held ")),
+                "no line on the bytes held")
 
 
 def communication_share(figures: Path) -> float | None:
@@ -426,6 +435,8 @@ def main() -> None:
                  f"{len(jpegs)} images, 80% train; decode rows: one worker, best of 5 alternating passes over 100 images")
     overhead = (" (with --epochs 1 that is the reported epoch, profiler's overhead included)"
                 if args.epochs == 1 else "")
+    if "fsdp" in rows:
+        notes.append(f"fsdp, {held_line(args.out_dir / 'runs' / 'fsdp' / 'log.txt')}")
     notes.append("data wait: share of the reported epoch's training time that rank 0 waited for its loader "
                  "(history.json); communication: share of the steps --profile recorded in epoch 1 on rank 0 "
                  f"(the GPU's time with nothing but communication running, on a CPU the host's){overhead}")
