@@ -11,7 +11,7 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-test.txt
+$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@

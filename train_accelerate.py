@@ -17,6 +17,7 @@ from src.devices import configure_numerics
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -76,7 +77,8 @@ def main() -> None:
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     processes, device = accelerator.num_processes, accelerator.device
-    check_writable(args)
+    if not args.evaluate:  # --evaluate writes nothing
+        check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)
@@ -101,6 +103,11 @@ def main() -> None:
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, split=processes)
         net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
+        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
+            evaluated, start = load_evaluated(args, info, model), time.time()
+            val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, "validation"), device, args)
+            show_evaluation(evaluated, val_sums, time.time() - start)
+            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, accelerator.process_index)
             train_loader.set_epoch(epoch)

@@ -18,6 +18,7 @@ from src.devices import check_gpus, training_device
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -81,7 +82,8 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 def main() -> None:
     args = parse_args(__doc__)
     rank, world_size, device = setup_distributed(args)
-    check_writable(args)
+    if not args.evaluate:  # --evaluate writes nothing
+        check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)
@@ -104,6 +106,11 @@ def main() -> None:
         net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
         net = torch.compile(net) if args.compile else net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
+        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
+            evaluated, start = load_evaluated(args, info, model), time.time()
+            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+            show_evaluation(evaluated, val_sums, time.time() - start)
+            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, rank)
             train_loader.sampler.set_epoch(epoch)

@@ -80,6 +80,9 @@ def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
         help="best model's state_dict; last.pth, history.json and best.json go beside it")
     add("--plot", default="training_results.png", help="accuracy and loss curves (PNG)")
     add("--resume", action="store_true", help="continue from last.pth beside --checkpoint if it exists")
+    add("--evaluate", action="store_true",
+        help="validate --checkpoint (checked against its best.json), or the state_dict --weights FILE, "
+             "on the validation split and print the record; nothing trains, nothing is written")
     add("--cache", metavar="DIR", default=None,
         help="decode and resize every image once into DIR (uint8, memory-mapped) and train from it")
     add("--channels-last", action="store_true",
@@ -134,6 +137,14 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
     if args.warmup_epochs and args.warmup_epochs >= args.epochs:
         parser.error(f"argument --warmup-epochs: {args.warmup_epochs} is not less than --epochs "
                      f"{args.epochs}, so the learning rate would never reach --lr")
+    if args.evaluate:
+        for flag in ("resume", "cache", "log_dir", "profile"):
+            if getattr(args, flag):
+                parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
+        # args.evaluate becomes the file to validate. The model is built without weights (nothing
+        # to download) and that file is loaded into it (src.inference.load_evaluated).
+        args.evaluate = args.weights if args.weights not in ("default", "none") else args.checkpoint
+        args.weights = "none"
     from src.models import check_image_size  # here, not above: it loads torchvision
     try:
         check_image_size(args.arch, args.image_size)
