@@ -56,7 +56,9 @@ def _assert_reproduces(record: dict, out, epoch: int) -> None:
 
 
 def _files(folder) -> dict:
-    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}
+    """The folder's files and its own time of change (a probe file written and removed moves it)."""
+    return {".": folder.stat().st_mtime_ns,
+            **{p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_evaluate_reproduces_the_epoch_and_writes_nothing(script, weights, epoch
     mode = "single" if script is train_single else "dp"
     out = tmp_path / "out"
     shutil.copytree(mode_run(runs, mode)[0], out)
-    before = _files(out)
+    before, cwd_before = _files(out), tmp_path.stat().st_mtime_ns
     extra = ["--weights", str(out / "last.pth")] if weights == "last.pth" else []
     monkeypatch.chdir(tmp_path)  # where the plot would land (training_results.png)
     code, stdout, stderr = in_process(script.main, ["--data-dir", str(runs.exact_data),
@@ -89,6 +91,7 @@ def test_evaluate_reproduces_the_epoch_and_writes_nothing(script, weights, epoch
     assert f"validated {out / weights}" + (" (epoch 1)" if weights == "best.pth" else ":") in stdout
     _assert_reproduces(_record(stdout), out, epoch)
     assert _files(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+    assert tmp_path.stat().st_mtime_ns == cwd_before
 
 
 def test_evaluate_under_torchrun_and_accelerate_is_exact_and_rank_0_alone_speaks(runs, epochs_differ, tmp_path):
