@@ -56,9 +56,17 @@ def _assert_reproduces(record: dict, out, epoch: int) -> None:
 
 
 def _files(folder) -> dict:
-    """The folder's files and its own time of change (a probe file written and removed moves it)."""
+    """The folder's files and its own time of change."""
     return {".": folder.stat().st_mtime_ns,
             **{p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}}
+
+
+def _copy_run(mode: str, runs, out):
+    """A copy of the shared run's output folder, with the temporary file of a save in progress
+    (a training run writing there now): validating must leave it alone."""
+    shutil.copytree(mode_run(runs, mode)[0], out)
+    (out / ".last.pth.in-progress.tmp").write_bytes(b"half a checkpoint")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +88,7 @@ def test_evaluate_reproduces_the_epoch_and_writes_nothing(script, weights, epoch
     """In this process (the same one-process computation as the script's): --checkpoint
     best.pth (checked against best.json), or --weights last.pth."""
     mode = "single" if script is train_single else "dp"
-    out = tmp_path / "out"
-    shutil.copytree(mode_run(runs, mode)[0], out)
+    out = _copy_run(mode, runs, tmp_path / "out")
     before, cwd_before = _files(out), tmp_path.stat().st_mtime_ns
     extra = ["--weights", str(out / "last.pth")] if weights == "last.pth" else []
     monkeypatch.chdir(tmp_path)  # where the plot would land (training_results.png)
@@ -101,8 +108,7 @@ def test_evaluate_under_torchrun_and_accelerate_is_exact_and_rank_0_alone_speaks
     place (WRITE_LOG logs every os.replace) and the folders are unchanged."""
     started = {}
     for mode, extra in (("ddp", []), ("accelerate", ["--weights", "{out}/last.pth"])):
-        out = tmp_path / mode
-        shutil.copytree(mode_run(runs, mode)[0], out)
+        out = _copy_run(mode, runs, tmp_path / mode)
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": HOOKS,
                "WRITE_LOG": str(tmp_path / f"{mode}.writes"), "HF_HOME": str(tmp_path / "hf"),
                "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"}
