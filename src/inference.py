@@ -40,7 +40,7 @@ def read_info(checkpoint: Path) -> dict:
         raise UserError(f"checkpoint {checkpoint} not found: train first, or pass --checkpoint")
     try:
         info = json.loads(info_path.read_text())
-        info["arch"], info["num_classes"]
+        info["arch"], info["num_classes"]  # KeyError (TypeError: not a JSON object) if it is not best.json
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"{info_path} is missing or unreadable: the training scripts write it "
                         "beside best.pth; retrain, or write it by hand") from None
@@ -63,7 +63,11 @@ def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
     """The trained model (on the CPU, in eval mode) and its best.json description."""
     info = read_info(checkpoint)
     arch, num_classes = info["arch"], info["num_classes"]
-    model = torchvision.models.get_model(arch, num_classes=num_classes, **model_kwargs(arch))
+    try:
+        model = torchvision.models.get_model(arch, num_classes=num_classes, **model_kwargs(arch))
+    except Exception:  # an unknown name, a class count it cannot take
+        raise UserError(f"{Path(checkpoint).with_suffix('.json')} describes a {num_classes}-class {arch}, "
+                        "which torchvision cannot build") from None
     try:
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     except Exception:  # pickle errors: many types
