@@ -138,8 +138,7 @@ def check_shared_memory(workers: int, batch_bytes: int, shm: Path | None = None)
     if workers == 0 or not shm.is_dir():
         return
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    # prefetch_factor 2 per worker, and room for the batch in use
-    need = processes * 2 * workers * 2 * batch_bytes
+    need = shared_memory_need(workers, batch_bytes, processes)
     free = shutil.disk_usage(shm).free
     if free < need:
         who = f"{processes} processes x {workers}" if processes > 1 else f"{workers}"
@@ -147,3 +146,8 @@ def check_shared_memory(workers: int, batch_bytes: int, shm: Path | None = None)
                         f"about {need / 2**20:.0f} MB there for their batches: give the container "
                         "more (docker run --shm-size=8g, or --ipc=host), or pass --workers 0",
                         quiet=int(os.environ.get("LOCAL_RANK", 0)) != 0)
+
+
+def shared_memory_need(workers: int, batch_bytes: int, processes: int = 1) -> int:
+    """Bytes of /dev/shm that `processes` processes with `workers` loader workers each may hold."""
+    return processes * 2 * workers * 2 * batch_bytes  # prefetch_factor 2 per worker, and room for the batch in use

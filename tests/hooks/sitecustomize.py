@@ -27,8 +27,8 @@ torch.cuda.set_sync_debug_mode("error"): any host synchronisation there raises.
 OVERFLOW_AT=1,3: those optimizer steps (counted per gradient scaler, from 1) are skipped as for
 an fp16 overflow, whatever the gradients, on every rank alike: an fp16 GradScaler finds an inf
 (it halves its scale; fused optimizers get found_inf and must leave their state as it was); a
-disabled one (float32, bf16) does not call the optimizer. So runs in any precision skip the same
-steps (train_accelerate.py without fp16 has no scaler: not there).
+disabled one (float32, bf16), or accelerate's optimizer without a scaler, does not step. So runs
+in any precision and mode skip the same steps.
 AS_ON_GPU=1: src.devices.gpu_choices makes the CPU take the GPU's branch (fused optimizers); here
 accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler as on CUDA
 (accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
@@ -221,8 +221,21 @@ def fp16_as_on_cuda(accelerator_class):
 
 if os.environ.get("OVERFLOW_AT"):
     import torch
-    torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.step = overflowing(
-        torch.amp.GradScaler, {int(step) for step in os.environ["OVERFLOW_AT"].split(",")})
+    _SKIPPED = {int(step) for step in os.environ["OVERFLOW_AT"].split(",")}
+    torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.step = overflowing(torch.amp.GradScaler, _SKIPPED)
+
+    def _skip_without_a_scaler(accelerate):  # accelerate has no scaler but for fp16
+        from accelerate.optimizer import AcceleratedOptimizer
+        step = AcceleratedOptimizer.step
+
+        def skipping(self, closure=None):
+            if self.scaler is None and self.gradient_state.sync_gradients:
+                self.steps_checked = getattr(self, "steps_checked", 0) + 1
+                if self.steps_checked in _SKIPPED:
+                    return None
+            return step(self, closure)
+        AcceleratedOptimizer.step = skipping
+    _after_import("accelerate", _skip_without_a_scaler)
 
 if os.environ.get("AS_ON_GPU") == "1":
     def _fp16_as_on_cuda(accelerate):
