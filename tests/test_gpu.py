@@ -1,7 +1,11 @@
 """The GPU-only defects, checked on the CPU wherever their mechanism runs there: DataParallel's
-replica threads and autocast, tensors built from Python values inside a step, --compile with
-DataParallel, --deterministic, the hosts' limits (GPU count, bfloat16, /dev/shm, CPU quota),
-and `make test-gpu` on a machine without a GPU. Resume with dropout on: test_reliability.py."""
+replica threads, autocast, weight format and dropout seeds, tensors built from Python values
+inside a step, the GPU's fused optimizers under fp16 with skipped steps in the real training loops
+(AS_ON_GPU=1), the schedule at a skipped step, resuming a CPU checkpoint under fused AdamW,
+--dist-timeout and caches shared by nodes, --compile with DataParallel, --deterministic (also
+against accelerate's TF32 for dynamo), the benchmark's ceilings, the hosts' limits (GPU count,
+shared GPUs, bfloat16, /dev/shm per node, CPU quota), and `make test-gpu`: its plan, its
+fused-optimizer check, and a machine without a GPU. Resume with dropout on: test_reliability.py."""
 import contextlib
 import copy
 import importlib
