@@ -53,8 +53,8 @@ def gpu_choices(device: torch.device) -> bool:
 
     Always on CUDA. On the CPU when AS_ON_GPU=1: the tests' switch, so that the CPU suite runs the
     GPU's branch of each such decision in the real training loop. AS_ON_GPU=0 makes a GPU take
-    the CPU's branch (make test-gpu compares the two). Choices a CPU cannot run (pinned memory,
-    CUDA events, NCCL) test device.type == "cuda"; docs/gpus.md lists them, checked by make test-gpu.
+    the CPU's branch, to compare the two there. Choices a CPU cannot run (pinned memory, CUDA
+    events, NCCL) test device.type == "cuda"; docs/gpus.md lists them, checked by make test-gpu.
     """
     switch = os.environ.get("AS_ON_GPU")
     return switch == "1" if switch in ("0", "1") else device.type == "cuda"

@@ -7,8 +7,8 @@ norm statistics fixed. Its output for an image, the input of the last layer, is 
 in every epoch; with --cache (and without --augment, which changes the images every epoch) it is
 computed once for every image, by the first process of each node, and kept memory-mapped in
 DIR/features_{arch}_{size}px.{key}.f32 (the key covers the pixel cache's and the backbone's
-weights, so nodes with other images or weights never share a file). The frozen epochs then train the last layer alone on those
-vectors. best.pth is the whole model either way.
+weights, so nodes with other images or weights never share a file). The frozen epochs then
+train the last layer alone on those vectors. best.pth is the whole model either way.
 """
 import argparse
 import hashlib

@@ -27,7 +27,7 @@ The checks, with their launches on one GPU (planned at START_UP s a launch, COMP
 3. fp16 learns (2 launches; AdamW 4 more, not with --quick): --amp fp16 with SGD (one device and
    two DDP ranks) ends within 0.1 of that distance from the float32 run of the same steps, and
    AdamW (one device and DDP) closer to its float32 run than its bf16 run ends;
-4. no host synchronisation in a step (3 launches; --quick: one): each script with --amp fp16 and
+4. no host synchronisation in a step (4 launches, 2 of them check 3's; --quick: 1): each script with --amp fp16 and
    AdamW (accelerate: --mixed_precision fp16) runs training micro-batches 2 to 7 of both epochs,
    a --log-every report included, under torch.cuda.set_sync_debug_mode("error");
 5. compile compiled (1 compiled launch, not with --quick): ResNet-18 with --compile
@@ -69,6 +69,7 @@ FP16_TOLERANCE = 0.1
 # it, and SGD 0.05; a share of `far` would not do: 0.12 for AdamW there).
 ADAMW_FP16_TOLERANCE = 1.0
 START_UP, COMPILED, IN_PROCESS, DATA = 20, 40, 20, 5  # seconds planned a launch, a compiled one, check 1, the data
+LAUNCH_LIMIT = 300  # seconds: a launch that hangs (a collective nobody joins) fails instead
 SHM = 64 * 2**20  # Docker's default /dev/shm
 IMAGES, SIZE, WORKERS, SKIPPED = 640, 64, 2, "1,3"
 SYNC_WINDOW = "2:7"  # training micro-batches, of every epoch, under set_sync_debug_mode("error")
@@ -76,11 +77,10 @@ RECIPE = ["--augment", "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "-
           "--weight-decay", "0.01", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--freeze-epochs", "1"]
 BASE = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", str(SIZE), "--epochs", "2",
         "--lr", "0.001", "--deterministic", "--workers", str(WORKERS), *RECIPE]
-ACCUMULATE = 2
 
 
-def _python(*module: str) -> Callable[[int], list[str]]:
-    return lambda processes: [sys.executable, *module]
+def _python(processes: int) -> list[str]:
+    return [sys.executable]
 
 
 def _torchrun(processes: int) -> list[str]:
@@ -98,7 +98,7 @@ def _first_gpu() -> str:
 
 @dataclass
 class Mode:
-    """A way to train: its script, how many processes on `gpus` GPUs, its launcher for them."""
+    """A way to train: its script, how many processes on `gpus` GPUs, the launcher of that many."""
     script: str
     processes: Callable[[int], int]
     launcher: Callable[[int], list[str]]
@@ -106,16 +106,16 @@ class Mode:
     one_device_each: bool = True  # one GPU per process (or all GPUs in one process): on 1 GPU, single's computation
 
 
-# The training modes. FSDP (train_fsdp.py) is one more entry, e.g.
-# "fsdp": Mode("train_fsdp.py", lambda gpus: gpus, _torchrun), and its name in AGREE and SYNC.
+# The training modes. FSDP is one more entry, "fsdp": Mode("train_fsdp.py", lambda gpus: gpus,
+# _torchrun), and its name in AGREE and SYNC.
 MODES = {
-    "single": Mode("train_single.py", lambda gpus: 1, _python("train_single.py")),
-    "dp": Mode("train_dp.py", lambda gpus: 1, _python("train_dp.py")),
-    "ddp": Mode("train_ddp.py", lambda gpus: gpus, lambda n: [*_torchrun(n), "train_ddp.py"]),
+    "single": Mode("train_single.py", lambda gpus: 1, _python),
+    "dp": Mode("train_dp.py", lambda gpus: 1, _python),
+    "ddp": Mode("train_ddp.py", lambda gpus: gpus, _torchrun),
     # Two ranks on one GPU, over gloo (NCCL refuses two ranks on one device): a real batch split on one GPU.
-    "ddp-shared": Mode("train_ddp.py", lambda gpus: 2, lambda n: [*_torchrun(n), "train_ddp.py"],
+    "ddp-shared": Mode("train_ddp.py", lambda gpus: 2, _torchrun,
                        lambda: {"SHARE_GPUS": "1", "CUDA_VISIBLE_DEVICES": _first_gpu()}, one_device_each=False),
-    "accelerate": Mode("train_accelerate.py", lambda gpus: gpus, lambda n: [*_accelerate(n), "train_accelerate.py"]),
+    "accelerate": Mode("train_accelerate.py", lambda gpus: gpus, _accelerate),
 }
 AGREE = ["ddp-shared", "ddp", "accelerate", "dp"]  # compared with single (on 1 GPU: ddp-shared alone)
 SYNC = ["single", "dp", "ddp", "accelerate"]
@@ -193,23 +193,34 @@ class Launches:
         launcher = mode.launcher(run.processes(self.gpus))
         if run.mode == "accelerate" and "--amp" in flags:  # accelerate takes its precision from its launcher
             at = flags.index("--amp")
-            precision = flags[at + 1]
+            launcher += ["--mixed_precision", flags[at + 1]]
             del flags[at:at + 2]
-            launcher = [*launcher[:-1], "--mixed_precision", precision, launcher[-1]]
         env = {**mode.env(), "OVERFLOW_AT": SKIPPED if run.skips else "",
                **{key: value.replace("{out}", str(out)) for key, value in run.env.items()}}
-        command = [*launcher, "--data-dir", str(self.data), "--cache", str(self.work / "cache"), *flags,
+        command = [*launcher, mode.script, "--data-dir", str(self.data), "--cache", str(self.work / "cache"), *flags,
                    "--checkpoint", str(out / "best.pth"), "--plot", str(out / "curves.png")]
-        result = _run(command, out, env, log=f"log-{name}.txt")
+        log = out / f"log-{name}.txt"
+        try:
+            result = _run(command, out, env, log=log.name)
+        except subprocess.TimeoutExpired:
+            return RuntimeError(f"{name} did not end within {LAUNCH_LIMIT} s (log: {log})")
         if result.returncode != 0:
-            tail = (result.stderr.strip().splitlines() or ["no output"])[-1].split("\r")[-1]
-            return RuntimeError(f"{name} failed: {tail[-300:]} (log: {out / f'log-{name}.txt'})")
+            lines = [line.split("\r")[-1] for line in result.stderr.strip().splitlines()] or ["no output"]
+            said = [line for line in lines if "Error" in line or "error:" in line] or lines  # not torchrun's summary
+            return RuntimeError(f"{name} failed: {said[-1][-300:]} (log: {log})")
         return out
 
 
 def _run(command: list[str], out: Path, env: dict, log: str = "log.txt") -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": HOOKS, "HF_HOME": str(out / "hf"), "PYTHONUNBUFFERED": "1", **env}
-    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
+                                timeout=LAUNCH_LIMIT)
+    except subprocess.TimeoutExpired as expired:
+        said = [part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                for part in (expired.stdout, expired.stderr)]
+        (out / log).write_text(" ".join(command) + "\n\n" + "".join(said))
+        raise
     (out / log).write_text(" ".join(command) + "\n\n" + result.stdout + result.stderr)
     return result
 
