@@ -42,6 +42,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -206,7 +207,9 @@ class Launches:
             return RuntimeError(f"{name} did not end within {LAUNCH_LIMIT} s (log: {log})")
         if result.returncode != 0:
             lines = [line.split("\r")[-1] for line in result.stderr.strip().splitlines()] or ["no output"]
-            said = [line for line in lines if "Error" in line or "error:" in line] or lines  # not torchrun's summary
+            # A worker's exception or one-line error, rather than torchrun's summary after it.
+            said = [line for line in lines if re.search(r"(Error|Exception): |error: ", line)
+                    and "ChildFailedError" not in line] or lines
             return RuntimeError(f"{name} failed: {said[-1][-300:]} (log: {log})")
         return out
 
