@@ -8,11 +8,11 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from src.accelerate_checks import check_accelerator, check_launch
 from src.checkpoint import check_writable, resume, run_info, save_epoch
-from src.cli import parse_args
+from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.errors import exit_on_error
 from src.freeze import stages
@@ -65,7 +65,7 @@ def evaluate(accelerator, model, loader: LoaderPass, device, args) -> torch.Tens
 
 
 def main() -> None:
-    args = parse_args(__doc__, amp=False)
+    args = parse_args(__doc__, amp=False, distributed=True)
     check_launch()
     # split_batches: each loader batch of batch_size x processes is cut into one piece per process,
     # so the global batches are those of train_single.py --batch-size (batch_size x processes).
@@ -73,7 +73,8 @@ def main() -> None:
     accelerator = Accelerator(
         gradient_accumulation_steps=args.accumulate, log_with="tensorboard" if args.log_dir else None,
         project_dir=args.log_dir, step_scheduler_with_optimizer=False,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True))
+        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     processes, device = accelerator.num_processes, accelerator.device

@@ -2,6 +2,7 @@
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 from src.errors import UserError
 
@@ -54,7 +55,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
+def build_parser(description: str, amp: bool = True, distributed: bool = False) -> argparse.ArgumentParser:
     parser = OneLineParser(description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
@@ -123,6 +124,10 @@ def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
     if amp:
         parser.add_argument("--amp", choices=["no", "bf16", "fp16"], default="no",
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
+    if distributed:
+        parser.add_argument("--dist-timeout", metavar="MINUTES", type=at_least(1), default=60,
+                            help="how long a process waits for the others (in a collective, or for its "
+                                 "node's --cache build) before it fails")
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -154,6 +159,13 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         from src.loaders import default_workers
         args.workers = default_workers()
     return args
+
+
+def dist_timeout(args: argparse.Namespace) -> timedelta:
+    """--dist-timeout, for the process group; the processes waiting for their node's cache give up
+    after as long (src/cache.py reads DIST_TIMEOUT_MINUTES), so that neither wait outlasts the other."""
+    os.environ["DIST_TIMEOUT_MINUTES"] = str(args.dist_timeout)
+    return timedelta(minutes=args.dist_timeout)
 
 
 AMP_DTYPES = {"no": None, "bf16": "bfloat16", "fp16": "float16"}
