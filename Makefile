@@ -1,6 +1,7 @@
 # make demo: install into .venv, make the synthetic dataset, train VGG16 on it (about 3 minutes on 2 CPU cores)
 # make test: install into .venv (with pytest and pytest-xdist) and run the test suite in two workers
-# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (tests/gpu_selftest.py)
+# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (tests/gpu_selftest.py;
+#   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-test.txt
+$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@
@@ -25,5 +26,6 @@ demo: $(VENV)/.installed $(SYNTHETIC)/train
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 tests
 
+GPU_FLAGS ?=
 test-gpu: $(VENV)/.installed
-	$(PY) tests/gpu_selftest.py
+	$(PY) tests/gpu_selftest.py $(GPU_FLAGS)

@@ -8,15 +8,16 @@ import time
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from src.accelerate_checks import check_accelerator, check_launch
 from src.checkpoint import check_writable, resume, run_info, save_epoch
-from src.cli import parse_args
+from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -64,7 +65,7 @@ def evaluate(accelerator, model, loader: LoaderPass, device, args) -> torch.Tens
 
 
 def main() -> None:
-    args = parse_args(__doc__, amp=False)
+    args = parse_args(__doc__, amp=False, distributed=True)
     check_launch()
     # split_batches: each loader batch of batch_size x processes is cut into one piece per process,
     # so the global batches are those of train_single.py --batch-size (batch_size x processes).
@@ -72,11 +73,13 @@ def main() -> None:
     accelerator = Accelerator(
         gradient_accumulation_steps=args.accumulate, log_with="tensorboard" if args.log_dir else None,
         project_dir=args.log_dir, step_scheduler_with_optimizer=False,
-        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True))
+        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     processes, device = accelerator.num_processes, accelerator.device
-    check_writable(args)
+    if not args.evaluate:  # --evaluate writes nothing
+        check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)
@@ -101,6 +104,11 @@ def main() -> None:
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, split=processes)
         net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
+        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
+            evaluated, start = load_evaluated(args, info, model), time.time()
+            val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, "validation"), device, args)
+            show_evaluation(evaluated, val_sums, time.time() - start)
+            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, accelerator.process_index)
             train_loader.set_epoch(epoch)

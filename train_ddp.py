@@ -5,7 +5,6 @@ Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_no
 import contextlib
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -13,11 +12,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.checkpoint import check_writable, resume, run_info, save_epoch
-from src.cli import amp_dtype, parse_args
-from src.devices import check_gpus, training_device
+from src.cli import amp_dtype, dist_timeout, parse_args
+from src.devices import check_gpus, gpus_shared, training_device
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -33,10 +33,12 @@ def setup_distributed(args) -> tuple[int, int, torch.device]:
     world_of_one_without_launcher()  # plain `python train_ddp.py`: RANK 0 of WORLD_SIZE 1
     check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))  # one GPU per process
     device = training_device(args.deterministic, args.amp, int(os.environ["LOCAL_RANK"]))
-    # A peer that stops answering fails a collective after this long instead of hanging forever.
-    timeout = timedelta(minutes=10)
+    # A peer that stops answering fails a collective after this long instead of hanging forever;
+    # long enough for the slowest node's --cache build: the other nodes wait in their next collective.
+    timeout = dist_timeout(args)
     store, rank, world_size = torchrun_store(timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+    backend = "nccl" if device.type == "cuda" and not gpus_shared() else "gloo"  # NCCL: one rank per GPU
+    dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     return rank, world_size, device
 
@@ -79,9 +81,10 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, distributed=True)
     rank, world_size, device = setup_distributed(args)
-    check_writable(args)
+    if not args.evaluate:  # --evaluate writes nothing
+        check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)
@@ -104,6 +107,11 @@ def main() -> None:
         net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
         net = torch.compile(net) if args.compile else net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
+        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
+            evaluated, start = load_evaluated(args, info, model), time.time()
+            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+            show_evaluation(evaluated, val_sums, time.time() - start)
+            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, rank)
             train_loader.sampler.set_epoch(epoch)

@@ -5,18 +5,19 @@ Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_no
 """
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from src import sharding
 from src.checkpoint import check_writable, resume, run_info, save_epoch
-from src.cli import amp_dtype, parse_args
-from src.devices import check_gpus, training_device
+from src.cli import amp_dtype, dist_timeout, parse_args
+from src.devices import check_gpus, gpus_shared, training_device
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -24,15 +25,6 @@ from src.progress import LoaderPass, Progress, TensorBoard
 from src.ranks import end_process_group, torchrun_store, world_of_one_without_launcher
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
-from src.sharding import (
-    broadcast_buffers,
-    bytes_line,
-    forwards_behind,
-    gather_state,
-    loading_whole,
-    shard_model,
-    watch_rank_bytes,
-)
 from src.transforms import memory_format, model_inputs
 
 
@@ -41,10 +33,12 @@ def setup_distributed(args) -> tuple[int, int, torch.device]:
     world_of_one_without_launcher()  # plain `python train_fsdp.py`: RANK 0 of WORLD_SIZE 1
     check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))  # one GPU per process
     device = training_device(args.deterministic, args.amp, int(os.environ["LOCAL_RANK"]))
-    # A peer that stops answering fails a collective after this long instead of hanging forever.
-    timeout = timedelta(minutes=10)
+    # A peer that stops answering fails a collective after this long instead of hanging forever;
+    # long enough for the slowest node's --cache build: the other nodes wait in their next collective.
+    timeout = dist_timeout(args)
     store, rank, world_size = torchrun_store(timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+    backend = "nccl" if device.type == "cuda" and not gpus_shared() else "gloo"  # NCCL: one rank per GPU
+    dist.init_process_group(backend, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     return rank, world_size, device
 
@@ -76,8 +70,8 @@ def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, sche
 def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
-    broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
-    behind = forwards_behind(len(loader.loader), device)  # each forward gathers from every rank
+    sharding.broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
+    behind = sharding.forwards_behind(len(loader.loader), device)  # each forward gathers from every rank
     sums = torch.zeros(4, device=device)
     for inputs, labels in loader.batches(sums):
         inputs = model_inputs(inputs, device, args.channels_last)
@@ -92,23 +86,25 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, distributed=True)
     rank, world_size, device = setup_distributed(args)
-    check_writable(args)
+    if not args.evaluate:  # --evaluate writes nothing
+        check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
-    shard_model(model, device)  # fully_shard per block and on the root
+    sharding.shard_model(model, device)  # fully_shard per block and on the root
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
-    history = resume(args, info, *loading_whole(model, optimizer), scaler, schedule)
-    held = watch_rank_bytes(model, optimizer)
+    history = resume(args, info, sharding.WholeModel(model), sharding.WholeOptimizer(model, optimizer),
+                     scaler, schedule)
+    held = sharding.watch_rank_bytes(model, optimizer)
     log = TensorBoard(args.log_dir)
     progress = Progress(args, optimizer, steps, args.batch_size * world_size, device, log)
 
@@ -119,6 +115,11 @@ def main() -> None:
     for stage in stages(args, model, data.dataset, len(history), device, cache_features=False):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
+        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
+            evaluated, start = load_evaluated(args, info, sharding.WholeModel(model)), time.time()
+            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+            show_evaluation(evaluated, val_sums, time.time() - start)
+            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, rank)
             train_loader.sampler.set_epoch(epoch)
@@ -131,7 +132,7 @@ def main() -> None:
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"]))
-            whole = gather_state(model, optimizer)  # every rank sends its shards; rank 0 gets them
+            whole = sharding.gather_state(model, optimizer)  # every rank sends its shards to rank 0
             if rank == 0:
                 is_best = save_epoch(args, history, *whole, scaler, schedule, info)
                 progress.epoch_end(history[-1])
@@ -139,7 +140,7 @@ def main() -> None:
     log.close()
     if rank == 0:
         print(done_line(history, args, time.time() - since))
-        print(bytes_line(held))
+        print(sharding.bytes_line(held))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from src.devices import training_device
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -55,7 +56,8 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 def main() -> None:
     args = parse_args(__doc__)
     device = training_device(args.deterministic, args.amp)
-    check_writable(args)
+    if not args.evaluate:  # --evaluate writes nothing
+        check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)
@@ -75,6 +77,11 @@ def main() -> None:
     for stage in stages(args, model, data.dataset, len(history), device):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device)
+        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
+            evaluated, start = load_evaluated(args, info, model), time.time()
+            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+            show_evaluation(evaluated, val_sums, time.time() - start)
+            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch)
             train_loader.sampler.set_epoch(epoch)

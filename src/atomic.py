@@ -7,8 +7,6 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-import torch
-
 from src.errors import UserError, one_line
 
 _UMASK = os.umask(0)
@@ -75,8 +73,25 @@ def cannot_write(path: Path, error: BaseException) -> str:
 
 
 def atomic_torch_save(obj, path: Path) -> str:
+    import torch  # here: predict --onnx writes its CSV without torch
     return atomic_write(path, lambda file: torch.save(obj, file))
 
 
 def atomic_write_text(path: Path, text: str) -> str:
-    return atomic_write(path, lambda file: file.write(text.encode()))
+    # surrogateescape: file names that are not UTF-8 (read from disk that way) are written back as they were
+    return atomic_write(path, lambda file: file.write(text.encode("utf-8", "surrogateescape")))
+
+
+def check_can_write(path: Path, flag: str) -> None:
+    """Fail before the work, not after it, when `path` cannot be written: makes its folder and
+    writes and removes a probe file there (os.access answers yes to root where nothing can be
+    created, as in /proc)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot write there ({error.strerror or one_line(error)})") from None

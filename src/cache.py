@@ -1,17 +1,22 @@
 """--cache DIR: every labelled image decoded and resized once, kept as uint8 pixels on disk.
 
-DIR/train_{size}px.u8 holds N x 3 x size x size uint8 pixels in the order of the label table,
-made by the same JPEG path as training without the cache (so the tensors are identical), and
-read back memory-mapped. DIR/train_{size}px.json holds its key, a hash of the data folder, every
-file's name, label, byte size and modification time, and the image size: when any of them
-changes, the next run rebuilds the cache. The first process of each node builds it (LOCAL_RANK
-0, as torchrun and accelerate number them), the others wait for it; `python -m src.tools.prepare
-DATA_DIR --cache DIR --image-size N` builds it ahead of time.
+DIR/train_{size}px.{key}.u8 holds N x 3 x size x size uint8 pixels in the order of the label
+table, made by the same JPEG path as training without the cache (so the tensors are identical),
+and read back memory-mapped; DIR/train_{size}px.{key}.json records it. The key (its first 16 hex
+digits in the names) is a hash of the data folder, every file's name, label, byte size and
+modification time, and the image size: when any of them changes, the next run builds a cache of
+its own (the old files stay until DIR is deleted). The first process of each node builds it
+(LOCAL_RANK 0, as torchrun and accelerate number them), the others wait for it, as long as
+--dist-timeout (60 minutes by default); `python -m src.tools.prepare DATA_DIR --cache DIR
+--image-size N` builds it ahead of time.
 
-Several builders may meet in one folder (nodes sharing an NFS or Lustre home): each writes its
-own temporary file, the first complete build is renamed into place and the others reuse it. A
-data file whose size does not match its recorded shape (truncated, deleted) is rebuilt.
-`ensure_array` does all this for any array; the frozen backbone's feature cache uses it too.
+Several builders may meet in one folder (nodes sharing an NFS or Lustre home). Nodes whose copies
+of the images differ (another path, or copied without their modification times) have different
+keys, so different files: none overwrites what another node's processes wait for or read. Nodes
+with the same key each write their own temporary file, the first complete build is renamed into
+place and the others reuse it. A data file whose size does not match its recorded shape
+(truncated, deleted) is rebuilt. `ensure_array` does all this for any array; the frozen
+backbone's feature cache uses it too.
 """
 import hashlib
 import json
@@ -33,12 +38,14 @@ from src.datasets import DogCatDataset
 from src.errors import UserError
 
 FORMAT = 1  # bump when the layout or the decoding changes
-WAIT_SECONDS = 3600  # how long the other processes of a node wait for its first one to build
+WAIT_SECONDS = 3600  # how long the other processes of a node wait for its first one to build,
+# unless --dist-timeout says otherwise (src.cli.dist_timeout sets DIST_TIMEOUT_MINUTES)
 
 
-def cache_paths(cache_dir: Path, image_size: int) -> tuple[Path, Path]:
-    stem = Path(cache_dir) / f"train_{image_size}px"
-    return stem.with_suffix(".u8"), stem.with_suffix(".json")
+def cache_paths(cache_dir: Path, image_size: int, key: str) -> tuple[Path, Path]:
+    """The data and record files of the pixel cache with this key."""
+    stem = f"train_{image_size}px.{key[:16]}"
+    return Path(cache_dir) / f"{stem}.u8", Path(cache_dir) / f"{stem}.json"
 
 
 def cache_key(dataset: DogCatDataset, image_size: int) -> str:
@@ -109,10 +116,12 @@ def ensure_array(data_path: Path, meta_path: Path, key: str, shape: tuple, dtype
 
 
 def _wait_for(data_path: Path, meta_path: Path, key: str, nbytes: int, flag: str) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
+    minutes = os.environ.get("DIST_TIMEOUT_MINUTES")
+    seconds = 60 * float(minutes) if minutes else WAIT_SECONDS
+    deadline = time.monotonic() + seconds
     while _status(data_path, meta_path, key, nbytes) != "ok":
         if time.monotonic() > deadline:
-            raise UserError(f"waited {WAIT_SECONDS // 60} min for {data_path}, which the first process "
+            raise UserError(f"waited {seconds // 60:.0f} min for {data_path}, which the first process "
                             f"of this node builds, and it is not there: see that process's error, or "
                             f"build it ahead with python -m src.tools.prepare (pixel cache) or a one-process run")
         time.sleep(0.5)
@@ -155,9 +164,9 @@ def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, worker
     """Decode every image of `dataset` (which must resize to image_size) into the cache files,
     unless they are there already; returns the cache's key. `python -m src.tools.prepare --cache`
     calls it ahead of training."""
-    data_path, meta_path = cache_paths(cache_dir, image_size)
     # The key is taken before decoding: a file that changes during the build makes the next run rebuild.
     key = cache_key(dataset, image_size)
+    data_path, meta_path = cache_paths(cache_dir, image_size, key)
     desc = f"caching {len(dataset)} images at {image_size} px"
     ensure_array(data_path, meta_path, key, (len(dataset), 3, image_size, image_size), np.uint8,
                  lambda pixels: _decode_into(pixels, dataset, workers, desc, show_progress),
@@ -169,5 +178,5 @@ def cached(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: in
            show_progress: bool = True) -> MappedArray:
     """The cache of `dataset` in cache_dir, built first if it is missing, out of date or damaged."""
     key = build_cache(dataset, image_size, cache_dir, workers, show_progress)
-    return MappedArray(cache_paths(cache_dir, image_size)[0], dataset.frame["label"].tolist(),
+    return MappedArray(cache_paths(cache_dir, image_size, key)[0], dataset.frame["label"].tolist(),
                        (3, image_size, image_size), np.uint8, key)

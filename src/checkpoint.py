@@ -98,6 +98,18 @@ def _read_last(path: Path) -> dict | None:
         raise UserError(f"cannot resume from {path} ({type(error).__name__}); delete it to start over") from None
 
 
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """optimizer.load_state_dict(saved), keeping this device's kernel choice (fused on a GPU, not
+    on a CPU), which the fp16 scaler relies on. The choice goes into the saved groups before
+    loading: load_state_dict places AdamW's `step` tensors by the saved groups' flags
+    (torch/optim/optimizer.py), so a CPU checkpoint's would stay on the CPU, and fused AdamW on a
+    GPU refuses them at the first step."""
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group}
+               for group in optimizer.param_groups]
+    groups = [{**old, **kept} for old, kept in zip(saved["param_groups"], kernels)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
+
+
 def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule) -> list[dict]:
     """With --resume (or in a worker that torchrun restarted), load last.pth into model,
     optimizer, scaler and schedule; returns the history so far ([] without).
@@ -126,13 +138,7 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
             raise UserError(f"{path} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
-        # load_state_dict takes the saving run's kernel choice too (fused on a GPU, not on a CPU):
-        # keep this device's, which the fp16 scaler relies on.
-        kernels = [{key: group[key] for key in ("fused", "foreach") if key in group}
-                   for group in optimizer.param_groups]
-        optimizer.load_state_dict(state["optimizer"])
-        for group, kept in zip(optimizer.param_groups, kernels):
-            group.update(kept)
+        load_optimizer(optimizer, state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])

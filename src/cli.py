@@ -2,6 +2,7 @@
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 from src.errors import UserError
 
@@ -54,7 +55,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
+def build_parser(description: str, amp: bool = True, distributed: bool = False) -> argparse.ArgumentParser:
     parser = OneLineParser(description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
@@ -80,6 +81,9 @@ def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
         help="best model's state_dict; last.pth, history.json and best.json go beside it")
     add("--plot", default="training_results.png", help="accuracy and loss curves (PNG)")
     add("--resume", action="store_true", help="continue from last.pth beside --checkpoint if it exists")
+    add("--evaluate", action="store_true",
+        help="validate --checkpoint (checked against its best.json), or the state_dict --weights FILE, "
+             "on the validation split and print the record; nothing trains, nothing is written")
     add("--cache", metavar="DIR", default=None,
         help="decode and resize every image once into DIR (uint8, memory-mapped) and train from it")
     add("--channels-last", action="store_true",
@@ -120,6 +124,10 @@ def build_parser(description: str, amp: bool = True) -> argparse.ArgumentParser:
     if amp:
         parser.add_argument("--amp", choices=["no", "bf16", "fp16"], default="no",
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
+    if distributed:
+        parser.add_argument("--dist-timeout", metavar="MINUTES", type=at_least(1), default=60,
+                            help="how long a process waits for the others (in a collective, or for its "
+                                 "node's --cache build) before it fails")
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -134,6 +142,14 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
     if args.warmup_epochs and args.warmup_epochs >= args.epochs:
         parser.error(f"argument --warmup-epochs: {args.warmup_epochs} is not less than --epochs "
                      f"{args.epochs}, so the learning rate would never reach --lr")
+    if args.evaluate:
+        for flag in ("resume", "cache", "log_dir", "profile"):
+            if getattr(args, flag):
+                parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
+        # args.evaluate becomes the file to validate. The model is built without weights (nothing
+        # to download) and that file is loaded into it (src.inference.load_evaluated).
+        args.evaluate = args.weights if args.weights not in ("default", "none") else args.checkpoint
+        args.weights = "none"
     from src.models import check_image_size  # here, not above: it loads torchvision
     try:
         check_image_size(args.arch, args.image_size)
@@ -143,6 +159,13 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         from src.loaders import default_workers
         args.workers = default_workers()
     return args
+
+
+def dist_timeout(args: argparse.Namespace) -> timedelta:
+    """--dist-timeout, for the process group; the processes waiting for their node's cache give up
+    after as long (src/cache.py reads DIST_TIMEOUT_MINUTES), so that neither wait outlasts the other."""
+    os.environ["DIST_TIMEOUT_MINUTES"] = str(args.dist_timeout)
+    return timedelta(minutes=args.dist_timeout)
 
 
 AMP_DTYPES = {"no": None, "bf16": "bfloat16", "fp16": "float16"}

@@ -1,9 +1,15 @@
-"""nn.DataParallel as train_dp.py needs it: its replicas keep --amp's autocast dtype.
+"""nn.DataParallel as train_dp.py needs it: its replicas keep --amp's autocast dtype and
+--channels-last's weight format.
 
 On two or more GPUs DataParallel runs each replica in a thread of its own, which re-enters
 autocast without a dtype (torch/nn/parallel/parallel_apply.py); the dtype is per thread and
 float16 by default on CUDA, so --amp bf16 would silently train in float16 without a gradient
 scaler. The replicas here read the dtype in the caller's thread and autocast to it.
+
+The replicas on GPUs 1..N get their weights from a broadcast that hands them out as views of one
+flat buffer, contiguous (NCHW) whatever the module's format (torch/csrc/cuda/comm.cpp,
+broadcast_coalesced): with --channels-last, cuDNN would convert them in every convolution,
+forward and backward. The replicas here are made channels-last again, once per forward.
 """
 import torch
 import torch.nn as nn
@@ -25,11 +31,24 @@ class AutocastReplica(nn.Module):
 
 
 class DataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16)."""
+    """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16) and keep the
+    module's channels-last weights."""
 
     def replicate(self, module, device_ids):
-        return [AutocastReplica(replica, self.src_device_obj.type)
-                for replica in super().replicate(module, device_ids)]
+        replicas = super().replicate(module, device_ids)
+        for replica in replicas[1:]:  # the first holds the module's own tensors
+            keep_memory_format(module, replica)
+        return [AutocastReplica(replica, self.src_device_obj.type) for replica in replicas]
+
+
+def keep_memory_format(module: nn.Module, replica: nn.Module) -> None:
+    """Make the replica's 4-d weights channels-last where the module's are (a differentiable
+    copy: the gradients still reach the module's own weights)."""
+    for original, copy in zip(module.modules(), replica.modules()):
+        for name, weight in original._parameters.items():
+            if (weight is not None and weight.dim() == 4 and not weight.is_contiguous()
+                    and weight.is_contiguous(memory_format=torch.channels_last)):
+                setattr(copy, name, getattr(copy, name).contiguous(memory_format=torch.channels_last))
 
 
 def check_data_parallel(compile_model: bool) -> None:

@@ -11,16 +11,12 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from src.errors import UserError
+from src.image_files import natural_key
 
 CLASSES = ("cat", "dog")
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp"}
 _KAGGLE_NAME = re.compile(r"^(cat|dog)\.\d+\.[a-z]+$", re.IGNORECASE)
 _FOLDER_LABELS = {"cat": 0, "cats": 0, "dog": 1, "dogs": 1}
-
-
-def natural_key(name: str) -> list:
-    """Sort key that puts cat.2.jpg before cat.10.jpg."""
-    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", name)]
 
 
 def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:

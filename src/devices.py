@@ -47,6 +47,19 @@ def _cgroup_cpu_quota(root: Path) -> float | None:
     return None
 
 
+def gpu_choices(device: torch.device) -> bool:
+    """Whether to make the choices made for a CUDA GPU that torch can also run on a CPU: the fused
+    SGD and AdamW kernels, which take the fp16 scaler's inf check as a tensor.
+
+    Always on CUDA. On the CPU when AS_ON_GPU=1: the tests' switch, so that the CPU suite runs the
+    GPU's branch of each such decision in the real training loop. AS_ON_GPU=0 makes a GPU take
+    the CPU's branch, to compare the two there. Choices a CPU cannot run (pinned memory, CUDA
+    events, NCCL) test device.type == "cuda"; docs/gpus.md lists them, checked by make test-gpu.
+    """
+    switch = os.environ.get("AS_ON_GPU")
+    return switch == "1" if switch in ("0", "1") else device.type == "cuda"
+
+
 def configure_numerics(deterministic: bool) -> None:
     """--deterministic: IEEE float32 and deterministic kernels, for comparing runs on GPUs.
 
@@ -71,10 +84,18 @@ def configure_numerics(deterministic: bool) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def gpus_shared() -> bool:
+    """SHARE_GPUS=1: a node may run more processes than it has GPUs, which then share them (rank
+    r on GPU r mod GPUs) over gloo, since NCCL refuses two ranks on one GPU. For checking the
+    distributed code on a machine with fewer GPUs than ranks (make test-gpu on one GPU); slower
+    than one process per GPU."""
+    return os.environ.get("SHARE_GPUS") == "1"
+
+
 def check_gpus(local_processes: int) -> None:
-    """One process per GPU: refuse more processes on this node than it has GPUs."""
+    """One process per GPU: refuse more processes on this node than it has GPUs (unless SHARE_GPUS=1)."""
     gpus = torch.cuda.device_count()
-    if torch.cuda.is_available() and local_processes > gpus:
+    if torch.cuda.is_available() and local_processes > gpus and not gpus_shared():
         raise UserError(
             f"{local_processes} processes on this node but only {gpus} GPU(s): run torchrun "
             f"--nproc_per_node={gpus}, or set CUDA_VISIBLE_DEVICES= to train on the CPU",
@@ -96,25 +117,37 @@ def check_bf16(precision: str | None, local_rank: int = 0) -> None:
 
 
 def training_device(deterministic: bool, precision: str | None, local_rank: int = 0) -> torch.device:
-    """The GPU of this process (its local rank) or the CPU, set up for training."""
+    """The GPU of this process (its local rank; with SHARE_GPUS=1 modulo the GPUs) or the CPU,
+    set up for training."""
     configure_numerics(deterministic)
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    check_bf16(precision, local_rank)
-    device = torch.device("cuda", local_rank)
+    gpu = local_rank % torch.cuda.device_count() if gpus_shared() else local_rank
+    check_bf16(precision, gpu)
+    device = torch.device("cuda", gpu)
     torch.cuda.set_device(device)
     return device
 
 
 def check_shared_memory(workers: int, batch_bytes: int, shm: Path | None = None) -> None:
     """DataLoader workers hand their batches over in /dev/shm; Docker gives it 64 MB by default,
-    and a worker that runs out dies with a bus error in the middle of an epoch."""
+    and a worker that runs out dies with a bus error in the middle of an epoch. All the loader
+    workers of a node share it: LOCAL_WORLD_SIZE processes (torchrun, accelerate launch) of
+    `workers` each."""
     shm = Path(shm or SHM)
     if workers == 0 or not shm.is_dir():
         return
-    need = 2 * workers * 2 * batch_bytes  # prefetch_factor 2 per worker, and room for the batch in use
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    need = shared_memory_need(workers, batch_bytes, processes)
     free = shutil.disk_usage(shm).free
     if free < need:
-        raise UserError(f"{shm} has {free / 2**20:.0f} MB free, but {workers} loader workers need "
+        who = f"{processes} processes x {workers}" if processes > 1 else f"{workers}"
+        raise UserError(f"{shm} has {free / 2**20:.0f} MB free, but {who} loader workers need "
                         f"about {need / 2**20:.0f} MB there for their batches: give the container "
-                        "more (docker run --shm-size=8g, or --ipc=host), or pass --workers 0")
+                        "more (docker run --shm-size=8g, or --ipc=host), or pass --workers 0",
+                        quiet=int(os.environ.get("LOCAL_RANK", 0)) != 0)
+
+
+def shared_memory_need(workers: int, batch_bytes: int, processes: int = 1) -> int:
+    """Bytes of /dev/shm that `processes` processes with `workers` loader workers each may hold."""
+    return processes * 2 * workers * 2 * batch_bytes  # prefetch_factor 2 per worker, and room for the batch in use

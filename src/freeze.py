@@ -6,8 +6,9 @@ optimizer gives them no state and no weight decay), and it runs in eval mode: dr
 norm statistics fixed. Its output for an image, the input of the last layer, is then the same
 in every epoch; with --cache (and without --augment, which changes the images every epoch) it is
 computed once for every image, by the first process of each node, and kept memory-mapped in
-DIR/features_{arch}_{size}px.f32. The frozen epochs then train the last layer alone on those
-vectors. best.pth is the whole model either way.
+DIR/features_{arch}_{size}px.{key}.f32 (the key covers the pixel cache's and the backbone's
+weights, so nodes with other images or weights never share a file). The frozen epochs then
+train the last layer alone on those vectors. best.pth is the whole model either way.
 """
 import argparse
 import hashlib
@@ -91,6 +92,24 @@ def _weights_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def _to_host(vectors: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """A host copy of vectors on its way, and the event that says it has arrived (None: it has).
+    From CUDA, to("cpu", non_blocking=True) copies into pinned memory without making the host wait."""
+    host = vectors.to("cpu", non_blocking=True)
+    if not vectors.is_cuda:
+        return host, None
+    arrived = torch.cuda.Event()
+    arrived.record()
+    return host, arrived
+
+
+def _store(array: np.ndarray, copy: tuple, start: int) -> None:
+    host, arrived = copy
+    if arrived is not None:
+        arrived.synchronize()
+    array[start:start + len(host)] = host.numpy()
+
+
 @torch.no_grad()
 def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Dataset,
                      device: torch.device, workers: int, show: bool = True) -> MappedArray | None:
@@ -122,18 +141,23 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
         dim = head.in_features
         key = hashlib.sha256(f"{FORMAT} {args.arch} {args.image_size} {getattr(dataset, 'key', '')} "
                              f"{_weights_digest(model)}".encode()).hexdigest()
-        path = Path(args.cache) / f"features_{args.arch}_{args.image_size}px.f32"
+        path = Path(args.cache) / f"features_{args.arch}_{args.image_size}px.{key[:16]}.f32"
         labels = dataset.labels  # the pixel cache's MappedArray: --cache holds the pixels too
 
         def fill(array: np.ndarray) -> None:
+            # Pinned batches, and each batch's outputs copied to the host while the device computes
+            # the next one: the GPU never waits for the host writing the file.
             loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers,
-                                generator=torch.Generator())
-            start = 0
+                                pin_memory=device.type == "cuda", generator=torch.Generator())
+            start, previous = 0, None  # the previous batch's outputs, on their way to the host
             for images, _ in tqdm(loader, desc=f"computing {args.arch}'s outputs for {len(dataset)} images",
                                   disable=not show, leave=False):
-                vectors = _head_input(model, model_inputs(images, device, args.channels_last))[0]
-                array[start:start + len(vectors)] = vectors.float().cpu().numpy()
-                start += len(vectors)
+                vectors = _head_input(model, model_inputs(images, device, args.channels_last))[0].float()
+                if previous is not None:
+                    _store(array, *previous)
+                previous, start = (_to_host(vectors), start), start + len(vectors)
+            if previous is not None:
+                _store(array, *previous)
 
         ensure_array(path, path.with_suffix(".json"), key, (len(dataset), dim), np.float32, fill,
                      "--cache", f"{args.arch}'s outputs", show)

@@ -65,3 +65,17 @@ def best_record(history: list[dict], best_by: str) -> dict:
 
 def history_text(history: list[dict]) -> str:
     return json.dumps(history, indent=2) + "\n"
+
+
+def evaluation_record(val_sums, val_seconds: float) -> dict:
+    """--evaluate's record: the validation fields of a history.json record."""
+    val = summarize(val_sums)
+    return {"val_loss": val["loss"], "val_acc": val["acc"], "val_log_loss": val["log_loss"],
+            "val_samples": val["samples"], "val_seconds": round(val_seconds, 3)}
+
+
+def format_evaluation(named: str, record: dict) -> str:
+    """--evaluate's line, as an epoch's: `named` says what was validated."""
+    return (f"validated {named}: val loss {record['val_loss']:.4f} acc {record['val_acc']:.4f} "
+            f"log loss {record['val_log_loss']:.4f} on {record['val_samples']} images "
+            f"({record['val_seconds']:.1f} s)")

@@ -98,18 +98,25 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     return model
 
 
-def _load_file(arch: str, path: Path) -> nn.Module:
-    """A model from a local state_dict: our 2-class checkpoint, or ImageNet weights with 1000 classes."""
+def read_state_dict(path: Path, flag: str = "--weights") -> dict:
+    """The state_dict in a local file (best.pth, torchvision's ImageNet files), or the model's in
+    a last.pth; a UserError naming `flag` and the file if there is none."""
     if not path.is_file():
-        raise UserError(f"--weights {path}: no such file (use `default`, `none` or a state_dict file)")
+        raise UserError(f"{flag} {path}: no such file (use `default`, `none` or a state_dict file)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a file that is not a checkpoint
-        raise UserError(f"--weights {path} is not a PyTorch state_dict ({type(error).__name__})") from None
+        raise UserError(f"{flag} {path} is not a PyTorch state_dict ({type(error).__name__})") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a last.pth resume checkpoint
     if not isinstance(state, dict):
-        raise UserError(f"--weights {path} does not hold a state_dict")
+        raise UserError(f"{flag} {path} does not hold a state_dict")
+    return state
+
+
+def _load_file(arch: str, path: Path) -> nn.Module:
+    """A model from a local state_dict: our 2-class checkpoint, or ImageNet weights with 1000 classes."""
+    state = read_state_dict(path)
     kwargs = model_kwargs(arch)
     if kwargs.get("aux_logits") is False:  # torchvision's ImageNet files hold the auxiliary classifiers
         state = {key: value for key, value in state.items() if key.split(".")[0] not in _AUX_MODULES}

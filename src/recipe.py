@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from src.devices import gpu_choices
+
 
 def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
     """--optimizer over every parameter; weight decay on weights, not on biases or normalisation.
@@ -24,13 +26,31 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.dev
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     groups = [group for group in groups if group["params"]]
     # On GPUs the fused kernels are faster, and they take the fp16 scaler's inf check as a tensor
-    # where the plain ones read it on the host: one synchronisation per step less. Not SGD with
-    # --freeze-epochs: after the unfreezing its momentum buffers would be set for the head only,
-    # and fused SGD takes a group's buffers as all set or all missing (torch/optim/sgd.py).
-    fused = device.type == "cuda" and (args.optimizer == "adamw" or not args.freeze_epochs)
+    # where the plain ones read it on the host: one synchronisation per step less.
+    fused = gpu_choices(device)
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=fused)
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=fused)
+    optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=fused)
+    optimizer.register_step_pre_hook(zero_momentum)
+    return optimizer
+
+
+def zero_momentum(optimizer: torch.optim.Optimizer, args=None, kwargs=None) -> None:
+    """Before each SGD step: a zero momentum buffer for each parameter about to be stepped that has none.
+
+    Fused SGD makes missing buffers with torch.empty_like and leaves their filling to its kernel,
+    which writes nothing on a step the fp16 scaler skips: the garbage would be kept and read at
+    the next step (torch/optim/sgd.py, _fused_sgd). Zeros give the same first step (momentum x 0
+    + gradient, dampening being 0), and let fused SGD take a group whose buffers are partly set
+    (--freeze-epochs: the head's are, the backbone's not yet). A step pre-hook rather than a line
+    in optimizer_step: accelerate steps the optimizer itself.
+    """
+    for group in optimizer.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                if p.grad is not None and "momentum_buffer" not in optimizer.state[p]:
+                    # preserve_format: the fused kernel wants the strides of the gradient (channels-last)
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def steps_per_epoch(train_images: int, global_batch: int) -> int:
@@ -59,7 +79,13 @@ def make_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                    schedule: LambdaLR, clip_grad_norm: float | None) -> None:
-    """Apply the accumulated gradients: clip their norm, step, update the fp16 scale, schedule."""
+    """Apply the accumulated gradients: clip their norm, step, update the fp16 scale, schedule.
+
+    The schedule advances at every optimizer step, also one the fp16 scaler skipped, in every
+    mode (train_accelerate.py does the same): the learning rate is a function of the step count,
+    the same in every mode, precision and device and across --resume. Knowing about a skip would
+    cost a host read of the scaler's inf check at every step.
+    """
     if clip_grad_norm:
         scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)

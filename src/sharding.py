@@ -116,7 +116,11 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Ga
                          for group in by_name["param_groups"]]})
 
 
-class _LoadsModel:
+class WholeModel:
+    """A sharded model where src/checkpoint.py's resume() (or --evaluate) loads a plain one: its
+    load_state_dict() takes the whole tensors of any mode's file, and each rank keeps its pieces.
+    Every rank must load the same dict (resume() sends last.pth to all)."""
+
     def __init__(self, model: nn.Module):
         self.model = model
 
@@ -125,7 +129,10 @@ class _LoadsModel:
         set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
-class _LoadsOptimizer:
+class WholeOptimizer:
+    """The optimizer of a sharded model where resume() loads a plain one: load_state_dict() takes
+    any mode's last.pth state (whole tensors, numbered by parameter), and each rank keeps its pieces."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
@@ -154,13 +161,6 @@ class _LoadsOptimizer:
         finally:
             for param, flag in zip(params, trains):
                 param.requires_grad_(flag)
-
-
-def loading_whole(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[_LoadsModel, _LoadsOptimizer]:
-    """Stand-ins for the model and optimizer where src/checkpoint.py's resume() loads a last.pth
-    of any mode (whole tensors, the optimizer's numbered by parameter): each rank keeps its own
-    pieces of the whole tensors. Every rank must load the same file (resume() sends it to all)."""
-    return _LoadsModel(model), _LoadsOptimizer(model, optimizer)
 
 
 def broadcast_buffers(model: nn.Module) -> None:

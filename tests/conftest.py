@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,6 +168,11 @@ def distance(a: dict, b: dict) -> float:
     """The Euclidean distance between two state_dicts, all tensors as one vector."""
     assert a.keys() == b.keys()
     return sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a).sqrt().item()
+
+
+def cache_files(folder: Path) -> list[str]:
+    """The file names in a --cache folder without the key each holds (train_32px.KEY.u8: train_32px.u8)."""
+    return sorted(re.sub(r"\.[0-9a-f]{16}\.", ".", path.name) for path in folder.iterdir())
 
 
 def last_line(result) -> str:

@@ -108,7 +108,7 @@ def test_sizes_a_model_cannot_take_are_refused_naming_the_size_it_needs(arch):
 def test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads(arch, tmp_path, monkeypatch):
     """--weights default and an ImageNet file give a model without the auxiliary classifiers, whose
     state_dict loads into get_model(arch, num_classes=2, **model_kwargs(arch)), as predict does."""
-    from src.tools.predict import load_checkpoint
+    from src.inference import load_checkpoint
     torch.manual_seed(0)
     # torchvision's files hold 1000 classes and the auxiliary classifiers, as this one does.
     imagenet = torchvision.models.get_model(arch, aux_logits=True, init_weights=False).state_dict()

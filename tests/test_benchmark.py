@@ -11,14 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import history, printed_by
+from conftest import cache_files, history, printed_by
 from torch.autograd import DeviceType
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from src.tools import benchmark
 from src.errors import exit_on_error
 from src.profiling import Profiler, breakdown, schedule_for
 from src.progress import Progress
+from src.tools import benchmark
 from src.tools.benchmark import loader_alone
 
 # Not single-jpeg, dp and accelerate: three runs less (their --profile tables are checked on the
@@ -72,7 +72,7 @@ def test_benchmark_writes_the_table_chart_and_checks(bench):
     assert "feature cache build (--freeze): 240 images in" in markdown
     assert markdown in printed
     assert (out / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in (out / "cache").iterdir()) == [
+    assert cache_files(out / "cache") == [
         "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]
     assert not (out / "features").exists()  # the timed build's copy is removed
 

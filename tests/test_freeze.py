@@ -3,7 +3,16 @@ when it can, the same in every mode, and a resume across the unfreezing is exact
 import pytest
 import torch
 import torchvision
-from conftest import TOLERANCE, distance, history, last_model, outputs, python, weights
+from conftest import (
+    TOLERANCE,
+    cache_files,
+    distance,
+    history,
+    last_model,
+    outputs,
+    python,
+    weights,
+)
 
 from src.cache import cached
 from src.cli import parse_args
@@ -46,7 +55,7 @@ def _backbone_unchanged(out, backbone):
 def test_frozen_training_changes_only_the_head(frozen_runs, backbone, runs):
     out, result = frozen_runs("single", "--cache", str(runs.root / "frozen-cache"))
     assert "epochs 1 to 2: the last layer trains on resnet18's cached outputs" in result.stdout
-    assert sorted(p.name for p in (runs.root / "frozen-cache").iterdir()) == [
+    assert cache_files(runs.root / "frozen-cache") == [
         "features_resnet18_32px.f32", "features_resnet18_32px.json", "train_32px.json", "train_32px.u8"]
     _backbone_unchanged(out, backbone)
     torch.manual_seed(42)

@@ -10,9 +10,9 @@ import torch
 from conftest import LEARN, fails, fails_in_process, in_process, outputs, python
 from PIL import Image
 
-from src.tools import predict, prepare
 from src.datasets import open_rgb
-from src.tools.predict import load_checkpoint, submission_text
+from src.inference import load_checkpoint, submission_text
+from src.tools import predict, prepare
 from src.tools.synthetic import TEST_LABELS
 from src.transforms import image_transform, normalize
 

@@ -35,8 +35,8 @@ from conftest import (
     weights,
 )
 
+from src.inference import load_checkpoint, predict
 from src.loaders import labelled_data
-from src.tools.predict import load_checkpoint, predict
 from src.transforms import normalize
 
 

@@ -14,6 +14,7 @@ from conftest import (
     ROOT,
     TOLERANCE,
     VAL,
+    cache_files,
     distance,
     fails_in_process,
     history,
@@ -25,12 +26,12 @@ from conftest import (
 from PIL import Image
 
 import train_single
-from src.tools import prepare
-from src.cache import cache_paths, cached
+from src.cache import cache_key, cache_paths, cached
 from src.cli import parse_args
 from src.datasets import open_rgb
 from src.errors import UserError
 from src.loaders import labelled_data, labelled_images
+from src.tools import prepare
 from src.transforms import image_transform, model_inputs
 
 
@@ -42,8 +43,8 @@ def test_cache_holds_exactly_the_jpeg_path_tensors(small_data, tmp_path, capsys)
     dataset = _dataset(small_data, 32)
     cache = cached(dataset, 32, tmp_path, workers=0, show_progress=False)
     assert len(cache) == len(dataset) == 240
-    data_path, _ = cache_paths(tmp_path, 32)
-    assert data_path.stat().st_size == 240 * 3 * 32 * 32
+    assert cache.path == cache_paths(tmp_path, 32, cache.key)[0] and cache.path.name.startswith("train_32px.")
+    assert cache.path.stat().st_size == 240 * 3 * 32 * 32
     for index in range(len(dataset)):
         image, label = cache[index]
         expected_image, expected_label = dataset[index]
@@ -55,15 +56,14 @@ def test_cache_is_reused_and_rebuilt_when_its_inputs_change(small_data, tmp_path
     data = tmp_path / "data"
     shutil.copytree(small_data, data)
     cache_dir = tmp_path / "cache"
-    data_path, _ = cache_paths(cache_dir, 32)
-    cached(_dataset(data, 32), 32, cache_dir, workers=0)
+    data_path = cached(_dataset(data, 32), 32, cache_dir, workers=0).path
     built = data_path.stat().st_mtime_ns
 
     cached(_dataset(data, 32), 32, cache_dir, workers=0)
     assert f"reading images from the cache {data_path}" in capsys.readouterr().out
     assert data_path.stat().st_mtime_ns == built
 
-    # An image replaced by another one: rebuilt, and holds the new pixels.
+    # An image replaced by another one: built again (under its new key), and holds the new pixels.
     name = _dataset(data, 32).frame["filename"][0]
     Image.new("RGB", (70, 50), (255, 0, 0)).save(data / "train" / name)
     cache = cached(_dataset(data, 32), 32, cache_dir, workers=0)
@@ -71,17 +71,17 @@ def test_cache_is_reused_and_rebuilt_when_its_inputs_change(small_data, tmp_path
     assert torch.equal(cache[0][0], _dataset(data, 32)[0][0])
     assert cache[0][0][0].float().mean() > 240 and cache[0][0][1].float().mean() < 15  # red
 
-    # A train.csv that lists fewer images: rebuilt with those alone.
+    # A train.csv that lists fewer images: built again with those alone.
     frame = _dataset(data, 32).frame
     frame.iloc[:100].to_csv(data / "train.csv", index=False)
     cache = cached(_dataset(data, 32), 32, cache_dir, workers=0)
     assert "reading images" not in capsys.readouterr().out
-    assert len(cache) == 100 and data_path.stat().st_size == 100 * 3 * 32 * 32
+    assert len(cache) == 100 and cache.path.stat().st_size == 100 * 3 * 32 * 32 and cache.path != data_path
 
     # Another size: its own files, the first cache stays valid.
-    cached(_dataset(data, 48), 48, cache_dir, workers=0)
+    larger = cached(_dataset(data, 48), 48, cache_dir, workers=0)
     assert "reading images" not in capsys.readouterr().out
-    assert cache_paths(cache_dir, 48)[0].stat().st_size == 100 * 3 * 48 * 48
+    assert larger.path.stat().st_size == 100 * 3 * 48 * 48
     cached(_dataset(data, 32), 32, cache_dir, workers=0)
     assert "reading images from the cache" in capsys.readouterr().out
 
@@ -97,7 +97,7 @@ def test_ddp_ranks_share_one_cache_that_one_process_built_once(ddp_cache, runs):
     """Rank 0 builds it (LOCAL_RANK 0) while rank 1 waits; the run equals the one from JPEGs."""
     cache, out, result = ddp_cache
     assert "reading images from the cache" not in result.stdout
-    assert sorted(p.name for p in cache.iterdir()) == ["train_64px.json", "train_64px.u8"]
+    assert cache_files(cache) == ["train_64px.json", "train_64px.u8"]
     writes = [line.split() for line in (out.parent / "writes.log").read_text().splitlines()]
     assert [rank for rank, path in writes if path.startswith(str(cache))] == ["0", "0"]  # .u8, .json
     assert distance(last_model(out), last_model(mode_run(runs, "ddp")[0])) == 0
@@ -134,7 +134,7 @@ def test_two_nodes_build_one_shared_cache_at_once(small_data, tmp_path):
     assert [process.returncode for process in starts] == [0, 0, 0], results
     expected = sum(int(image.sum()) for image, _ in labelled_images(small_data, 32, show_progress=False))
     assert [int(out) for out, _ in results] == [expected] * 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_32px.json", "train_32px.u8"]
+    assert cache_files(tmp_path) == ["train_32px.json", "train_32px.u8"]
 
 
 def test_the_first_complete_build_wins_and_builders_never_share_a_file(tmp_path, monkeypatch):
@@ -171,12 +171,11 @@ def test_a_process_waiting_for_a_cache_that_never_comes_stops_with_one_line(tmp_
 
 def test_a_damaged_cache_is_rebuilt(small_data, tmp_path, capsys):
     dataset = _dataset(small_data, 32)
-    cached(dataset, 32, tmp_path, workers=0, show_progress=False)
-    data_path, _ = cache_paths(tmp_path, 32)
+    data_path = cached(dataset, 32, tmp_path, workers=0, show_progress=False).path
     with open(data_path, "r+b") as f:
         f.truncate(1000)
     cache = cached(dataset, 32, tmp_path, workers=0)
-    assert f"{data_path} does not match its train_32px.json (truncated or deleted): rebuilding it" in \
+    assert f"{data_path} does not match its {data_path.with_suffix('.json').name} (truncated or deleted): rebuilding it" in \
         capsys.readouterr().out
     assert data_path.stat().st_size == 240 * 3 * 32 * 32 and torch.equal(cache[239][0], dataset[239][0])
     data_path.unlink()
@@ -190,10 +189,11 @@ def test_prepare_builds_the_cache_training_reads(exact_data, tmp_path, monkeypat
     code, out, err = in_process(prepare.main, [str(data), "--cache", str(tmp_path / "cache"), "--image-size",
                                                "64"], monkeypatch, capsys)
     assert code == 0, err
-    assert f"cached 201 images at 64 px in {tmp_path / 'cache' / 'train_64px.u8'}" in out
+    path = cache_paths(tmp_path / "cache", 64, cache_key(_dataset(data, 64), 64))[0]
+    assert f"cached 201 images at 64 px in {path}" in out
     args = parse_args("", ["--data-dir", str(data), "--image-size", "64", "--cache", str(tmp_path / "cache")])
     dataset = labelled_data(args).dataset
-    assert f"reading images from the cache {tmp_path / 'cache' / 'train_64px.u8'}" in capsys.readouterr().out
+    assert f"reading images from the cache {path}" in capsys.readouterr().out
     assert len(dataset) == 201
 
 

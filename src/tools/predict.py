@@ -1,100 +1,197 @@
-"""Predict the Kaggle test set with a trained checkpoint and write submission.csv.
+"""Predict cat or dog for image files and folders with a trained checkpoint (or its ONNX export).
 
-    python -m src.tools.predict [--data-dir data] [--checkpoint model/best.pth] [--output submission.csv] [--tta]
+    python -m src.tools.predict PATH... [--checkpoint model/best.pth] [--output predictions.csv] [--tta]
+    torchrun --nproc_per_node=N -m src.tools.predict PATH...       (the images shared out over N GPUs)
+    python -m src.tools.predict --onnx model/best.onnx PATH...     (onnxruntime, without torch)
+    python -m src.tools.predict [--data-dir data] [--tta]          (Kaggle's test/ -> submission.csv)
 
-The architecture, image size and normalisation come from best.json, which every training script
-writes beside best.pth. Each row is `id,label` with label = p(dog), clipped to [EPS, 1 - EPS]
-(see src/metrics.py): Kaggle's log loss punishes a confident mistake without bound.
+Folders are searched recursively. Files named .jpg .jpeg .png .bmp .gif .webp .tif .tiff (any
+case) are images; other files are skipped and counted, and an image that cannot be decoded is
+named in one line and left out. The CSV has a row `path,p_dog,label` for every other image, in
+the order of the paths given (a folder's files in natural order), and the same rows whatever the
+number of processes. The architecture, image size and normalisation come from best.json, which
+every training script writes beside best.pth.
 """
-import hashlib
+import csv
+import io
 import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
-import torch
-import torchvision
-from torch.utils.data import DataLoader
-from tqdm import tqdm
+import numpy as np
 
-from src.atomic import atomic_write_text
-from src.cli import OneLineParser, at_least
-from src.datasets import DogCatTestDataset
+from src.atomic import atomic_write_text, check_can_write
+from src.cli import AMP_DTYPES, OneLineParser, at_least
 from src.errors import UserError, exit_on_error
-from src.loaders import default_workers
-from src.metrics import EPS
-from src.models import model_kwargs
-from src.transforms import image_transform, normalize
+from src.image_files import find_images, try_decode
+
+SHOWN = 10  # rows of the table printed
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def parse_args(argv: list[str] | None = None):
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
+                        help="image files and folders (default: Kaggle's DATA_DIR/test, written as submission.csv)")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="folder holding test/ (without PATH)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="best.pth, with its best.json beside it (default: model/best.pth; with --onnx, "
+                             "whose best.json the ONNX file must come from)")
+    parser.add_argument("--onnx", type=Path, default=None, help="run this export of best.pth with onnxruntime")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="the CSV (default: predictions.csv, without PATH submission.csv)")
+    parser.add_argument("--batch-size", type=at_least(1), default=100)
+    parser.add_argument("--workers", type=at_least(0), default=None,
+                        help="image decoding processes (--onnx: threads); default: this machine's CPUs "
+                             "over its processes")
+    parser.add_argument("--tta", action="store_true", help="average over the image and its mirror")
+    parser.add_argument("--amp", choices=list(AMP_DTYPES), default="no", help="bf16 or fp16 autocast")
+    parser.add_argument("--channels-last", action="store_true", help="channels-last batches and weights")
+    args = parser.parse_args(argv)
+    if args.onnx and (args.amp != "no" or args.channels_last):
+        parser.error("--amp and --channels-last set up the torch model; --onnx runs in float32 on the CPU")
+    if args.onnx and not args.paths:
+        parser.error("--onnx predicts PATH...; the Kaggle submission (no PATH) uses --checkpoint")
+    if args.onnx and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        parser.error("--onnx runs in one process (onnxruntime uses every core itself): drop the launcher")
+    if args.output is None:
+        args.output = Path("predictions.csv" if args.paths else "submission.csv")
+    return args
 
 
-def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
-    """The trained model and its best.json description."""
-    info_path = Path(checkpoint).with_suffix(".json")
-    if not Path(checkpoint).is_file():
-        raise UserError(f"checkpoint {checkpoint} not found: train first, or pass --checkpoint")
+class Predictions(NamedTuple):
+    files: list[Path]
+    probabilities: np.ndarray  # (files, classes); NaN rows for the files that cannot be decoded
+    broken: dict[int, str]  # index in files -> why it cannot be decoded
+    classes: list[str]
+    seconds: float  # of the prediction pass
+
+
+def predictions_text(result: Predictions) -> str:
+    """The CSV: `path,p_dog,label` for each file that could be decoded."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")  # quotes names with commas, quotes or newlines
+    writer.writerow(["path", "p_dog", "label"])
+    dog = result.classes.index("dog")
+    for file, p in zip(result.files, result.probabilities):
+        if not np.isnan(p).any():
+            writer.writerow([str(file), f"{p[dog]:.6g}", result.classes[int(p.argmax())]])
+    return out.getvalue()
+
+
+def report(result: Predictions, others: int, output: Path) -> str:
+    """What predict prints: the files that cannot be decoded, one line each, a short table, the
+    counts and the speed."""
+    files, classes = result.files, result.classes
+    lines = [f"left out {files[i]}: cannot decode it ({why})" for i, why in sorted(result.broken.items())]
+    done = [(file, p) for file, p in zip(files, result.probabilities) if not np.isnan(p).any()]
+    width = min(60, max(len(str(file)) for file, _ in done)) if done else 4
+    dog = classes.index("dog")
+    lines.append(f"{'path':<{width}}  p(dog)  label")
+    for file, p in done[:SHOWN]:
+        name = str(file) if len(str(file)) <= width else "..." + str(file)[3 - width:]
+        lines.append(f"{name:<{width}}  {p[dog]:.4f}  {classes[int(p.argmax())]}")
+    if len(done) > SHOWN:
+        lines.append(f"... {len(done) - SHOWN} more rows")
+    counts = ", ".join(f"{sum(int(p.argmax()) == c for _, p in done)} {name}" for c, name in enumerate(classes))
+    lines.append(f"predicted {len(done)} images ({counts}) in {result.seconds:.1f} s "
+                 f"({len(done) / max(result.seconds, 1e-9):.1f} images/s); skipped {others} file(s) that "
+                 f"are not images; left out {len(result.broken)} that cannot be decoded; wrote {output}")
+    return "\n".join(lines)
+
+
+def predict_onnx(args, files: list[Path]) -> Predictions:
+    """With onnxruntime: numpy, Pillow and onnxruntime, no torch. Decoding threads prepare the next
+    batch while onnxruntime runs one."""
+    from src.onnx_model import open_session
+    best_json = (args.checkpoint or args.onnx).with_suffix(".json")
+    if args.checkpoint is None and not best_json.is_file():
+        best_json = None  # an ONNX file alone describes itself
+    session, meta = open_session(args.onnx, best_json)
+    size, classes = int(meta["image_size"]), json.loads(meta["classes"])
+    start = time.time()
+    probabilities = np.full((len(files), len(classes)), np.nan, dtype=np.float32)
+    broken = {}
+    chunks = [range(i, min(i + args.batch_size, len(files))) for i in range(0, len(files), args.batch_size)]
+    with ThreadPoolExecutor(max(1, args.workers or len(os.sched_getaffinity(0)))) as pool:
+        def decoding(chunk):  # Pillow decodes without holding the GIL: threads run in parallel
+            return chunk, [pool.submit(try_decode, files[i], size) for i in chunk]
+        ahead = decoding(chunks[0])
+        for k in range(len(chunks)):
+            chunk, futures = ahead
+            if k + 1 < len(chunks):
+                ahead = decoding(chunks[k + 1])
+            decoded = [future.result() for future in futures]
+            broken.update({i: why for i, (_, why) in zip(chunk, decoded) if why})
+            rows = [i for i, (image, _) in zip(chunk, decoded) if image is not None]
+            if rows:
+                batch = np.stack([image for image, _ in decoded if image is not None])
+                p = session.run(None, {"images": batch})[0]
+                if args.tta:  # the class does not change under a horizontal flip
+                    p = (p + session.run(None, {"images": np.ascontiguousarray(batch[..., ::-1])})[0]) / 2
+                probabilities[rows] = p
+    return Predictions(files, probabilities, broken, classes, time.time() - start)
+
+
+def predict_torch(args, files: list[Path] | None) -> Predictions | None:
+    """With the checkpoint and torch, the files (None: Kaggle's test images) shared out over the
+    processes of a launcher; rank 0 gets the predictions, the others None."""
+    from src.cli import amp_dtype
+    from src.inference import (
+        kaggle_test_files,
+        load_checkpoint,
+        predict_files,
+        start_processes,
+    )
+    from src.loaders import default_workers
+    from src.ranks import end_process_group, from_rank_0, is_first
+    from src.transforms import memory_format
+
+    rank, world_size, device = start_processes(args.amp)
     try:
-        info = json.loads(info_path.read_text())
-        arch, num_classes = info["arch"], info["num_classes"]
-    except (OSError, ValueError, KeyError):
-        raise UserError(f"{info_path} is missing or unreadable: the training scripts write it "
-                        "beside best.pth; retrain, or write it by hand") from None
-    if "sha256" in info and _sha256(checkpoint) != info["sha256"]:
-        raise UserError(f"{checkpoint} is not the file that {info_path} describes (a run stopped "
-                        "between writing them?): rerun the training with --resume to rewrite both")
-    model = torchvision.models.get_model(arch, num_classes=num_classes, **model_kwargs(arch))
-    try:
-        model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
-    except Exception:  # pickle, shape or key errors: many types
-        raise UserError(f"{checkpoint} is not a {num_classes}-class {arch} state_dict, "
-                        f"as {info_path} says") from None
-    return model.eval(), info
-
-
-@torch.no_grad()
-def predict(model: torch.nn.Module, info: dict, test_dir: Path, batch_size: int = 100,
-            workers: int | None = None, tta: bool = False) -> tuple[list[int], torch.Tensor]:
-    """Ids in numeric order and p(dog) for each test image (unclipped)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device)
-    size = info["image_size"]
-    dataset = DogCatTestDataset(test_dir, image_transform(size), draft_size=size)
-    loader = DataLoader(dataset, batch_size=batch_size,
-                        num_workers=default_workers() if workers is None else workers)
-    ids, probabilities = [], []
-    for images, batch_ids in tqdm(loader, desc="predicting", leave=False):
-        images = normalize(images.to(device), mean=info["mean"], std=info["std"])
-        p_dog = model(images).float().softmax(dim=1)[:, 1]
-        if tta:  # the class does not change under a horizontal flip
-            p_dog = (p_dog + model(images.flip(dims=[3])).float().softmax(dim=1)[:, 1]) / 2
-        ids += batch_ids.tolist()
-        probabilities.append(p_dog.cpu())
-    return ids, torch.cat(probabilities)
-
-
-def submission_text(ids: list[int], p_dog: torch.Tensor) -> str:
-    rows = [f"{i},{p:.6f}" for i, p in zip(ids, p_dog.clamp(EPS, 1 - EPS).tolist())]
-    return "id,label\n" + "\n".join(rows) + "\n"
+        try:
+            if files is None:
+                files = kaggle_test_files(args.data_dir / "test")[1]
+            from_rank_0(lambda: check_can_write(args.output, "--output"))
+            model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
+        except UserError as error:  # every rank finds it: the first says it
+            raise UserError(str(error), quiet=error.quiet or not is_first()) from None
+        model.to(device, memory_format=memory_format(args))
+        workers = default_workers() if args.workers is None else args.workers
+        start = time.time()
+        result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
+                               amp_dtype(args), args.channels_last, rank, world_size)
+    finally:
+        end_process_group()
+    if result is None:
+        return None
+    return Predictions(files, result[0].numpy(), result[1], info["classes"], time.time() - start)
 
 
 def main() -> None:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="folder holding test/")
-    parser.add_argument("--checkpoint", type=Path, default=Path("model/best.pth"))
-    parser.add_argument("--output", type=Path, default=Path("submission.csv"))
-    parser.add_argument("--batch-size", type=at_least(1), default=100)
-    parser.add_argument("--workers", type=at_least(0), default=None, help="default: this machine's CPUs")
-    parser.add_argument("--tta", action="store_true", help="average over the image and its mirror")
-    args = parser.parse_args()
-    model, info = load_checkpoint(args.checkpoint)
-    ids, p_dog = predict(model, info, args.data_dir / "test", args.batch_size, args.workers, args.tta)
-    atomic_write_text(args.output, submission_text(ids, p_dog))
-    print(f"wrote {len(ids)} predictions to {args.output}")
+    args = parse_args()
+    try:
+        files, others = find_images(args.paths) if args.paths else (None, 0)
+    except UserError as error:  # under torchrun every rank finds it: the first says it
+        raise UserError(str(error), quiet=os.environ.get("RANK", "0") != "0") from None
+    if args.onnx:
+        check_can_write(args.output, "--output")
+        result = predict_onnx(args, files)
+    else:
+        result = predict_torch(args, files)
+        if result is None:  # a rank other than 0
+            return
+    if args.paths:
+        atomic_write_text(args.output, predictions_text(result))
+        print(report(result, others, args.output))
+    else:  # Kaggle's test/N.jpg: a submission needs every image
+        from src.inference import check_complete, submission_text
+        check_complete(result.files, result.broken)
+        ids = [int(file.stem) for file in result.files]
+        atomic_write_text(args.output, submission_text(ids, result.probabilities[:, result.classes.index("dog")]))
+        print(f"wrote {len(ids)} predictions to {args.output}")
 
 
 if __name__ == "__main__":

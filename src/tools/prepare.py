@@ -42,8 +42,8 @@ def main() -> None:
           f"{len(rejected)} left out as unreadable")
     if args.cache:
         dataset = labelled_images(args.data_dir, args.image_size)
-        build_cache(dataset, args.image_size, args.cache, default_workers())
-        print(f"cached {len(dataset)} images at {args.image_size} px in {cache_paths(args.cache, args.image_size)[0]}")
+        key = build_cache(dataset, args.image_size, args.cache, default_workers())
+        print(f"cached {len(dataset)} images at {args.image_size} px in {cache_paths(args.cache, args.image_size, key)[0]}")
 
 
 if __name__ == "__main__":

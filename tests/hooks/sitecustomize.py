@@ -23,8 +23,17 @@ NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP scr
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
 COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...):
 the epochs' checkpoints that the next one replaces.
-SYNC_CHECK_STEPS=a:b: on a GPU, training micro-batches a to b of the first epoch run under
+SYNC_CHECK_STEPS=a:b: on a GPU, training micro-batches a to b of every epoch run under
 torch.cuda.set_sync_debug_mode("error"): any host synchronisation there raises.
+
+OVERFLOW_AT=1,3: those optimizer steps (counted per gradient scaler, from 1) are skipped as for
+an fp16 overflow, whatever the gradients, on every rank alike: an fp16 GradScaler finds an inf
+(it halves its scale; fused optimizers get found_inf and must leave their state as it was); a
+disabled one (float32, bf16), or accelerate's optimizer without a scaler, does not step. So runs
+in any precision and mode skip the same steps.
+AS_ON_GPU=1: src.devices.gpu_choices makes the CPU take the GPU's branch (fused optimizers); here
+accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler as on CUDA
+(accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
 """
 import importlib.abc
 import importlib.util
@@ -171,14 +180,14 @@ if os.environ.get("COMPILE_LOG"):
 
 if os.environ.get("SYNC_CHECK_STEPS"):
     # SYNC_CHECK_STEPS=a:b (the GPU self-test): any host synchronisation between training
-    # micro-batches a and b of the first epoch raises, through torch.cuda.set_sync_debug_mode.
+    # micro-batches a and b of each epoch raises, through torch.cuda.set_sync_debug_mode.
     def _check_syncs(progress):
         batches = progress.LoaderPass.batches
         first, last = map(int, os.environ["SYNC_CHECK_STEPS"].split(":"))
 
         def checked(self, sums):
             import torch
-            watched = self.epoch == 0 and torch.cuda.is_available()
+            watched = self.epoch is not None and torch.cuda.is_available()  # training passes
             try:
                 for step, batch in enumerate(batches(self, sums)):
                     if watched and step in (first, last):
@@ -189,3 +198,61 @@ if os.environ.get("SYNC_CHECK_STEPS"):
                     torch.cuda.set_sync_debug_mode("default")
         progress.LoaderPass.batches = checked
     _after_import("src.progress", _check_syncs)
+
+
+# The next two are functions as well, for the tests that train in their own process (monkeypatch).
+
+def overflowing(scaler_class, steps: set):
+    """(_unscale_grads_, step) for scaler_class that skip the optimizer steps `steps` (OVERFLOW_AT)."""
+    unscale, step = scaler_class._unscale_grads_, scaler_class.step
+
+    def _unscale_grads_(self, *args, **kwargs):  # once per optimizer step of an enabled scaler
+        found = unscale(self, *args, **kwargs)
+        self.steps_checked = getattr(self, "steps_checked", 0) + 1
+        if self.steps_checked in steps:
+            for flag in found.values():
+                flag.fill_(1.0)  # on the device: no host synchronisation
+        return found
+
+    def disabled_step(self, optimizer, *args, **kwargs):
+        if self.is_enabled():
+            return step(self, optimizer, *args, **kwargs)
+        self.steps_checked = getattr(self, "steps_checked", 0) + 1
+        return None if self.steps_checked in steps else optimizer.step(*args, **kwargs)
+    return _unscale_grads_, disabled_step
+
+
+def fp16_as_on_cuda(accelerator_class):
+    """An Accelerator that, with fp16 on the CPU, autocasts and makes its GradScaler as accelerate
+    does on CUDA (AS_ON_GPU)."""
+    class Accelerator(accelerator_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.mixed_precision == "fp16" and self.device.type == "cpu":
+                import torch
+                self.native_amp, self.scaler = True, torch.amp.GradScaler("cpu")
+    return Accelerator
+
+
+if os.environ.get("OVERFLOW_AT"):
+    import torch
+    _SKIPPED = {int(step) for step in os.environ["OVERFLOW_AT"].split(",")}
+    torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.step = overflowing(torch.amp.GradScaler, _SKIPPED)
+
+    def _skip_without_a_scaler(accelerate):  # accelerate has no scaler but for fp16
+        from accelerate.optimizer import AcceleratedOptimizer
+        step = AcceleratedOptimizer.step
+
+        def skipping(self, closure=None):
+            if self.scaler is None and self.gradient_state.sync_gradients:
+                self.steps_checked = getattr(self, "steps_checked", 0) + 1
+                if self.steps_checked in _SKIPPED:
+                    return None
+            return step(self, closure)
+        AcceleratedOptimizer.step = skipping
+    _after_import("accelerate", _skip_without_a_scaler)
+
+if os.environ.get("AS_ON_GPU") == "1":
+    def _fp16_as_on_cuda(accelerate):
+        accelerate.Accelerator = fp16_as_on_cuda(accelerate.Accelerator)
+    _after_import("accelerate", _fp16_as_on_cuda)

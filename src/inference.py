@@ -1,0 +1,221 @@
+"""Using a trained model with torch: best.pth with its best.json, and class probabilities for image
+files, computed as training computes them (the same decode, uint8 batches normalised on the
+device, --amp, --channels-last) and shared out over the processes of a launcher."""
+import hashlib
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from src.datasets import DogCatTestDataset
+from src.devices import check_gpus, training_device
+from src.errors import UserError
+from src.history import evaluation_record, format_evaluation
+from src.image_files import try_decode
+from src.loaders import ShardSampler, default_workers
+from src.metrics import EPS
+from src.models import model_kwargs, read_state_dict
+from src.ranks import from_rank_0, is_first
+from src.transforms import normalize
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_info(checkpoint: Path) -> dict:
+    """best.json beside best.pth, checked to describe this very best.pth (its sha256)."""
+    info_path = Path(checkpoint).with_suffix(".json")
+    if not Path(checkpoint).is_file():
+        raise UserError(f"checkpoint {checkpoint} not found: train first, or pass --checkpoint")
+    try:
+        info = json.loads(info_path.read_text())
+        info["arch"], info["num_classes"]  # KeyError (TypeError: not a JSON object) if it is not best.json
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{info_path} is missing or unreadable: the training scripts write it "
+                        "beside best.pth; retrain, or write it by hand") from None
+    if "sha256" in info and sha256_of(checkpoint) != info["sha256"]:
+        raise UserError(f"{checkpoint} is not the file that {info_path} describes (a run stopped "
+                        "between writing them?): rerun the training with --resume to rewrite both")
+    return info
+
+
+def load_state(model: torch.nn.Module, state: dict, path: Path, what: str) -> torch.nn.Module:
+    """model.load_state_dict(state), or a UserError saying that `path` is not `what`."""
+    try:
+        model.load_state_dict(state)
+    except Exception:  # shape or key errors, or not a dict at all
+        raise UserError(f"{path} is not {what}") from None
+    return model
+
+
+def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
+    """The trained model (on the CPU, in eval mode) and its best.json description."""
+    info = read_info(checkpoint)
+    arch, num_classes = info["arch"], info["num_classes"]
+    try:
+        model = torchvision.models.get_model(arch, num_classes=num_classes, **model_kwargs(arch))
+    except Exception:  # an unknown name, a class count it cannot take
+        raise UserError(f"{Path(checkpoint).with_suffix('.json')} describes a {num_classes}-class {arch}, "
+                        "which torchvision cannot build") from None
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    except Exception:  # pickle errors: many types
+        state = None
+    what = f"a {num_classes}-class {arch} state_dict, as {Path(checkpoint).with_suffix('.json')} says"
+    return load_state(model, state, checkpoint, what).eval(), info
+
+
+def start_processes(amp: str = "no") -> tuple[int, int, torch.device]:
+    """(rank, processes, device) of this process. Under torchrun (WORLD_SIZE > 1) it joins the
+    launcher's process group, one GPU per process; alone, it takes the GPU if there is one."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return 0, 1, training_device(False, amp)
+    check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))
+    device = training_device(False, amp, int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class ImageFiles(Dataset):
+    """Image files decoded as training decodes them; yields (uint8 image, index, why), where `why`
+    is "" or what is wrong with a file that cannot be decoded (its image is then zeros)."""
+
+    def __init__(self, files: list[Path], image_size: int):
+        self.files, self.image_size = files, image_size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, str]:
+        image, why = try_decode(self.files[index], self.image_size)
+        if image is None:
+            return torch.zeros(3, self.image_size, self.image_size, dtype=torch.uint8), index, why
+        return torch.from_numpy(image), index, ""
+
+
+def batch_probabilities(model: torch.nn.Module, images: torch.Tensor, info: dict, device: torch.device,
+                        tta: bool = False, amp_dtype: torch.dtype | None = None,
+                        channels_last: bool = False) -> torch.Tensor:
+    """Class probabilities (float32, on the device) of a uint8 batch; with tta, the mean of the
+    image's and its mirror image's (the class does not change under a horizontal flip)."""
+    images = normalize(images.to(device, non_blocking=True), channels_last, info["mean"], info["std"])
+    with torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None):
+        p = model(images).float().softmax(dim=1)
+        if tta:
+            p = (p + model(images.flip(dims=[3])).float().softmax(dim=1)) / 2
+    return p
+
+
+@torch.no_grad()
+def predict_files(model: torch.nn.Module, info: dict, files: list[Path], device: torch.device,
+                  batch_size: int = 100, workers: int = 0, tta: bool = False,
+                  amp_dtype: torch.dtype | None = None, channels_last: bool = False,
+                  rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, dict[int, str]] | None:
+    """Class probabilities of every file in order (NaN rows for the files that cannot be decoded)
+    and why each of those cannot be, by index; `model` is on `device`.
+
+    With world_size > 1 every rank computes a contiguous share of the files, without padding,
+    and rank 0 gets the whole (the others get None): the rows of a one-process run, in its order.
+    """
+    model.eval()
+    sampler = ShardSampler(len(files), world_size, rank)
+    loader = DataLoader(ImageFiles(files, info["image_size"]), batch_size=batch_size, sampler=sampler,
+                        num_workers=workers, pin_memory=device.type == "cuda")
+    chunks, broken = [], {}
+    for images, indices, whys in tqdm(loader, desc="predicting", leave=False, disable=rank != 0):
+        chunks.append(batch_probabilities(model, images, info, device, tta, amp_dtype, channels_last))
+        broken.update({int(i): why for i, why in zip(indices, whys) if why})
+    share = torch.cat(chunks).cpu() if chunks else torch.zeros(0, info["num_classes"])  # waits once
+    share[[i - sampler.start for i in broken]] = float("nan")
+    if world_size == 1:
+        return share, broken
+    shares = [None] * world_size if rank == 0 else None
+    dist.gather_object((share, broken), shares, dst=0)  # every rank takes part
+    if rank != 0:
+        return None
+    return torch.cat([s for s, _ in shares]), {i: why for _, b in shares for i, why in b.items()}
+
+
+def kaggle_test_files(test_dir: Path) -> tuple[list[int], list[Path]]:
+    """Kaggle's test/N.jpg: ids in numeric order and their files."""
+    test = DogCatTestDataset(test_dir)
+    return test.ids, [test.root_dir / test.files[i] for i in test.ids]
+
+
+def predict(model: torch.nn.Module, info: dict, test_dir: Path, batch_size: int = 100,
+            workers: int | None = None, tta: bool = False) -> tuple[list[int], torch.Tensor]:
+    """Ids in numeric order and p(dog) (unclipped) for each of Kaggle's test images, on the GPU
+    if there is one."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ids, files = kaggle_test_files(test_dir)
+    probabilities, broken = predict_files(model.to(device), info, files, device, batch_size,
+                                          default_workers() if workers is None else workers, tta)
+    check_complete(files, broken)
+    return ids, probabilities[:, info["classes"].index("dog")]
+
+
+def check_complete(files: list[Path], broken: dict[int, str]) -> None:
+    """A submission needs every test image."""
+    if broken:
+        first = min(broken)
+        raise UserError(f"cannot read test image {files[first]} ({broken[first]}; {len(broken)} "
+                        "unreadable): a submission needs a prediction for every test image")
+
+
+def submission_text(ids: list[int], p_dog) -> str:
+    """submission.csv: `id,label` with label = p(dog) clipped to [EPS, 1 - EPS] (see src/metrics.py):
+    Kaggle's log loss punishes a confident mistake without bound. p_dog: a tensor or an array."""
+    rows = [f"{i},{min(max(float(p), EPS), 1 - EPS):.6f}" for i, p in zip(ids, p_dog)]
+    return "id,label\n" + "\n".join(rows) + "\n"
+
+
+def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
+    """--evaluate: load the file to validate (args.evaluate, see src.cli) into `model`; returns how
+    the record names it.
+
+    --checkpoint (best.pth) must be the file its best.json describes, and best.json must describe
+    this run's model and validation split (--arch, --image-size, --seed, --val-fraction and the
+    images of --data-dir); --weights FILE is any 2-class state_dict of --arch, or a last.pth.
+    Rank 0 reads and checks the file and sends it to every rank: on nodes without a shared disk
+    only rank 0's node has it.
+    """
+    from src.checkpoint import FLAGS
+
+    path = Path(args.evaluate)
+
+    def read() -> tuple[dict, str]:
+        if path != Path(args.checkpoint):
+            return read_state_dict(path), str(path)
+        saved = read_info(path)
+        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
+            if saved.get(key) != info[key]:
+                flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+                raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag} "
+                                f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "
+                                f"with to validate it on its split, or --weights {path} to validate "
+                                "it on this one")
+        return read_state_dict(path, "--checkpoint"), f"{path} (epoch {saved.get('epoch')})"
+
+    state, named = from_rank_0(read)
+    load_state(model, state, path,
+               f"a {info['num_classes']}-class {info['arch']} state_dict (--arch {info['arch']})")
+    return named
+
+
+def show_evaluation(named: str, val_sums: torch.Tensor, seconds: float) -> None:
+    """Print --evaluate's result on rank 0: a line as an epoch's, then the record as JSON."""
+    if is_first():
+        record = evaluation_record(val_sums, seconds)
+        print(format_evaluation(named, record))
+        print(json.dumps(record))
