@@ -10,6 +10,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from src.devices import gpu_choices
@@ -26,8 +27,10 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.dev
               {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
     groups = [group for group in groups if group["params"]]
     # On GPUs the fused kernels are faster, and they take the fp16 scaler's inf check as a tensor
-    # where the plain ones read it on the host: one synchronisation per step less.
-    fused = gpu_choices(device)
+    # where the plain ones read it on the host: one synchronisation per step less. Not SGD's for
+    # FSDP's sharded parameters: torch 2.14.1 has no DTensor version of it (AdamW's it has).
+    sharded = any(isinstance(p, DTensor) for p in params)
+    fused = gpu_choices(device) and not (sharded and args.optimizer == "sgd")
     if args.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=fused)
     optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=fused)

@@ -229,7 +229,9 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
     micro-batch only: as often over 4 micro-batches as --accumulate 1 does over 2. Its validation
     first broadcasts each buffer (batch norm's statistics) from rank 0, as DDP's forward does:
     each rank's own would follow its share of the batches (measured with ResNet-18 on two real
-    ranks: validation loss 0.7018 against 0.7004 from the saved model)."""
+    ranks: validation loss 0.7018 against 0.7004 from the saved model). With the GPU's kernel
+    choices (AS_ON_GPU=1: fused optimizers, but not SGD's, which has no DTensor version)."""
+    monkeypatch.setenv("AS_ON_GPU", "1")
     from src.loaders import make_loaders
     from src.progress import Progress
 
