@@ -1,6 +1,6 @@
 """train_fsdp.py, FSDP2 under torchrun, trains the same model as the other modes: the full recipe
-with --accumulate against train_single.py at the doubled batch; last.pth resumed across modes
-(also by workers that torchrun restarted, and across the unfreezing of --freeze-epochs); each
+with --accumulate against train_single.py at the doubled batch; last.pth resumed across modes in
+both directions (and across the unfreezing of --freeze-epochs); one reduce-scatter a step; each
 rank's bytes of VGG16 against a DDP rank's; the blocks that get their own fully_shard. And
 train_accelerate.py refuses accelerate's FSDP, DeepSpeed and Megatron-LM in one line."""
 import json
@@ -17,17 +17,16 @@ import torch.nn.functional as F
 import torchvision
 from accelerate.utils import DistributedType
 from conftest import (
-    DROPOUT,
     EXACT,
     LAUNCH,
     VAL,
     B,
     assert_same_run,
     distance,
-    dropout_run,
     fails_in_process,
     in_process,
     last_model,
+    mode_run,
     outputs,
     python,
     run,
@@ -125,16 +124,16 @@ def test_an_fsdp_last_pth_resumes_under_train_single(fsdp_run, runs, reference, 
     assert_same_run(tmp_path / "out", reference, recipe_far)
 
 
-def test_a_ddp_last_pth_resumes_under_fsdp(runs, far, tmp_path):
-    """Epoch 1 of train_ddp.py with dropout (each rank draws its own masks), then train_fsdp.py
-    --resume to epoch 2: it ends where two straight epochs of DDP do."""
-    flags = [*DROPOUT, *VAL, "--batch-size", str(B)]
-    shutil.copytree(runs("ddp", *flags, "--epochs", "1")[0], tmp_path / "out")
-    result = run([*LAUNCH["fsdp"](), "--data-dir", str(runs.exact_data), *flags, "--epochs", "2", "--resume",
-                  *outputs(tmp_path / "out")])
+def test_a_train_single_last_pth_resumes_under_fsdp(runs, far, tmp_path):
+    """Epoch 1 of train_single.py (the shared one-epoch run), then train_fsdp.py --resume to epoch
+    2 on two processes of half the batch: each rank loads its pieces of the whole tensors, and
+    the run ends where two straight epochs of train_single.py do."""
+    shutil.copytree(runs.exact("single", epochs=1)[0], tmp_path / "out")
+    result = run([*LAUNCH["fsdp"](), "--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2",
+                  "--batch-size", str(B), "--resume", *outputs(tmp_path / "out")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
-    assert_same_run(tmp_path / "out", dropout_run(runs, "ddp")[0], far)
+    assert_same_run(tmp_path / "out", mode_run(runs, "single")[0], far)
 
 
 # In this process, as a world of one (torch is imported already; each launch costs seconds).
