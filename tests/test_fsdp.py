@@ -190,6 +190,21 @@ def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_pa
     assert len(torch.load(tmp_path / "single" / "last.pth", weights_only=True)["optimizer"]["state"]) == 52
 
 
+def test_evaluate_loads_best_pth_into_the_shards(runs, world_of_one, tmp_path, monkeypatch, capsys):
+    """--evaluate of train_single.py's best.pth (epoch 1 of the shared run) under FSDP, a world of
+    one in this process: the figures of that epoch, and nothing written."""
+    from test_evaluate import _assert_reproduces, _copy_run, _files, _flags, _record
+    out = _copy_run("single", runs, tmp_path / "out")
+    before = _files(out)
+    monkeypatch.chdir(tmp_path)  # where the plot would land
+    code, stdout, stderr = in_process(train_fsdp.main, ["--data-dir", str(runs.exact_data), *_flags("single", out)],
+                                      monkeypatch, capsys)
+    assert code == 0, stderr
+    assert f"validated {out / 'best.pth'} (epoch 1)" in stdout
+    _assert_reproduces(_record(stdout), out, 1)
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def _vgg16_step(backend: str, world_size: int, wrap) -> tuple[dict, nn.Module]:
     """rank_bytes of rank 0 after an SGD step with momentum of VGG16 (2 images of 32 px), with
     `wrap` applied to the model in a process group of `backend` and `world_size`."""

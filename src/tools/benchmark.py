@@ -2,7 +2,7 @@
 
     python -m src.tools.benchmark [--processes P] [--data-dir DIR] [--out-dir benchmark] ...
 
-Runs the four real scripts (train_single.py from JPEGs, then all four from the --cache, then
+Runs the five real scripts (train_single.py from JPEGs, then all five from the --cache, then
 train_single.py --freeze from the feature cache) with the same global batch, for --epochs epochs,
 each with --profile, and reports the last epoch from each run's history.json (the first one also
 pays for warm-up), with the share of its training time spent waiting for data (history.json's
@@ -13,6 +13,7 @@ mode, no gradients: the ceiling of the --freeze feature cache build), the time s
 build that feature cache, the loader alone (images/s with the default workers, from JPEG, from
 the cache, and from the cache with --augment), the JPEG decode per worker (full decode then
 Resize, against the draft decode, at --image-size and at 224 px) and the time to build the cache.
+The fsdp run's note gives the bytes its rank 0 held against a DDP rank's.
 Writes OUT/benchmark.csv, OUT/benchmark.md and OUT/benchmark.png. Without --data-dir it writes a
 synthetic set of Kaggle-size (about 500x400) JPEGs into OUT/data.
 """
