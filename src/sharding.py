@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from src.errors import UserError
+
 # Below this many parameters (4 MB in float32) a unit's three collectives a step cost more in
 # latency than gathering its weights with the next unit up saves.
 UNIT_PARAMETERS = 1_000_000
@@ -72,6 +74,10 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     weights in bfloat16, its running statistics in float32: "expected scalar type BFloat16 but
     found Float"), and autocast keeps the numerics of train_ddp.py --amp, bit for bit.
     """
+    if not all(param.is_contiguous() for param in model.parameters()):  # before fully_shard's traceback
+        raise UserError("--channels-last: FSDP shards contiguous weights only (torch 2.14.1: \"FSDP does not "
+                        "support non-contiguous parameters yet\"); drop --channels-last",
+                        quiet=dist.get_rank() != 0)
     # The mesh of the training device, explicitly: fully_shard's default follows the machine's
     # accelerator, which would be CUDA for a gloo run on the CPU of a machine with a GPU.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -215,6 +221,7 @@ def bytes_line(held: dict[str, dict[str, int]]) -> str:
     if not held["rank"]:
         return "no optimizer step was taken: nothing to say about the memory of the shards"
     mine, whole = sum(held["rank"].values()), sum(held["whole"].values())
-    parts = " + ".join(f"{value / 1e6:.1f} MB of {name}" for name, value in held["rank"].items())
+    parts = " + ".join(f"{value / 1e6:.1f} MB of {name.replace('optimizer', 'optimizer state')}"
+                       for name, value in held["rank"].items())
     return (f"rank 0 held {mine / 1e6:.1f} MB at its fullest optimizer step ({parts}): "
             f"{mine / whole:.3f} of the {whole / 1e6:.1f} MB that each DDP process holds")
