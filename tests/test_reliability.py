@@ -179,7 +179,7 @@ def test_crash_during_a_save_keeps_the_previous_file(tmp_path, monkeypatch, fail
     def dies_half_way(obj, file):
         file.write(b"half a checkpoint")
         raise failure
-    monkeypatch.setattr(atomic.torch, "save", dies_half_way)
+    monkeypatch.setattr(torch, "save", dies_half_way)  # atomic_torch_save imports torch when called
     with pytest.raises(UserError) as caught:
         atomic.atomic_torch_save({"w": torch.zeros(3)}, path)
     message = str(caught.value)
