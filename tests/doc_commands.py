@@ -1,6 +1,6 @@
 """Run the commands of README.md and docs/*.md as a new user would, in a fresh clone of this
-repository's HEAD. A check of the docs, not part of `make test` (it takes about 20 minutes on two
-CPU cores):
+repository's HEAD. A check of the docs, not part of `make test` (it trains some twenty small runs
+and `make demo`; its time on the machines it was measured on: docs/performance.md):
 
     .venv/bin/python tests/doc_commands.py           # the commands that run in minutes
     .venv/bin/python tests/doc_commands.py --long    # and those that take longer (the benchmark, the suite)
