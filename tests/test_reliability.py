@@ -141,7 +141,8 @@ def _resume_args(out, **changes) -> Namespace:
 @pytest.mark.parametrize("change, message", [
     ({"batch_size": 10}, "was trained with --batch-size (x processes x --accumulate) 20, not 10"),
     ({"dropout": 0.3}, "was trained with --dropout 0.0, not 0.3"),
-    ({"augment": True}, "was trained with --augment False, not True"),
+    ({"dropout": None}, "was trained with --dropout 0.0, not torchvision's default"),
+    ({"augment": True}, "was trained with --augment off, not on"),
     ({"data": "other"}, "was trained with --data-dir (its images)"),
     ({"epochs": 1}, "has finished 2 epochs, more than --epochs 1"),
 ])
