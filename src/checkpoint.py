@@ -7,6 +7,8 @@
 - history.json  one record per finished epoch
 """
 import json
+import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from src.datasets import CLASSES
 from src.errors import UserError, one_line
 from src.history import best_record, history_text
 from src.plot import plot_history
-from src.ranks import from_rank_0, is_first, restarted
+from src.ranks import from_rank, from_rank_0, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 # What must match for --resume to continue the same run. --accumulate is not among them: the
@@ -89,13 +91,90 @@ def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, sca
     return is_best
 
 
-def _read_last(path: Path) -> dict | None:
+def _read_last(path: Path, mmap: bool = False) -> dict | None:
+    """last.pth, or None where there is none; mmap: map the tensors instead of reading them."""
     if not path.exists():
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # a truncated or foreign file: many exception types
-        raise UserError(f"cannot resume from {path} ({type(error).__name__}); delete it to start over") from None
+        raise UserError(f"cannot resume from {_where(path)} ({type(error).__name__}); "
+                        "delete it to start over") from None
+
+
+def _where(path: Path) -> str:
+    """path, with this machine's name in a job that spans several."""
+    nodes = int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return f"{socket.gethostname()}:{path}" if nodes > 1 else str(path)
+
+
+def _epoch_here(path: Path) -> int | None | UserError:
+    """What this node's last.pth holds, as its first process sees it: the epoch, None without
+    a file (or on the node's other processes), or why it cannot be read."""
+    if not is_node_first():
+        return None
+    try:
+        state = _read_last(path, mmap=True)  # the epoch only: the tensors stay on disk
+        return None if state is None else int(state["epoch"])
+    except UserError as error:
+        return error
+    except (KeyError, IndexError, TypeError, ValueError):  # another kind of file
+        return UserError(f"cannot resume from {_where(path)} (no epoch in it); delete it to start over")
+
+
+def _newest_last(path: Path) -> tuple[int, dict | None]:
+    """(the rank it came from, its content) of the newest last.pth on any node, on every rank.
+
+    Without a shared disk each node has its own folder, and rank 0 may sit on another node
+    than in the run that wrote the file (torchrun's c10d rendezvous places it anew at every
+    start and restart). So each node's first process reports the epoch of its last.pth, and
+    the newest is sent from there (rank 0's on a tie: nothing to copy)."""
+    epochs = gather(_epoch_here(path))
+    for epoch in epochs:
+        if isinstance(epoch, UserError):
+            raise UserError(str(epoch), quiet=not is_first())
+    held = [(epoch, -rank) for rank, epoch in enumerate(epochs) if epoch is not None]
+    if not held:
+        return 0, None
+    source = -max(held)[1]
+    return source, from_rank(source, lambda: {**_read_last(path), "from": _where(path)})
+
+
+def _best_files(args) -> tuple[bytes | None, str | None]:
+    paths = output_paths(args)
+    best, info = paths["best"], paths["info"]
+    return (best.read_bytes() if best.exists() else None, info.read_text() if info.exists() else None)
+
+
+def _copy_to_rank_0(args, state: dict, source: int) -> None:
+    """Rank 0 on another node than the newest last.pth: bring the run's files here, where this
+    run writes its next ones, so that this folder holds the whole run (best.pth may be from an
+    epoch this node never saw). Every rank takes part in the broadcast."""
+    best, info = from_rank(source, lambda: _best_files(args))
+    if not is_first():
+        return
+    paths = output_paths(args)
+    atomic_torch_save({key: value for key, value in state.items() if key != "from"}, paths["last"])
+    written = ["last", "history", "plot"]
+    if best is not None and info is not None:
+        atomic_write(paths["best"], lambda file: file.write(best))
+        atomic_write_text(paths["info"], info)
+        written += ["best", "info"]
+    atomic_write_text(paths["history"], history_text(state["history"]))
+    atomic_write(paths["plot"], lambda file: plot_history(state["history"], file))
+    print(f"rank 0 is on another node than {state['from']}: copied {', '.join(paths[key].name for key in written)} "
+          f"from there to {_where(paths['last'].parent)}, where this run writes")
+
+
+def _shown(key: str, value) -> str:
+    """A saved or requested value as the user writes it on the command line."""
+    if key == "dropout" and value is None:
+        return "torchvision's default"
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "on"
+    return str(value)
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
@@ -114,14 +193,14 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
     """With --resume (or in a worker that torchrun restarted), load last.pth into model,
     optimizer, scaler and schedule; returns the history so far ([] without).
 
-    Rank 0 reads the file and sends it to every rank: on nodes without a shared disk only rank
-    0's node has it. Refuses a last.pth of another run (flags, data) or one that has --epochs
-    already.
+    The newest last.pth of any node is sent to every rank (_newest_last): nodes without a
+    shared disk each hold their own, and rank 0 may have moved. Refuses a last.pth of another
+    run (flags, data) or one that has --epochs already.
     """
     if not (args.resume or restarted()):
         return []
     path, announce = output_paths(args)["last"], is_first()
-    state = from_rank_0(lambda: _read_last(path))
+    source, state = _newest_last(path)
     if state is None:
         if announce:
             print(f"--resume: no {path} yet, starting from epoch 1")
@@ -132,10 +211,11 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
             if saved.get(key) != info[key]:
                 flag = FLAGS.get(key, "--" + key.replace("_", "-"))
                 why = " (the schedule spans the run)" if key == "epochs" else ""
-                raise UserError(f"{path} was trained with {flag} {saved.get(key)}, not {info[key]}{why}; "
+                raise UserError(f"{state['from']} was trained with {flag} {_shown(key, saved.get(key))}, "
+                                f"not {_shown(key, info[key])}{why}; "
                                 "use the same flags to resume, or delete it to start over")
         if state["epoch"] > args.epochs:
-            raise UserError(f"{path} has finished {state['epoch']} epochs, more than --epochs "
+            raise UserError(f"{state['from']} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
         load_optimizer(optimizer, state["optimizer"])
@@ -143,9 +223,11 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
     except (KeyError, TypeError, ValueError, RuntimeError) as error:  # an older or foreign last.pth
-        raise UserError(f"cannot resume from {path} ({type(error).__name__}: {one_line(error)}); "
+        raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
                         "delete it to start over") from None
+    if source != 0:
+        _copy_to_rank_0(args, state, source)
     if announce:
         more = "nothing left to train" if state["epoch"] == args.epochs else "going on"
-        print(f"resumed from {path} after epoch {state['epoch']} of {args.epochs}: {more}")
+        print(f"resumed from {state['from']} after epoch {state['epoch']} of {args.epochs}: {more}")
     return state["history"]

@@ -4,7 +4,7 @@ import os
 import sys
 from datetime import timedelta
 
-from src.errors import UserError
+from src.errors import UserError, before_a_silent_exit
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -12,8 +12,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         # Under a launcher every rank parses the same flags: rank 0 alone says what is wrong.
-        first = os.environ.get("RANK", "0") == "0"
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n" if first else None)
+        if os.environ.get("RANK", "0") != "0":
+            before_a_silent_exit()
+            self.exit(2)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def at_least(minimum: int):

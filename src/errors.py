@@ -1,5 +1,7 @@
 """Bad input ends a run with one line on stderr and exit code 2, never a traceback."""
+import os
 import sys
+import time
 from typing import Callable
 
 
@@ -21,12 +23,23 @@ def one_line(error: BaseException) -> str:
     return last.split("UserError: ", 1)[-1]
 
 
+def before_a_silent_exit() -> None:
+    """Under a launcher, a rank other than 0 that ends without a word (rank 0 says why) waits for
+    the launcher to stop it (at most a minute). torchrun stops every process once one has failed
+    (SIGTERM, checking every 0.1 s): had this rank exited first, rank 0 could be stopped before it
+    printed its line, and the user would see none."""
+    if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(60)
+
+
 def exit_on_error(main: Callable[[], None]) -> None:
     """Run `main`; a UserError becomes `error: ...` and exit 2, Ctrl-C exit 130."""
     try:
         main()
     except UserError as error:
-        if not error.quiet:
+        if error.quiet:
+            before_a_silent_exit()
+        else:
             print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

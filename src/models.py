@@ -1,4 +1,6 @@
 """Building the classifier: a torchvision model with its final layer replaced by a 2-class one."""
+import contextlib
+import io
 import urllib.error
 from pathlib import Path
 
@@ -7,6 +9,7 @@ import torch.nn as nn
 import torchvision
 
 from src.errors import UserError
+from src.ranks import is_first
 
 NUM_CLASSES = 2
 
@@ -147,11 +150,17 @@ def build_model(arch: str = "vgg16", weights: str = "default", dropout: float | 
         # weights too): _drop_aux removes them after loading, as torchvision's googlenet() does.
         kwargs = {key: value for key, value in model_kwargs(arch).items() if key != "aux_logits"}
         try:
-            model = _drop_aux(torchvision.models.get_model(arch, weights=imagenet, **kwargs))
+            # torch.hub says `Downloading: "URL" to PATH` before it tries: held back until the
+            # file is there, so that a download that fails ends with our one line alone.
+            with contextlib.redirect_stdout(io.StringIO()) as said:
+                model = _drop_aux(torchvision.models.get_model(arch, weights=imagenet, progress=is_first(),
+                                                               **kwargs))
         except (urllib.error.URLError, OSError) as error:
             raise UserError(f"cannot download the ImageNet weights for {arch} from {imagenet.url} "
                             f"({error}); use --weights none, or --weights PATH to a local file "
                             "(or put that file in ~/.cache/torch/hub/checkpoints/)") from None
+        if is_first():
+            print(said.getvalue(), end="")
         model = replace_head(model, NUM_CLASSES)
     else:
         model = _load_file(arch, Path(weights))

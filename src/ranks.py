@@ -23,28 +23,51 @@ def is_first() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def is_node_first() -> bool:
+    """Whether this process is the first of its node (LOCAL_RANK 0): the one that reads what only
+    its node's disk may hold."""
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+def gather(value: T) -> list[T]:
+    """Every rank's value, in rank order, on every rank ([value] without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def from_rank_0(make: Callable[[], T]) -> T:
     """make() on rank 0 alone; every rank gets its result, or raises its error.
 
     For what must be the same on every rank and may exist only on rank 0's node: the label
     table (a scan of every image). Without a process group it is just make().
     """
+    return from_rank(0, make)
+
+
+def from_rank(source: int, make: Callable[[], T]) -> T:
+    """make() on rank `source` alone; every rank gets its result, or raises its error, which
+    rank 0 reports (a UserError as it is, anything else as "rank N failed (its type)", the
+    source showing the traceback). Without a process group it is just make()."""
     if not dist.is_initialized():
         return make()
-    rank = dist.get_rank()
     box = [None]
-    if rank == 0:
+    if dist.get_rank() == source:
         try:
             box = [make()]
         except Exception as error:  # the others would wait in the broadcast until its timeout
             box = [error if isinstance(error, UserError) else _Failed(type(error).__name__)]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=source)
+            if isinstance(error, UserError) and source != 0:
+                raise UserError(str(error), quiet=True) from None  # rank 0 says it
             raise
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=source)
     if isinstance(box[0], UserError):
-        raise UserError(str(box[0]), quiet=True)  # rank 0 says it
+        raise UserError(str(box[0]), quiet=not is_first())  # one rank says it
     if isinstance(box[0], _Failed):
-        raise UserError(f"rank 0 failed ({box[0].name})", quiet=True)  # rank 0 shows the traceback
+        raise UserError(f"rank {source} failed ({box[0].name})", quiet=not is_first())
     return box[0]
 
 

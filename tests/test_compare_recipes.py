@@ -66,3 +66,16 @@ def test_missing_data_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     line = fails_in_process(compare_recipes.main, ["--out-dir", str(tmp_path / "out"), "--data-dir",
                                                    str(tmp_path / "nowhere")], monkeypatch, capsys, "--data-dir")
     assert line == f"error: --data-dir {tmp_path / 'nowhere'}: no train/ folder in it"
+
+
+@pytest.mark.parametrize("seed, full, says", [
+    (0.26101, 0.26104, "last-epoch validation log loss: a tie to four decimals (0.2610)"),
+    (0.2610, 0.2620, "the seed recipe is lower, 0.2610 against 0.2620 (under 1% less than the full recipe's)"),
+    (0.2610, 0.1540, "the full recipe is lower, 0.1540 against 0.2610 (41% less than the seed recipe's)"),
+])
+def test_verdict_says_how_much_lower_in_words_that_hold(seed, full, says):
+    """Nearly equal log losses are not "(0% less ...)"."""
+    row = {"best_val_log_loss": 0.3, "last_val_acc": 0.9, "best_val_acc": 0.9, "val_images": 500}
+    lines = compare_recipes.verdict({"seed": {**row, "last_val_log_loss": seed},
+                                     "full": {**row, "last_val_log_loss": full}})
+    assert says in lines[0] and "0%" not in lines[0], lines[0]

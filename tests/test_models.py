@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from conftest import in_process, outputs
 
 from src.errors import UserError
 from src.models import build_model, head_of, model_kwargs
@@ -52,9 +53,12 @@ def test_default_weights_come_through_torchvision_weights_api(tmp_path, monkeypa
     assert model.fc.out_features == 2
 
 
-def test_default_weights_offline_is_a_clear_error(tmp_path, monkeypatch):
-    """An empty cache and a download that fails, whether or not this machine is online."""
+def test_default_weights_offline_is_one_line(exact_data, tmp_path, monkeypatch, capsys):
+    """An empty cache and a download that fails, whether or not this machine is online: the
+    script's error is the only line, without torch.hub's `Downloading: ...` before it."""
     import urllib.error
+
+    import train_single
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
 
     def no_network(url, *args, **kwargs):
@@ -62,6 +66,12 @@ def test_default_weights_offline_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
     with pytest.raises(UserError, match="--weights none, or --weights PATH"):
         build_model("squeezenet1_1", "default")
+    assert capsys.readouterr() == ("", "")
+    code, out, err = in_process(train_single.main, ["--data-dir", str(exact_data), "--arch", "squeezenet1_1",
+                                                    *outputs(tmp_path / "out")], monkeypatch, capsys)
+    assert (code, out) == (2, "") and err.split("\r")[-1].startswith(
+        "error: cannot download the ImageNet weights for squeezenet1_1 from https://"), err
+    assert "Downloading" not in err and err.count("\n") == 1, err
 
 
 def test_weights_of_another_architecture_are_refused(tmp_path):

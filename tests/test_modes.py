@@ -1,8 +1,9 @@
 """The four modes train the same model: DataParallel, DDP under torchrun and accelerate against
 train_single.py with the same global batch over two epochs (each reshuffled), exact validation
 counting, and rank-0-only output."""
+import json
 import os
-import shutil
+import re
 import socket
 import subprocess
 from argparse import Namespace
@@ -14,7 +15,6 @@ import torch
 import torchvision
 from conftest import (
     BIN,
-    DROPOUT,
     EXACT,
     HOOKS,
     LAUNCH,
@@ -25,7 +25,6 @@ from conftest import (
     B,
     assert_same_run,
     distance,
-    dropout_run,
     history,
     last_model,
     mode_run,
@@ -111,43 +110,77 @@ def test_ddp_validation_metrics_are_what_one_process_computes(exact_data, runs):
     assert record["val_log_loss"] == pytest.approx(log_loss, rel=1e-5)
 
 
-def _two_nodes(exact_data, folders, *flags):
+def _two_machines(launcher: list[str], script: str, folders: list[Path], *flags: str,
+                  env: dict | None = None) -> list[str]:
+    """Two "machines" on one host, machine R started as `launcher`, with R in place of "{R}" and
+    a free port in place of "{PORT}", writing into folders[R] (no shared disk); their outputs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    nodes = [subprocess.Popen(
-        [str(BIN / "torchrun"), "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
-         "--master_addr=127.0.0.1", f"--master_port={port}", "train_ddp.py", "--data-dir",
-         str(exact_data), *flags, *outputs(folders[rank])],
+    machines = [subprocess.Popen(
+        [*(part.format(R=rank, PORT=port) for part in launcher), script, *flags, *outputs(folders[rank])],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": HOOKS})
+        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": HOOKS,
+             "PYTHONUNBUFFERED": "1", **(env or {})})
         for rank in (0, 1)]
-    logs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    logs = [machine.communicate(timeout=600)[0] for machine in machines]
+    assert [machine.returncode for machine in machines] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     return logs
 
 
-def test_two_nodes_without_a_shared_disk_resume_to_the_straight_run(exact_data, runs, far, tmp_path):
-    """Two torchrun nodes on one machine, each with its own checkpoint folder, dropout on: --resume
-    to epoch 2 from one epoch of DDP (one node, two processes; copied to node 0's folder only).
-    Only node 0 has last.pth; its rank reads it and sends it to the other, and the job ends where
-    two straight epochs of 2 processes do (to the float rounding: torchrun gives one process per
-    node two threads, and two per node one each)."""
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    flags = [*DROPOUT, *VAL, "--batch-size", str(B)]
-    shutil.copytree(runs("ddp", *flags, "--epochs", "1")[0], folders[0])
-    logs = _two_nodes(exact_data, folders, *flags, "--epochs", "2", "--resume")
-    assert "resumed from" in logs[0] and "after epoch 1" in logs[0]
-    assert_same_run(folders[0], dropout_run(runs, "ddp")[0], far)
-    assert not folders[1].exists(), "the second node's rank writes nothing"
+ACCELERATE_MACHINES = ["accelerate", "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", "{R}",
+                       "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", "{PORT}"]
+# Static rendezvous: --node_rank is the machine's place, so node 0's process is global rank 0.
+TORCHRUN_MACHINES = ["torchrun", "--nnodes=2", "--node_rank={R}", "--nproc_per_node=1",
+                     "--master_addr=127.0.0.1", "--master_port={PORT}"]
+RESULTS = ("on 2 x cpu", "epoch 1/", "epoch 2/", "done in ", "resumed from", "copied")
+
+
+def test_rank_0_on_another_machine_resumes_the_run_and_gets_its_files(exact_data, runs, far, tmp_path):
+    """Two machines without a shared disk, each with its own checkpoint folder. Epoch 1 with
+    accelerate, rank 0 on machine A; then `--resume` to epoch 2 under torchrun with the roles
+    swapped, as torchrun's c10d rendezvous may place them: rank 0 is on B, which holds nothing.
+    A's first process reports its last.pth, which is sent from there; B gets the run's files and
+    the job ends where two straight epochs of train_single.py do (to the float rounding: the
+    launchers give each process one thread). Only global rank 0 prints results, in both."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    flags = ["--data-dir", str(exact_data), *EXACT, *VAL, "--batch-size", str(B)]
+    logs = _two_machines(ACCELERATE_MACHINES, "train_accelerate.py", [a, b], *flags, "--epochs", "1",
+                         env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert all(line in logs[0] for line in ("on 2 x cpu", "epoch 1/1 train:", "epoch 1/1  train loss", "done in "))
+    assert not any(line in logs[1] for line in RESULTS), logs[1]
+    assert not b.exists(), "machine 1 writes nothing"
+    epoch_1 = (a / "last.pth").read_bytes()
+
+    writes = tmp_path / "writes.log"
+    logs = _two_machines(TORCHRUN_MACHINES, "train_ddp.py", [b, a], *flags, "--epochs", "2", "--resume",
+                         env={"WRITE_LOG": str(writes)})
+    reference = runs.exact("single")[0]
+    assert_same_run(b, reference, far)
+    assert distance(weights(b), weights(reference)) / far < TOLERANCE
+    assert json.loads((b / "best.json").read_text())["epoch"] == json.loads((reference / "best.json").read_text())["epoch"]
+    assert (a / "last.pth").read_bytes() == epoch_1 and len(history(a)) == 1, "rank 1 writes nothing"
+    written = [line.split(" ", 1) for line in writes.read_text().splitlines()]
+    assert {rank for rank, _ in written} == {"0"}
+    # last.pth twice: copied before training (with best.pth, whichever epoch is best), then epoch 2's.
+    assert [path for _, path in written].count(str(b / "last.pth")) == 2, written
+    assert f"rank 0 is on another node than {socket.gethostname()}:{a / 'last.pth'}: copied" in logs[0]
+    assert "after epoch 1 of 2: going on" in logs[0] and "done in " in logs[0]
+    assert not any(line in logs[1] for line in RESULTS), logs[1]
 
 
 def test_a_bad_flag_under_torchrun_is_reported_once(exact_data, tmp_path):
+    """docs/reliability.md: rank 0 prints the line and exits 2; the other rank waits, silent, until
+    torchrun stops it (SIGTERM), so rank 0's line always comes out; torchrun reports both exit
+    codes and exits 1."""
     result = run([*LAUNCH["ddp"](), "--data-dir", str(exact_data), *EXACT,
                   *outputs(tmp_path / "out"), "--val-fraction", "1.5"])
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.count("train_ddp.py: error: argument --val-fraction: must be") == 1, result.stderr
-    assert "exitcode  : 2" in result.stderr, result.stderr  # as torchrun reports it
+    codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
+    assert codes == {"0": "2", "1": "-15"}, result.stderr[-3000:]
+    root_cause = result.stderr.split("Root Cause")[1]
+    assert re.search(r"rank\s+: 0 ", root_cause), result.stderr[-3000:]
     assert not (tmp_path / "out").exists()
 
 

@@ -173,13 +173,14 @@ def verdict(rows: dict[str, dict]) -> list[str]:
     lines = []
     for key, label in (("last_val_log_loss", "last-epoch"), ("best_val_log_loss", "best-epoch")):
         a, b = seed[key], full[key]
-        if a == b:
-            lines.append(f"{label} validation log loss: a tie ({a:.4f})")
+        if f"{a:.4f}" == f"{b:.4f}":  # as printed: no difference to speak of
+            lines.append(f"{label} validation log loss: a tie to four decimals ({a:.4f})")
         else:
             winner, loser = ("full", "seed") if b < a else ("seed", "full")
+            share = abs(a - b) / max(a, b)
             lines.append(f"{label} validation log loss: the {winner} recipe is lower, "
-                         f"{min(a, b):.4f} against {max(a, b):.4f} ({abs(a - b) / max(a, b):.0%} less "
-                         f"than the {loser} recipe's)")
+                         f"{min(a, b):.4f} against {max(a, b):.4f} "
+                         f"({f'{share:.0%}' if share >= 0.01 else 'under 1%'} less than the {loser} recipe's)")
     n = seed["val_images"]
     p = (seed["last_val_acc"] + full["last_val_acc"]) / 2
     noise = math.sqrt(2 * p * (1 - p) / n)

@@ -1,0 +1,46 @@
+"""The commands in README.md and docs/: each code block says how it is checked (tests/doc_commands.py
+runs them in a fresh clone), and what they write is ignored by git."""
+import subprocess
+from pathlib import Path
+
+from conftest import ROOT
+from doc_commands import commands
+
+from src.checkpoint import output_paths
+from src.cli import parse_args
+
+# Flags whose value is a path a command writes (a file, or a folder it fills).
+OUTPUT_FLAGS = ("--cache", "--checkpoint", "--plot", "--log-dir", "--out-dir", "--output", "-d", "-p")
+# What the tools write without flags: predict's --output, the benchmark's and the recipe
+# comparison's --out-dir, make test-gpu's report, the synthetic set of make demo.
+TOOL_DEFAULTS = ["submission.csv", "benchmark/", "compare/", "gpu-selftest/", "data/synthetic/"]
+
+
+def _written(words: list[str]) -> list[str]:
+    paths = [value for flag, value in zip(words, words[1:]) if flag in OUTPUT_FLAGS]
+    if words[:3] == ["python", "-m", "src.tools.synthetic"]:
+        paths.append(words[3] + "/")  # its folder argument
+    return paths
+
+
+def test_every_documented_output_is_ignored_by_git():
+    """`--cache cache` (docs/freeze.md) left GBs that git showed as untracked."""
+    args = parse_args("", [])
+    paths = [str(path) for path in output_paths(args).values()] + TOOL_DEFAULTS
+    for command in commands(ROOT):
+        paths += _written(command.text.split())
+    assert "cache" in paths and "runs/vgg16" in paths, paths  # the documented outputs were found
+    probes = [path.rstrip("/") + ("/file" if "." not in Path(path).name else "") for path in paths]
+    result = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *probes],
+                            cwd=ROOT, capture_output=True, text=True)
+    not_ignored = [line.split("\t")[-1] for line in result.stdout.splitlines() if line.startswith("::")]
+    assert not not_ignored, f"git would show these outputs as untracked: {not_ignored}"
+
+
+def test_every_code_block_says_how_it_is_checked():
+    """commands() stops at a block without its <!-- commands: ... --> tag; the tags cover both
+    kinds of page: what runs here and what needs what is not here."""
+    found = commands(ROOT)
+    kinds = {command.kind for command in found}
+    assert {"run", "small", "long", "skip"} <= kinds, kinds
+    assert all(command.reason for command in found if command.kind == "skip")
