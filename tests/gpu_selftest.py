@@ -21,21 +21,24 @@ The checks, with their launches on one GPU (planned at START_UP s a launch, COMP
    resumed into fused AdamW on the GPU, every GPU's dropout seed, DataParallel's replicas in
    bf16 (two replicas in threads on one GPU; on 2+ GPUs real DataParallel: dtype, channels-last
    weights, distinct dropout masks), pinned host copies, accelerate's TF32 switch for dynamo;
-2. agreement (3 launches): train_single.py vs two DDP ranks sharing GPU 0 over gloo (SHARE_GPUS=1)
-   at the same global batch, within the CPU suite's TOLERANCE of the distance to another global
-   batch (a third launch); on 2+ GPUs DDP, accelerate and DataParallel over all GPUs too;
+2. agreement (4 launches): train_single.py vs two DDP ranks and two FSDP2 ranks sharing GPU 0 over
+   gloo (SHARE_GPUS=1) at the same global batch, within the CPU suite's TOLERANCE of the distance
+   to another global batch (a fourth launch); on 2+ GPUs DDP, FSDP2, accelerate and DataParallel
+   over all GPUs too;
 3. fp16 learns (2 launches; AdamW 4 more, not with --quick): --amp fp16 with SGD (one device and
    two DDP ranks) ends within 0.1 of that distance from the float32 run of the same steps, and
    AdamW (one device and DDP) closer to its float32 run than its bf16 run ends;
-4. no host synchronisation in a step (4 launches, 2 of them check 3's; --quick: 1): each script with --amp fp16 and
-   AdamW (accelerate: --mixed_precision fp16) runs training micro-batches 2 to 7 of both epochs,
-   a --log-every report included, under torch.cuda.set_sync_debug_mode("error");
+4. no host synchronisation in a step (4 launches on one GPU, 2 of them check 3's; --quick: 1): each
+   script with --amp fp16 and AdamW (accelerate: --mixed_precision fp16) runs training
+   micro-batches 2 to 7 of both epochs, a --log-every report included, under
+   torch.cuda.set_sync_debug_mode("error") (train_dp.py on 2+ GPUs only: on one it calls the model
+   directly, as train_single.py does);
 5. compile compiled (1 compiled launch, not with --quick): ResNet-18 with --compile
    --channels-last --amp bf16 learns, and the COMPILE_LOG hook counts its compiled graphs;
-6. resume (3 launches, not with --quick): with dropout on, a run stopped after epoch 1 and
-   resumed ends where the straight run does (within TOLERANCE of check 2's distance).
-The training modes are listed once (MODES); a new mode (FSDP: train_fsdp.py) is one entry there
-and one name in AGREE and SYNC.
+6. resume (2 launches, not with --quick): with dropout on, a run resumed from the straight run's
+   epoch-1 last.pth ends where the straight run does (within TOLERANCE of check 2's distance).
+The training modes are listed once (MODES); a new mode is one entry there and its name in AGREE
+and SYNC.
 """
 import argparse
 import contextlib
@@ -107,8 +110,7 @@ class Mode:
     one_device_each: bool = True  # one GPU per process (or all GPUs in one process): on 1 GPU, single's computation
 
 
-# The training modes. FSDP is one more entry, "fsdp": Mode("train_fsdp.py", lambda gpus: gpus,
-# _torchrun), and its name in AGREE and SYNC.
+# The training modes; a new one is an entry here and its name in AGREE and SYNC.
 MODES = {
     "single": Mode("train_single.py", lambda gpus: 1, _python),
     "dp": Mode("train_dp.py", lambda gpus: 1, _python),
@@ -116,10 +118,22 @@ MODES = {
     # Two ranks on one GPU, over gloo (NCCL refuses two ranks on one device): a real batch split on one GPU.
     "ddp-shared": Mode("train_ddp.py", lambda gpus: 2, _torchrun,
                        lambda: {"SHARE_GPUS": "1", "CUDA_VISIBLE_DEVICES": _first_gpu()}, one_device_each=False),
+    "fsdp": Mode("train_fsdp.py", lambda gpus: gpus, _torchrun),
+    # FSDP2 over two ranks on one GPU: each holds half of every weight (gloo, as ddp-shared).
+    "fsdp-shared": Mode("train_fsdp.py", lambda gpus: 2, _torchrun,
+                        lambda: {"SHARE_GPUS": "1", "CUDA_VISIBLE_DEVICES": _first_gpu()}, one_device_each=False),
     "accelerate": Mode("train_accelerate.py", lambda gpus: gpus, _accelerate),
 }
-AGREE = ["ddp-shared", "ddp", "accelerate", "dp"]  # compared with single (on 1 GPU: ddp-shared alone)
-SYNC = ["single", "dp", "ddp", "accelerate"]
+# Compared with single (on 1 GPU: the shared ones alone).
+AGREE = ["ddp-shared", "fsdp-shared", "ddp", "fsdp", "accelerate", "dp"]
+# Under set_sync_debug_mode("error"); NCCL's ranks, one GPU each (gloo copies CUDA tensors through
+# the host). DataParallel on one GPU calls the model directly, as train_single.py does: not there.
+SYNC = ["single", "dp", "ddp", "fsdp", "accelerate"]
+
+
+def _synced(gpus: int) -> list[str]:
+    """The modes whose step the sync check runs on `gpus` GPUs."""
+    return [mode for mode in SYNC if gpus > 1 or mode != "dp"]
 
 
 def micro_batch(gpus: int) -> int:
@@ -135,7 +149,7 @@ class Run:
     env: dict = field(default_factory=dict)
     half_batch: bool = False  # half the global micro-batch: another run's `far`
     base: list = field(default_factory=lambda: BASE)
-    into: str | None = None  # another run's folder (to resume it), which must exist first
+    start_from: str | None = None  # "RUN/FILE": a file of another run, copied to last.pth here first
     compiled: bool = False
     skips: bool = True  # OVERFLOW_AT: steps 1 and 3 skipped (a resumed process would count anew)
 
@@ -162,9 +176,11 @@ RUNS = {
     "compile": Run("single", ["--arch", "resnet18", "--weights", "none", "--image-size", str(SIZE), "--lr", "0.01",
                               "--epochs", "2", "--workers", str(WORKERS), "--compile", "--channels-last", "--amp", "bf16"],
                    {"COMPILE_LOG": "{out}/compiled.txt"}, base=[], compiled=True, skips=False),
-    "resume-straight": Run("single", [*RESUME, "2"], skips=False),
-    "resume-stopped": Run("single", [*RESUME, "1"], skips=False),
-    "resume-resumed": Run("single", [*RESUME, "2", "--resume"], into="resume-stopped", skips=False),
+    # The straight run keeps each epoch's last.pth (the COPY_LAST hook); the resumed run starts
+    # from its epoch 1, as a run stopped there would.
+    "resume-straight": Run("single", [*RESUME, "2"], {"COPY_LAST": "{out}/epochs"}, skips=False),
+    "resume-resumed": Run("single", [*RESUME, "2", "--resume"], start_from="resume-straight/epochs/last.1.pth",
+                          skips=False),
 }
 
 
@@ -184,12 +200,12 @@ class Launches:
 
     def _launch(self, name: str) -> Path | Exception:
         run, mode = RUNS[name], MODES[RUNS[name].mode]
-        if run.into:
-            self(run.into)
-        out = self.work / (run.into or name)
-        if not run.into:
-            shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True, exist_ok=True)
+        out = self.work / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        if run.start_from:
+            source, file = run.start_from.split("/", 1)
+            shutil.copy(self(source) / file, out / "last.pth")
         flags = [*run.base, *run.flags, "--batch-size", str(run.per_process(self.gpus))]
         launcher = mode.launcher(run.processes(self.gpus))
         if run.mode == "accelerate" and "--amp" in flags:  # accelerate takes its precision from its launcher
@@ -252,11 +268,20 @@ def agreement(launch: Launches, gpus: int, quick: bool) -> list[str]:
     far = _distance(_model(launch("sgd-far")), reference)
     lines, failed = [f"global batch {2 * micro_batch(gpus)}; far (global batch {micro_batch(gpus)}) = {far:.4g}"], []
     for mode in _compared(gpus):
-        share = _distance(_model(launch(f"sgd-{mode}")), reference) / far
+        out = launch(f"sgd-{mode}")
+        share = _distance(_model(out), reference) / far
         lines.append(f"{mode} ({RUNS[f'sgd-{mode}'].processes(gpus)} processes): {share:.2e} of far "
                      f"(tolerance {TOLERANCE})")
         if not share < TOLERANCE:
             failed.append(mode)
+        if MODES[mode].script == "train_fsdp.py":  # each rank held its share of the state, on the GPU
+            held = re.search(r"rank 0 held .*? of the [0-9.]+ MB that each DDP process holds",
+                             (out / f"log-sgd-{mode}.txt").read_text())
+            expected = 1 / RUNS[f"sgd-{mode}"].processes(gpus)
+            share_held = float(held.group(0).split(": ")[-1].split(" of the")[0]) if held else None
+            lines.append(f"{mode}: {held.group(0) if held else 'no memory line'} (expected about {expected:.3f})")
+            if share_held is None or abs(share_held - expected) > 0.02:
+                failed.append(f"{mode} memory")
     if failed:
         raise AssertionError("; ".join(lines))
     return lines
@@ -291,7 +316,7 @@ def fp16_learns(launch: Launches, gpus: int, quick: bool) -> list[str]:
 
 def no_syncs(launch: Launches, gpus: int, quick: bool) -> list[str]:
     lines, errors = [], []
-    for mode in (["single"] if quick else SYNC):
+    for mode in (["single"] if quick else _synced(gpus)):
         try:
             launch(f"adamw-fp16-{mode}")
             lines.append(f"{mode}: micro-batches {SYNC_WINDOW} of both epochs ran under set_sync_debug_mode('error')")
@@ -340,10 +365,10 @@ CHECKS = [
     Check("fp16 learns", fp16_learns, lambda g, q: ["sgd-single", "sgd-far", "sgd-fp16-single", "sgd-fp16-ddp-shared"]
           + ([] if q else ["adamw-single", "adamw-bf16-single", "adamw-fp16-single", "adamw-fp16-ddp"])),
     Check("no host synchronisation in a step", no_syncs,
-          lambda g, q: [f"adamw-fp16-{m}" for m in (["single"] if q else SYNC)]),
+          lambda g, q: [f"adamw-fp16-{m}" for m in (["single"] if q else _synced(g))]),
     Check("compile compiled", compiled, lambda g, q: ["compile"], quick=False),
     Check("resume with dropout", resume,
-          lambda g, q: ["sgd-single", "sgd-far", "resume-straight", "resume-stopped", "resume-resumed"], quick=False),
+          lambda g, q: ["sgd-single", "sgd-far", "resume-straight", "resume-resumed"], quick=False),
 ]
 
 

@@ -314,7 +314,7 @@ def test_make_test_gpu_is_planned_within_its_time_and_dev_shm():
             whole = run.per_process(gpus) * run.processes(gpus) * (2 if run.half_batch else 1)
             assert whole == selftest.micro_batch(gpus), (gpus, name)
     agreed = [name for _, new, _ in selftest.plan(1, True) for name in new if name.startswith("sgd-") and "fp16" not in name]
-    assert agreed == ["sgd-single", "sgd-far", "sgd-ddp-shared"]  # on one GPU: two ranks share it
+    assert agreed == ["sgd-single", "sgd-far", "sgd-ddp-shared", "sgd-fsdp-shared"]  # on one GPU: two ranks share it
 
 
 def test_make_test_gpus_fused_optimizer_check_bites(monkeypatch):
