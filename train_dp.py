@@ -56,7 +56,7 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args(__doc__)
-    check_data_parallel(args.compile)
+    check_data_parallel(args)
     device = training_device(args.deterministic, args.amp)
     if not args.evaluate:  # --evaluate writes nothing
         check_writable(args)

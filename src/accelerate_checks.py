@@ -6,7 +6,7 @@ import os
 
 from accelerate.utils import DistributedType, parse_flag_from_env
 
-from src.devices import check_bf16
+from src.devices import check_bf16, check_gpus
 from src.errors import UserError
 
 # What `accelerate launch` sets for --use_fsdp, --use_deepspeed, --use_megatron_lm (or a config
@@ -31,6 +31,8 @@ def check_launch() -> None:
         if parse_flag_from_env(variable):  # accelerate's own reading: true, 1, yes, on
             raise UserError(f"accelerate was asked for {plugin} ({variable}={os.environ[variable]}); "
                             + _instead(), quiet=int(os.environ.get("RANK", 0)) != 0)
+    # accelerate itself would fail later, with NCCL's "Duplicate GPU detected".
+    check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "accelerate launch --num_processes {gpus}")
     check_bf16(os.environ.get("ACCELERATE_MIXED_PRECISION"), int(os.environ.get("LOCAL_RANK", 0)))
 
 
@@ -46,4 +48,5 @@ def check_accelerator(accelerator) -> None:
     if launched > 1 and accelerator.num_processes == 1:
         raise UserError(f"launched as {launched} processes but accelerate sees one, so each would "
                         "train alone on all the data; without GPUs run ACCELERATE_USE_CPU=1 "
-                        f"accelerate launch --multi_gpu --num_processes {launched} train_accelerate.py")
+                        f"accelerate launch --multi_gpu --num_processes {launched} train_accelerate.py",
+                        quiet=os.environ.get("RANK", "0") != "0")

@@ -187,6 +187,13 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
                for group in optimizer.param_groups]
     groups = [{**old, **kept} for old, kept in zip(saved["param_groups"], kernels)]
     optimizer.load_state_dict({**saved, "param_groups": groups})
+    # A state tensor keeps the memory format it was saved in: a run resumed with another
+    # --channels-last would give CUDA's fused kernels momentum in one layout and weights in the
+    # other, which they refuse. Each takes its parameter's layout.
+    for param, state in getattr(optimizer, "state", {}).items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.stride() != param.stride():
+                state[key] = torch.empty_like(param).copy_(value)
 
 
 def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule) -> list[dict]:

@@ -14,6 +14,7 @@ forward and backward. The replicas here are made channels-last again, once per f
 import torch
 import torch.nn as nn
 
+from src.devices import check_bf16
 from src.errors import UserError
 
 
@@ -51,10 +52,13 @@ def keep_memory_format(module: nn.Module, replica: nn.Module) -> None:
                 setattr(copy, name, getattr(copy, name).contiguous(memory_format=torch.channels_last))
 
 
-def check_data_parallel(compile_model: bool) -> None:
-    """Refuse --compile on 2+ GPUs, and say when DataParallel has one device to run on."""
+def check_data_parallel(args) -> None:
+    """Refuse --compile on 2+ GPUs and --amp bf16 where a GPU lacks it, and say how many GPUs
+    DataParallel splits each batch over."""
     gpus = torch.cuda.device_count()
-    if compile_model and gpus > 1:  # Dynamo compiles per thread, and the replicas run in threads
+    for gpu in range(gpus):  # every GPU runs a replica (training_device checks the first)
+        check_bf16(args.amp, gpu)
+    if args.compile and gpus > 1:  # Dynamo compiles per thread, and the replicas run in threads
         raise UserError(f"--compile with DataParallel on {gpus} GPUs would compile nothing (pytorch/pytorch"
                         f"#94636): use torchrun --nproc_per_node={gpus} train_ddp.py --compile")
     if gpus < 2:

@@ -92,13 +92,14 @@ def gpus_shared() -> bool:
     return os.environ.get("SHARE_GPUS") == "1"
 
 
-def check_gpus(local_processes: int) -> None:
-    """One process per GPU: refuse more processes on this node than it has GPUs (unless SHARE_GPUS=1)."""
+def check_gpus(local_processes: int, launch: str = "torchrun --nproc_per_node={gpus}") -> None:
+    """One process per GPU: refuse more processes on this node than it has GPUs (unless
+    SHARE_GPUS=1). `launch`: the launcher's command for one process per GPU, for the message."""
     gpus = torch.cuda.device_count()
     if torch.cuda.is_available() and local_processes > gpus and not gpus_shared():
         raise UserError(
-            f"{local_processes} processes on this node but only {gpus} GPU(s): run torchrun "
-            f"--nproc_per_node={gpus}, or set CUDA_VISIBLE_DEVICES= to train on the CPU",
+            f"{local_processes} processes on this node but only {gpus} GPU(s): run "
+            f"{launch.format(gpus=gpus)}, or set CUDA_VISIBLE_DEVICES= to train on the CPU",
             quiet=int(os.environ.get("LOCAL_RANK", 0)) != 0)
 
 

@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -76,7 +77,10 @@ START_UP, COMPILED, IN_PROCESS, DATA = 20, 40, 20, 5  # seconds planned a launch
 LAUNCH_LIMIT = 300  # seconds: a launch that hangs (a collective nobody joins) fails instead
 SHM = 64 * 2**20  # Docker's default /dev/shm
 IMAGES, SIZE, WORKERS, SKIPPED = 640, 64, 2, "1,3"
-SYNC_WINDOW = "2:7"  # training micro-batches, of every epoch, under set_sync_debug_mode("error")
+# Training micro-batches, of every epoch, under set_sync_debug_mode("error"). Not micro-batch 2:
+# DDP rebuilds its gradient buckets in the first forward after the first synchronised backward
+# (micro-batch 2 with --accumulate 2), once per wrapped model, with a blocking copy to the host.
+SYNC_WINDOW = "3:8"
 RECIPE = ["--augment", "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--accumulate", "2",
           "--weight-decay", "0.01", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--freeze-epochs", "1"]
 BASE = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", str(SIZE), "--epochs", "2",
@@ -100,6 +104,11 @@ def _first_gpu() -> str:
     return (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
 
 
+def _shared_gpu() -> dict:
+    """Two ranks on the first GPU, over gloo on the loopback (one machine: no interface to guess)."""
+    return {"SHARE_GPUS": "1", "CUDA_VISIBLE_DEVICES": _first_gpu(), "GLOO_SOCKET_IFNAME": "lo"}
+
+
 @dataclass
 class Mode:
     """A way to train: its script, how many processes on `gpus` GPUs, the launcher of that many."""
@@ -117,11 +126,11 @@ MODES = {
     "ddp": Mode("train_ddp.py", lambda gpus: gpus, _torchrun),
     # Two ranks on one GPU, over gloo (NCCL refuses two ranks on one device): a real batch split on one GPU.
     "ddp-shared": Mode("train_ddp.py", lambda gpus: 2, _torchrun,
-                       lambda: {"SHARE_GPUS": "1", "CUDA_VISIBLE_DEVICES": _first_gpu()}, one_device_each=False),
+                       _shared_gpu, one_device_each=False),
     "fsdp": Mode("train_fsdp.py", lambda gpus: gpus, _torchrun),
     # FSDP2 over two ranks on one GPU: each holds half of every weight (gloo, as ddp-shared).
     "fsdp-shared": Mode("train_fsdp.py", lambda gpus: 2, _torchrun,
-                        lambda: {"SHARE_GPUS": "1", "CUDA_VISIBLE_DEVICES": _first_gpu()}, one_device_each=False),
+                        _shared_gpu, one_device_each=False),
     "accelerate": Mode("train_accelerate.py", lambda gpus: gpus, _accelerate),
 }
 # Compared with single (on 1 GPU: the shared ones alone).
@@ -163,7 +172,8 @@ class Run:
 SYNC_ENV = {"SYNC_CHECK_STEPS": SYNC_WINDOW}
 ADAMW_FP16 = ["--optimizer", "adamw", "--amp", "fp16", "--log-every", "1"]
 # SqueezeNet's own dropout, on; a constant rate, so that a run of 1 epoch may be resumed to 2
-RESUME = ["--dropout", "0.5", "--lr-schedule", "constant", "--warmup-epochs", "0", "--epochs"]
+# Not frozen: a frozen epoch runs in eval mode and draws no dropout mask, so reseeding would not show.
+RESUME = ["--dropout", "0.5", "--lr-schedule", "constant", "--warmup-epochs", "0", "--freeze-epochs", "0", "--epochs"]
 RUNS = {
     "sgd-single": Run("single", ["--dropout", "0"]),
     "sgd-far": Run("single", ["--dropout", "0"], half_batch=True),
@@ -207,6 +217,8 @@ class Launches:
             source, file = run.start_from.split("/", 1)
             shutil.copy(self(source) / file, out / "last.pth")
         flags = [*run.base, *run.flags, "--batch-size", str(run.per_process(self.gpus))]
+        if mode.script != "train_single.py" and mode.script != "train_dp.py":
+            flags += ["--dist-timeout", "5"]  # a rank that hangs fails its collective within the launch's limit
         launcher = mode.launcher(run.processes(self.gpus))
         if run.mode == "accelerate" and "--amp" in flags:  # accelerate takes its precision from its launcher
             at = flags.index("--amp")
@@ -231,17 +243,26 @@ class Launches:
 
 
 def _run(command: list[str], out: Path, env: dict, log: str = "log.txt") -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": HOOKS, "HF_HOME": str(out / "hf"), "PYTHONUNBUFFERED": "1", **env}
+    path = os.pathsep.join(filter(None, [HOOKS, os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path, "HF_HOME": str(out / "hf"), "PYTHONUNBUFFERED": "1", **env}
+    # Its own process group: a launch that hangs is stopped with the workers torchrun started
+    # (which would otherwise wait in a collective for the whole --dist-timeout).
+    launch = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started, stdout, stderr = time.time(), "", ""
     try:
-        result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
-                                timeout=LAUNCH_LIMIT)
-    except subprocess.TimeoutExpired as expired:
-        said = [part.decode(errors="replace") if isinstance(part, bytes) else part or ""
-                for part in (expired.stdout, expired.stderr)]
-        (out / log).write_text(" ".join(command) + "\n\n" + "".join(said))
-        raise
-    (out / log).write_text(" ".join(command) + "\n\n" + result.stdout + result.stderr)
-    return result
+        stdout, stderr = launch.communicate(timeout=LAUNCH_LIMIT)
+    except subprocess.TimeoutExpired:
+        for signal_number in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launch.pid, signal_number)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stdout, stderr = launch.communicate(timeout=10)
+                break
+        (out / log).write_text(" ".join(command) + "\n\n" + (stdout or "") + (stderr or ""))
+        raise subprocess.TimeoutExpired(command, LAUNCH_LIMIT) from None
+    (out / log).write_text(" ".join(command) + f"\n\n(ran {time.time() - started:.0f} s)\n" + stdout + stderr)
+    return subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
 
 
 def _model(out: Path) -> dict:
@@ -511,7 +532,8 @@ def _data_parallel(gpus: int, device) -> list[str]:
     assert seeds == [derive_seed(42, 0, 0, gpu) for gpu in range(gpus)], lines
     if gpus > 1:
         formats = []
-        model = nn.Sequential(nn.Conv2d(3, 4, 1), _Probe(seen["ours"]), nn.Flatten(), nn.Dropout(0.5))
+        # A 3x3 kernel: a 1x1 convolution's weight has the same layout in both memory formats.
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _Probe(seen["ours"]), nn.Flatten(), nn.Dropout(0.5))
         model[0].register_forward_pre_hook(lambda module, inputs: formats.append(
             module.weight.is_contiguous(memory_format=torch.channels_last)))
         dp = DataParallel(model.to(device, memory_format=torch.channels_last))
@@ -527,14 +549,23 @@ def _data_parallel(gpus: int, device) -> list[str]:
 
 
 def _pinned(device) -> list[str]:
-    from src.loaders import make_loaders
-    copy_pinned = torch.ones(4, device=device).to("cpu", non_blocking=True).is_pinned()
-    dataset = [(torch.zeros(3, 8, 8, dtype=torch.uint8), 0) for _ in range(8)]
-    loader, _ = make_loaders(dataset, list(range(8)), [0], 4, 0, 0, pin_memory=device.type == "cuda")
+    """What the project pins on a GPU: the training loaders' batches (run_loaders), the progress
+    bar's host copies of the running sums (Progress), the feature cache's host copies (_to_host)."""
+    from argparse import Namespace
+
+    from src.freeze import _to_host
+    from src.loaders import Data, run_loaders
+    from src.progress import Progress
+    args = Namespace(batch_size=4, seed=0, workers=0, accumulate=1, augment=False, log_every=10, profile=False)
+    data = Data([(torch.zeros(3, 8, 8, dtype=torch.uint8), 0) for _ in range(8)], list(range(6)), [6, 7], "")
+    loader, _ = run_loaders(data.dataset, data, args, device)
     loader.sampler.set_epoch(0)
     batch_pinned = next(iter(loader))[0].is_pinned()
-    line = f"host copies (feature cache build) pinned: {copy_pinned}; training batches pinned: {batch_pinned}"
-    assert copy_pinned and batch_pinned, line
+    sums_pinned = all(buffer.is_pinned() for buffer in Progress(args, None, 1, 4, device).buffers)
+    copy_pinned = _to_host(torch.ones(4, device=device))[0].is_pinned()
+    line = (f"training batches pinned: {batch_pinned}; the progress bar's host sums: {sums_pinned}; "
+            f"the feature cache's host copies: {copy_pinned}")
+    assert batch_pinned and sums_pinned and copy_pinned, line
     return [line]
 
 

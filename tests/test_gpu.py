@@ -215,6 +215,41 @@ def test_bf16_on_a_gpu_without_it_is_one_line(script, flags, exact_data, tmp_pat
                      "this GPU (Fake GPU) has no bfloat16 arithmetic (Ampere and later have it)")
 
 
+def test_accelerate_with_more_processes_than_gpus_is_one_line(exact_data, tmp_path, fake_gpus, monkeypatch, capsys):
+    """accelerate itself would fail later with NCCL's "Duplicate GPU detected"."""
+    fake_gpus(1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    fails_in_process(train_accelerate.main, ["--data-dir", str(exact_data), *outputs(tmp_path)], monkeypatch,
+                     capsys, "2 processes on this node but only 1 GPU(s): run accelerate launch --num_processes 1")
+
+
+def test_data_parallel_checks_bf16_on_every_gpu(exact_data, tmp_path, fake_gpus, monkeypatch, capsys):
+    """Each GPU runs a replica: one without bfloat16 among them is refused, not only the first."""
+    fake_gpus(2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if device in (0, None) else (7, 0))
+    fails_in_process(train_dp.main, ["--data-dir", str(exact_data), "--amp", "bf16", *outputs(tmp_path)],
+                     monkeypatch, capsys, "this GPU (Fake GPU) has no bfloat16 arithmetic")
+
+
+def test_a_resume_with_another_memory_format_gives_the_optimizer_state_the_weights_layout(tmp_path):
+    """--channels-last may change across a resume; CUDA's fused kernels refuse momentum and weights
+    in different layouts, so each state tensor takes its parameter's."""
+    torch.manual_seed(0)
+    saved_model = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    args = parse_args("", ["--resume", *outputs(tmp_path)])
+    saving = make_optimizer(saved_model, args, torch.device("cpu"))
+    saved_model(torch.randn(2, 3, 5, 5)).sum().backward()
+    saving.step()
+    model = nn.Conv2d(3, 4, 3)  # contiguous this time
+    optimizer = make_optimizer(model, args, torch.device("cpu"))
+    from src.checkpoint import load_optimizer
+    load_optimizer(optimizer, saving.state_dict())
+    buffer = optimizer.state[model.weight]["momentum_buffer"]
+    assert buffer.stride() == model.weight.stride() and not saving.state[saved_model.weight][
+        "momentum_buffer"].is_contiguous()
+    assert torch.equal(buffer, saving.state[saved_model.weight]["momentum_buffer"])
+
+
 def test_a_small_dev_shm_is_one_line_before_training(tmpfs, exact_data, tmp_path, monkeypatch, capsys):
     """VGG16's batches of 50 at 224 px are 7.5 MB each: 4 workers prefetching 2 each need more
     than 64 MB (Docker's default /dev/shm); without workers nothing goes through /dev/shm."""
@@ -315,6 +350,18 @@ def test_make_test_gpu_is_planned_within_its_time_and_dev_shm():
             assert whole == selftest.micro_batch(gpus), (gpus, name)
     agreed = [name for _, new, _ in selftest.plan(1, True) for name in new if name.startswith("sgd-") and "fp16" not in name]
     assert agreed == ["sgd-single", "sgd-far", "sgd-ddp-shared", "sgd-fsdp-shared"]  # on one GPU: two ranks share it
+
+
+def test_make_test_gpus_windows_can_see_what_they_check():
+    """The sync window starts after DDP's bucket rebuild (the first forward after the first synced
+    backward: micro-batch --accumulate), which copies to the host once by design; the resume runs
+    train (not frozen) in epoch 1, so that dropout draws there and reseeding shows."""
+    import gpu_selftest as selftest
+    accumulate = int(selftest.RECIPE[selftest.RECIPE.index("--accumulate") + 1])
+    assert int(selftest.SYNC_WINDOW.split(":")[0]) > accumulate
+    flags = [*selftest.RUNS["resume-straight"].base, *selftest.RUNS["resume-straight"].flags]
+    freeze = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--freeze-epochs"]
+    assert freeze[-1] == "0"  # argparse keeps the last
 
 
 def test_make_test_gpus_fused_optimizer_check_bites(monkeypatch):
