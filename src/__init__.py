@@ -1,1 +1,2 @@
-"""Code shared by the four training scripts: data, model, metrics, checkpoints, plots and flags."""
+"""The training library: what the five train_*.py scripts share (data, model, recipe, checkpoints,
+progress, the processes). The commands around training are in src/tools/."""

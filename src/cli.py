@@ -1,4 +1,4 @@
-"""The command-line flags shared by all four training scripts."""
+"""The command-line flags shared by all five training scripts."""
 import argparse
 import os
 import sys

@@ -1,4 +1,4 @@
-"""The training recipe the four scripts share: optimizer, learning-rate schedule and the
+"""The training recipe the five scripts share: optimizer, learning-rate schedule and the
 optimizer step (gradient clipping and the fp16 gradient scaler act once per step, after the
 micro-batches of --accumulate).
 
