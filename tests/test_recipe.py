@@ -198,7 +198,9 @@ def test_each_recipe_flag_changes_the_training(flag, value):
     assert any(not torch.equal(plain[k], changed[k]) for k in plain if k != "steps"), flag
 
 
-def test_weight_decay_spares_biases_and_frozen_parameters():
+def test_weight_decay_spares_biases_and_normalisation_weights():
+    """The groups; what a step does with them, and that a frozen parameter (in the optimizer too,
+    for --freeze-epochs) is not decayed: test_one_step.py."""
     args = parse_args("", ["--weight-decay", "0.1"])
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     groups = make_optimizer(model, args, torch.device("cpu")).param_groups
