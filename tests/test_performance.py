@@ -162,11 +162,16 @@ def test_the_first_complete_build_wins_and_builders_never_share_a_file(tmp_path,
 
 
 def test_a_process_waiting_for_a_cache_that_never_comes_stops_with_one_line(tmp_path, monkeypatch):
+    """A process other than its node's first never builds the cache (the DDP test above cannot
+    tell: a second builder that finishes last keeps the first one's file): it waits, and gives up
+    in one line."""
     import src.cache as cache
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(cache, "WAIT_SECONDS", 1)
+    built = []
     with pytest.raises(UserError, match="waited 0 min for .*a.u8, which the first process of this node builds"):
-        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, None, "--cache", "x")
+        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, built.append, "--cache", "x")
+    assert built == [] and list(tmp_path.iterdir()) == []
 
 
 def test_a_damaged_cache_is_rebuilt(small_data, tmp_path, capsys):
