@@ -1,7 +1,7 @@
 """What train_accelerate.py checks before any work: bfloat16 on this process's GPU (before
 Accelerator(), which would fail with a traceback), a request for a sharding plugin (FSDP,
-DeepSpeed, Megatron-LM) that it does not support, then the processes and the distributed type
-the Accelerator sees against those launched."""
+DeepSpeed, Megatron-LM) that it does not support, then fp16 where accelerate would not use it,
+and the processes and the distributed type the Accelerator sees against those launched."""
 import os
 
 from accelerate.utils import DistributedType, parse_flag_from_env
@@ -37,12 +37,17 @@ def check_launch() -> None:
 
 
 def check_accelerator(accelerator) -> None:
-    """Refuse a launch where each process would train alone on all the data, and every
-    distributed type but one process and DDP on one kind of device (NO, MULTI_CPU, MULTI_GPU and
-    the other MULTI_* types)."""
+    """Refuse a launch where each process would train alone on all the data, every distributed
+    type but one process and DDP on one kind of device (NO, MULTI_CPU, MULTI_GPU and the other
+    MULTI_* types), and fp16 where accelerate would not autocast to it (on a CPU it trains in
+    float32 and says fp16)."""
     kind = accelerator.distributed_type
     if kind != DistributedType.NO and not kind.value.startswith("MULTI_"):
         raise UserError(f"accelerate's distributed type is {kind.value}; " + _instead(),
+                        quiet=not accelerator.is_main_process)
+    if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:
+        raise UserError(f"--mixed_precision fp16: accelerate does not autocast to float16 on a "
+                        f"{accelerator.device.type}, the run would be float32; use --mixed_precision bf16",
                         quiet=not accelerator.is_main_process)
     launched = int(os.environ.get("WORLD_SIZE", 1))
     if launched > 1 and accelerator.num_processes == 1:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,11 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # suite measured 524 s spinning, 380 s passive, on 2 cores). How a thread waits changes no result.
 # Read when torch loads OpenMP: set before it is imported, here and in every process started.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A test run started as a background job of a non-interactive shell (`pytest ... &`) inherits
+# Ctrl-C ignored, and so would every run it starts: the Ctrl-C tests' runs would not stop. Python
+# installs its Ctrl-C handler only where the signal is not ignored when it starts.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

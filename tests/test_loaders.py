@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from src.errors import UserError
-from src.loaders import EpochSampler, ShardSampler, make_loaders, split_indices
+from src.loaders import EpochSampler, make_loaders, split_indices
 
 
 def test_split_is_seeded_disjoint_and_complete():
@@ -68,9 +68,15 @@ def test_the_sampler_matches_distributed_samplers_order():
 
 @pytest.mark.parametrize("n, world_size", [(101, 2), (101, 3), (7, 4), (5, 5)])
 def test_validation_shards_cover_every_sample_once(n, world_size):
-    shards = [list(ShardSampler(n, world_size, rank)) for rank in range(world_size)]
-    assert sorted(sum(shards, [])) == list(range(n))
-    assert sum(len(ShardSampler(n, world_size, r)) for r in range(world_size)) == n
+    """The validation loaders make_loaders gives each rank: together every validation sample,
+    each once (no padding, which would count a sample twice), whatever the number of ranks."""
+    data = [(torch.zeros(1), i) for i in range(2 * n)]  # the label is the sample's index
+    val_idx = list(range(n, 2 * n))
+    seen = []
+    for rank in range(world_size):
+        _, val_loader = make_loaders(data, list(range(n)), val_idx, 1, 0, 0, rank=rank, world_size=world_size)
+        seen += [label for _, labels in val_loader for label in labels.tolist()]
+    assert sorted(seen) == val_idx
 
 
 def test_too_large_a_batch_or_too_many_processes():

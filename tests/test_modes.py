@@ -88,6 +88,22 @@ def test_every_mode_checkpoint_predicts_the_same(runs, exact_data):
         assert torch.allclose(probabilities[mode], probabilities["single"], atol=1e-5)
 
 
+def test_val_log_loss_is_kaggles_metric_clipped():
+    """batch_sums against the metric written out: p(dog) clipped to [0.005, 0.995] (README), so a
+    confident mistake costs -log(0.005) and not -log(1e-13); the loss itself is not clipped.
+    (The runs' probabilities stay inside the clip: this batch has confident answers, right and wrong.)"""
+    from src.metrics import CORRECT, COUNT, LOG_LOSS, LOSS, batch_sums
+    logits = torch.tensor([[0.0, 30.0], [30.0, 0.0], [0.0, 0.0], [1.0, 2.0], [0.0, 30.0]])
+    labels = torch.tensor([0, 0, 1, 1, 1])  # a confident mistake, two confident right answers
+    p = logits.double().softmax(dim=1).numpy()
+    y = labels.numpy()
+    p_dog = np.clip(p[:, 1], 0.005, 0.995)
+    sums = batch_sums(logits, labels).double()
+    assert sums[LOG_LOSS].item() == pytest.approx(-np.sum(y * np.log(p_dog) + (1 - y) * np.log(1 - p_dog)), rel=1e-6)
+    assert sums[LOSS].item() == pytest.approx(-np.sum(np.log(p[np.arange(5), y])), rel=1e-6)
+    assert (sums[CORRECT].item(), sums[COUNT].item()) == (3, 5)  # the tie (0, 0) goes to class 0
+
+
 def test_ddp_validation_metrics_are_what_one_process_computes(exact_data, runs):
     """val_acc, val_loss and val_log_loss of a 2-rank run equal a plain evaluation of its
     last.pth on the split, computed here without the project's metric code."""

@@ -162,11 +162,16 @@ def test_the_first_complete_build_wins_and_builders_never_share_a_file(tmp_path,
 
 
 def test_a_process_waiting_for_a_cache_that_never_comes_stops_with_one_line(tmp_path, monkeypatch):
+    """A process other than its node's first never builds the cache (the DDP test above cannot
+    tell: a second builder that finishes last keeps the first one's file): it waits, and gives up
+    in one line."""
     import src.cache as cache
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(cache, "WAIT_SECONDS", 1)
+    built = []
     with pytest.raises(UserError, match="waited 0 min for .*a.u8, which the first process of this node builds"):
-        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, None, "--cache", "x")
+        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, built.append, "--cache", "x")
+    assert built == [] and list(tmp_path.iterdir()) == []
 
 
 def test_a_damaged_cache_is_rebuilt(small_data, tmp_path, capsys):
@@ -243,12 +248,29 @@ def test_channels_last_and_compile_take_effect_and_change_nothing(runs, far, tmp
     assert batch.is_contiguous(memory_format=torch.channels_last) and not batch.is_contiguous()
 
 
+# Where a run in autocast's 16-bit floats ends, as a share of `far` (the float32 reference against a
+# run with half the global batch). Below: TOLERANCE, the rounding floor of float32 runs that sum in
+# another order (measured 7e-5, test_modes). Autocast rounds every convolution's inputs and output
+# to 8 (bf16) or 11 (fp16) significant bits, 2^13 to 2^16 times float32's rounding, at every
+# layer of every step: a run that did so cannot end inside float32's floor. Above: half of `far`.
+# A run that took the same batches differs from the reference by its roundings only, a few
+# percent of each gradient at most through the network's depth, where the other batches change
+# each step's gradient altogether; a loss scale left in the update (x 65536) or skipped steps would
+# be far beyond it. The window is wide because the rounding inside a kernel is the CPU's: measured
+# bf16 0.025 (AMD EPYC and Intel Xeon with AMX), fp16 0.008 (AMD EPYC, fp16 emulated in float32)
+# and 0.031 (Intel Xeon with AVX512-FP16, 2026-12-04). What only the feature can do is checked
+# beside it: the dtypes inside the model (test_one_step.py), the fp16 scaler's state here.
+LOW_PRECISION = (TOLERANCE, 0.5)
+
+
 def test_bf16_really_runs_in_bf16_in_single_and_accelerate(runs, far):
-    """bfloat16 keeps 8 bits of mantissa: measured 0.025 of `far` from float32 (the rounding floor
-    is 7e-5), and accelerate's --mixed_precision bf16 ends where --amp bf16 does (1e-7)."""
+    """--amp bf16 leaves float32's rounding floor and stays nearer float32 than another batch;
+    accelerate's --mixed_precision bf16 ends where --amp bf16 does (the same ops in one process:
+    measured 1e-7 to 4e-7 of far, within the modes' tolerance)."""
     reference = last_model(mode_run(runs, "single")[0])
     single = last_model(runs.exact("single", "--amp", "bf16")[0])
-    assert 1e-3 < distance(single, reference) / far < 0.1
+    low, high = LOW_PRECISION
+    assert low < distance(single, reference) / far < high
     out, result = runs.exact("accelerate-bf16")
     assert "mixed precision bf16)" in result.stdout
     assert distance(last_model(out), single) / far < TOLERANCE
@@ -256,9 +278,11 @@ def test_bf16_really_runs_in_bf16_in_single_and_accelerate(runs, far):
 
 
 def test_fp16_scales_the_loss_and_stays_near_float32(runs, far):
-    """fp16 autocast is slow on CPUs but runs: measured 0.008 of `far` from float32, with every
-    step taken by the gradient scaler (none skipped for an overflow)."""
+    """fp16 autocast is slow on CPUs but runs, with every step taken by the gradient scaler: its
+    scale stays at the initial 2^16 and its growth tracker counts the 10 steps, none skipped for an
+    overflow (a disabled scaler saves no state)."""
     out, _ = runs.exact("dp", "--amp", "fp16")
     scaler = weights(out, "last.pth")["scaler"]
     assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 10  # 10 steps, none skipped
-    assert 1e-3 < distance(last_model(out), last_model(mode_run(runs, "single")[0])) / far < 0.03
+    low, high = LOW_PRECISION
+    assert low < distance(last_model(out), last_model(mode_run(runs, "single")[0])) / far < high

@@ -17,6 +17,7 @@ from conftest import (
     distance,
     fails_in_process,
     history,
+    in_process,
     last_model,
     python,
     weights,
@@ -88,6 +89,58 @@ def test_best_by_log_loss_picks_best_pth_and_writes_it_only_when_it_improves(ref
     assert writes[0].endswith("/best.pth"), "epoch 1 is always the best so far"
 
 
+# Epoch by epoch, an epoch that is better by one metric and worse by the other: by val_acc the best
+# so far is epoch 1, 2, 2, 4 (4 ties 2's accuracy with a lower log loss); by val_log_loss 1, 1, 3, 3.
+SCORES = [(0.8, 0.40), (0.9, 0.50), (0.7, 0.30), (0.9, 0.45)]
+BEST_SO_FAR = {"val_acc": [1, 2, 2, 4], "val_log_loss": [1, 1, 3, 3]}
+
+
+@pytest.mark.parametrize("best_by", ["val_acc", "val_log_loss"])
+def test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by(best_by, tmp_path):
+    """save_epoch over a history written by hand: best.pth and best.json hold the epoch that
+    --best-by picks, rewritten only when an epoch beats it; last.pth is every epoch's."""
+    from src.checkpoint import save_epoch
+    args = parse_args("", ["--checkpoint", str(tmp_path / "best.pth"), "--plot", str(tmp_path / "curves.png"),
+                           "--best-by", best_by])
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = make_schedule(optimizer, args, 1)
+    records, told = [], []
+    for epoch, (acc, log_loss) in enumerate(SCORES, 1):
+        records.append({"epoch": epoch, "train_loss": 0.5, "train_acc": 0.5, "val_loss": log_loss,
+                        "val_acc": acc, "val_log_loss": log_loss})
+        with torch.no_grad():
+            model.weight.fill_(epoch)  # the weights say which epoch wrote them
+        told.append(save_epoch(args, records, model, optimizer, None, schedule, {"arch": "test"}))
+        best = BEST_SO_FAR[best_by][epoch - 1]
+        assert torch.equal(torch.load(tmp_path / "best.pth", weights_only=True)["weight"], torch.full((2, 2), best))
+        assert json.loads((tmp_path / "best.json").read_text())["epoch"] == best
+        assert weights(tmp_path, "last.pth")["epoch"] == epoch
+    assert told == [b == e for e, b in enumerate(BEST_SO_FAR[best_by], 1)]
+
+
+def test_an_epoch_that_is_no_better_keeps_best_pth(exact_data, tmp_path, monkeypatch, capsys):
+    """train_single.py with --lr 0: epoch 2 has exactly epoch 1's weights, so exactly its
+    validation scores, and is no better by either metric: best.pth is written once, at epoch 1,
+    last.pth twice (the renames onto each file are counted), and only epoch 1 says "best so far"."""
+    import os
+
+    import train_single
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append(os.path.basename(dst)), replace(src, dst))[1])
+    code, out, err = in_process(train_single.main, [
+        "--data-dir", str(exact_data), *EXACT, *VAL, "--image-size", "32", "--epochs", "2", "--batch-size", "20",
+        "--lr", "0", "--checkpoint", str(tmp_path / "best.pth"), "--plot", str(tmp_path / "curves.png")],
+        monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    first, second = history(tmp_path)
+    assert (second["val_acc"], second["val_log_loss"]) == (first["val_acc"], first["val_log_loss"])
+    assert (renamed.count("best.pth"), renamed.count("best.json"), renamed.count("last.pth")) == (1, 1, 2)
+    assert json.loads((tmp_path / "best.json").read_text())["epoch"] == 1
+    assert [line.endswith("best so far") for line in out.splitlines() if line.startswith("epoch ")] == [True, False]
+
+
 def test_best_by_accuracy_gives_equal_accuracies_to_the_lower_log_loss():
     records = [{"epoch": 1, "val_acc": 0.9, "val_log_loss": 0.3}, {"epoch": 2, "val_acc": 1.0, "val_log_loss": 0.2},
                {"epoch": 3, "val_acc": 1.0, "val_log_loss": 0.1}, {"epoch": 4, "val_acc": 1.0, "val_log_loss": 0.1},
@@ -145,7 +198,9 @@ def test_each_recipe_flag_changes_the_training(flag, value):
     assert any(not torch.equal(plain[k], changed[k]) for k in plain if k != "steps"), flag
 
 
-def test_weight_decay_spares_biases_and_frozen_parameters():
+def test_weight_decay_spares_biases_and_normalisation_weights():
+    """The groups; what a step does with them, and that a frozen parameter (in the optimizer too,
+    for --freeze-epochs) is not decayed: test_one_step.py."""
     args = parse_args("", ["--weight-decay", "0.1"])
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     groups = make_optimizer(model, args, torch.device("cpu")).param_groups

@@ -191,6 +191,36 @@ def test_crash_during_a_save_keeps_the_previous_file(tmp_path, monkeypatch, fail
     assert [p.name for p in tmp_path.iterdir()] == ["best.pth"], "no temporary file left behind"
 
 
+def test_a_checkpoint_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+    """The temporary file is fsynced, with every byte written, before it is renamed onto the
+    checkpoint: after a power cut the name holds the old file or the whole new one. Spies on
+    os.fsync and os.replace record the file each one got (its inode, which the rename keeps), and
+    the order."""
+    import os
+    calls = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        calls.append(("fsync", os.fstat(fd).st_ino, os.fstat(fd).st_size))
+        fsync(fd)
+
+    def spy_replace(src, dst):
+        calls.append(("replace", os.stat(src).st_ino, os.fspath(dst)))
+        replace(src, dst)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    path, text = tmp_path / "last.pth", tmp_path / "history.json"
+    for value in (1.0, 2.0):  # a new file, then one that replaces it
+        for write, target in ((lambda: atomic.atomic_torch_save({"w": torch.full((1000,), value)}, path), path),
+                              (lambda: atomic.atomic_write_text(text, f"[{value}]\n"), text)):
+            calls.clear()
+            write()
+            written = target.stat()
+            assert calls == [("fsync", written.st_ino, written.st_size), ("replace", written.st_ino, str(target))]
+        assert torch.equal(torch.load(path, weights_only=True)["w"], torch.full((1000,), value))
+        assert text.read_text() == f"[{value}]\n"
+
+
 def test_a_full_disk_stops_with_one_line_and_keeps_the_last_epoch(runs, tmpfs):
     """A real full disk: epoch 2 cannot be saved; the error names the file, epoch 1's files
     (those of the shared one-epoch run) stay byte for byte, and --resume finishes once there is room."""

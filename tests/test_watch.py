@@ -1,6 +1,8 @@
 """Watching a run: TensorBoard event files from rank 0 alone (accelerate through its own tracker),
 the time spent waiting for data, the progress bars, and --profile in all four scripts."""
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -46,20 +48,56 @@ def test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only(mode, run
     assert tags == {f"epoch/{f}" for f in records[0] if f != "epoch"} | {"step/loss", "step/lr", "step/images_per_s"}
 
 
-def test_the_progress_bar_shows_a_recent_loss_and_images_per_second(runs):
-    _, result = mode_run(runs, "single")
-    assert "loss=" in result.stderr and "img/s=" in result.stderr
+def _shown(stderr: str, epoch: int) -> dict[int, tuple[float, float | None]]:
+    """{batch: (loss, img/s)} as the training bar of `epoch` last drew them at that batch: a report
+    sets the bar's figures right after its batch (set_postfix redraws at once), and they stay until
+    the next report."""
+    shown = {}
+    for drawn in stderr.splitlines():  # a bar redraws after a carriage return: a line of its own here
+        found = re.search(rf"^epoch {epoch}/2 train: .* (\d+)/5 \[.*, loss=([^,\]]+)(?:, img/s=([^\]]+))?\]$",
+                          drawn.strip())
+        if found:
+            batch, loss, rate = found.groups()
+            shown[int(batch)] = (float(loss), None if rate is None else float(rate))
+    return shown
+
+
+@pytest.mark.parametrize("mode", ["single", "dp"])
+def test_the_progress_bar_shows_the_recent_loss_and_images_per_second(mode, runs):
+    """The bar shows what TensorBoard records at each report (to the 3 significant digits of the
+    loss and the whole images/s it prints), and each report's loss is the mean over the
+    micro-batches since the one before: weighted by their images they make the epoch's train_loss
+    (one process: its sums are all the samples; under a launcher they are rank 0's)."""
+    out, result = mode_run(runs, mode)
+    _, events = _events(out.parent / "tensorboard")
+    losses = {s.step: s.value for s in events.Scalars("step/loss")}
+    rates = {s.step: s.value for s in events.Scalars("step/images_per_s")}
+    for epoch, record in enumerate(history(out), 1):
+        steps = [step for step in STEPS if 5 * (epoch - 1) < step <= 5 * epoch]
+        shown = _shown(result.stderr, epoch)
+        assert min(shown) == steps[0] - 5 * (epoch - 1), "no figures before the first report"
+        for step in steps:
+            loss, rate = shown[step - 5 * (epoch - 1)]
+            # Half a unit of the last digit shown, and TensorBoard's float32 rounding.
+            assert abs(loss - losses[step]) <= 0.5e-2 * 10 ** math.floor(math.log10(losses[step])) * 1.001
+            assert (rate is None) == (step not in rates)
+            assert rate is None or abs(rate - rates[step]) <= 0.501
+        images = [20 * (step - before) for before, step in zip([5 * (epoch - 1)] + steps, steps)]
+        assert sum(images) == record["train_samples"] == 100
+        assert sum(n * losses[step] for n, step in zip(images, steps)) / 100 == pytest.approx(
+            record["train_loss"], rel=1e-5)
 
 
 def test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not(runs):
-    """50 ms more for each image (SLOW_ITEM, a sleep): 100 training images wait 5 s longer for data,
-    and the model's share of the epoch (train_seconds - data_wait_seconds) does not take it. The
+    """50 ms more for each image (SLOW_ITEM, a sleep, in the loop's own process: --workers 0):
+    the 100 training images' sleeps, at least 5 s on any machine, are all inside the data wait,
+    and the model's share of the epoch (train_seconds - data_wait_seconds) does not take them. The
     two runs may be made under other loads (the test runner's other worker): the model's time
     (0.22 s in a plain run here, 0.27 s in the slow one) would have to grow tenfold to fail this."""
     normal = history(mode_run(runs, "single")[0])[0]
     slow = history(runs.exact("single", epochs=1, env={"SLOW_ITEM": "0.05"})[0])[0]
     injected = 100 * 0.05
-    assert slow["data_wait_seconds"] >= normal["data_wait_seconds"] + 0.8 * injected
+    assert slow["data_wait_seconds"] >= injected
     model_time = [r["train_seconds"] - r["data_wait_seconds"] for r in (normal, slow)]
     assert model_time[1] < model_time[0] + injected / 2, model_time
     assert normal["data_wait_seconds"] < 0.5 * normal["train_seconds"]
@@ -84,8 +122,10 @@ def test_profile_writes_a_trace_and_the_table(runs, mode):
     seconds = figures["host"]["seconds"]
     assert sum(seconds.values()) == pytest.approx(figures["wall_seconds"], rel=1e-6)
     assert seconds["forward"] > 0 and seconds["backward"] > 0 and seconds["optimizer"] > 0
-    # The loop's own clock and the profiler's "data wait" ranges agree.
-    assert seconds["data wait"] == pytest.approx(figures["data_wait_by_clock_seconds"], abs=0.02)
+    # The profiler's "data wait" ranges lie inside the loop's own clocked intervals (whole
+    # microseconds in the trace), and are not empty: each step decodes its images (--workers 0).
+    # How close the two are: test_benchmark.py, with a loader slow enough to tell.
+    assert 0 < seconds["data wait"] <= figures["data_wait_by_clock_seconds"] + 1e-3
     if mode in ("ddp", "accelerate"):
         assert figures["host"]["communication"]["all-reduce"] > 0
         assert "| - all-reduce | " in table and "gloo collectives were in flight" in table

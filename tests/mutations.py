@@ -1,0 +1,300 @@
+"""One-line breakages of the product, each with the tests that must fail when it is applied.
+
+    .venv/bin/python tests/mutations.py              # every entry (half an hour or more on 2 cores)
+    .venv/bin/python tests/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
+    .venv/bin/python tests/mutations.py --list       # the entries, without running anything
+
+The working tree (its tracked files and the untracked ones git does not ignore) is copied once into
+a temporary folder; nothing here is changed. First the named tests of the selected entries run
+there unchanged (they must pass: a test that fails anyway proves nothing; --no-baseline skips
+this). Then, for each entry, the one change is made in the copy, its tests run there with this
+repository's .venv (one pytest process, stopping at the first failure, only the tests named), and
+the file is put back. The report is a table: each mutation, its tests, and "caught" (pytest
+reported a failed test), "survived" (they passed) or "error" (they could not run: a test name that
+does not exist, a mutation that breaks the import); exit code 0 when every one was caught.
+
+An entry is ("path", "original", "replacement", ["tests/test_x.py::test_name", ...]): the original
+text must occur exactly once in the file (several lines if one is not enough to be unique);
+an entry whose text is not found exactly once is refused before anything runs. A new feature
+adds the mutation that switches it off, with the tests that catch it.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = ROOT / ".venv" / "bin" / "python"
+
+MUTATIONS = [
+    # Issue 27's seven rows.
+    ("src/checkpoint.py", "if is_best:", "if True:",
+     ["tests/test_recipe.py::test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by",
+      "tests/test_recipe.py::test_an_epoch_that_is_no_better_keeps_best_pth"]),
+    ("src/checkpoint.py", "best_record(history, args.best_by) is history[-1]",
+     'best_record(history, "val_acc") is history[-1]',
+     ["tests/test_recipe.py::test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by"]),
+    ("src/freeze.py", "model.requires_grad_(not frozen)", "model.requires_grad_(True)",
+     ["tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode"]),
+    ("train_single.py", "model.train(not frozen)", "model.train(True)",
+     ["tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode"]),
+    ("src/recipe.py", "clip_grad_norm_(model.parameters(), clip_grad_norm)",
+     "clip_grad_norm_(model.parameters(), 10 * clip_grad_norm)",
+     ["tests/test_one_step.py::test_clipping_moves_the_weights_by_lr_times_the_norm"]),
+    ("src/progress.py", 'record_function("data wait")', 'record_function("data_wait")',
+     ["tests/test_benchmark.py::test_the_profile_finds_the_data_wait_the_loop_clocked",
+      "tests/test_watch.py::test_profile_writes_a_trace_and_the_table"]),
+    ("src/cli.py", 'help="SGD momentum"', "help=argparse.SUPPRESS",
+     ["tests/test_train_single.py::test_help_lists_every_flag"]),
+    ("src/cli.py", 'help="micro-batches of --batch-size per optimizer step (gradient accumulation)"',
+     "help=argparse.SUPPRESS", ["tests/test_train_single.py::test_help_lists_every_flag"]),
+
+    # Shared code against hand computations (tests/test_one_step.py), in every script.
+    ("train_dp.py", "model.train(not frozen)", "model.train(True)",
+     ["tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode"]),
+    ("train_ddp.py", "model.train(not frozen)", "model.train(True)",
+     ["tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode"]),
+    ("train_accelerate.py", "model.train(not frozen)", "model.train(True)",
+     ["tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode"]),
+    ("train_single.py", "label_smoothing=args.label_smoothing", "label_smoothing=0.0",
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("train_dp.py", "label_smoothing=args.label_smoothing", "label_smoothing=0.0",
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("train_ddp.py", "label_smoothing=args.label_smoothing", "label_smoothing=0.0",
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("train_accelerate.py", "label_smoothing=args.label_smoothing", "label_smoothing=0.0",
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("src/recipe.py", '"weight_decay": args.weight_decay}', '"weight_decay": 2 * args.weight_decay}',
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("src/recipe.py", '"weight_decay": 0.0}', '"weight_decay": args.weight_decay}',
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("train_single.py", "scaler.scale(loss / args.accumulate)", "scaler.scale(loss)",
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("train_ddp.py", "scaler.scale(loss / args.accumulate)", "scaler.scale(loss)",
+     ["tests/test_one_step.py::test_one_step_is_the_hand_computed_step"]),
+    ("src/cli.py", "return getattr(torch, name) if name else None", "return None",
+     ["tests/test_one_step.py::test_amp_runs_the_forward_in_its_dtype_and_keeps_float32_weights"]),
+    ("train_single.py", 'enabled=args.amp != "no"):\n            logits = model(inputs)\n            loss',
+     'enabled=False):\n            logits = model(inputs)\n            loss',
+     ["tests/test_one_step.py::test_amp_runs_the_forward_in_its_dtype_and_keeps_float32_weights",
+      "tests/test_performance.py::test_bf16_really_runs_in_bf16_in_single_and_accelerate"]),
+    ("train_dp.py", 'scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")',
+     "scaler = torch.amp.GradScaler(device.type, enabled=False)",
+     ["tests/test_performance.py::test_fp16_scales_the_loss_and_stays_near_float32"]),
+    ("src/accelerate_checks.py", 'if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:',
+     "if False:", ["tests/test_one_step.py::test_accelerate_with_fp16_on_a_cpu_is_refused"]),
+
+    # The tests issue 27 found weak.
+    ("src/loaders.py", "sampler=ShardSampler(len(val_set), world_size, rank)",
+     "sampler=torch.utils.data.DistributedSampler(val_set, world_size, rank, shuffle=False)",
+     ["tests/test_loaders.py::test_validation_shards_cover_every_sample_once"]),
+    ("src/atomic.py", "os.fsync(raw.fileno())", "raw.fileno()",
+     ["tests/test_reliability.py::test_a_checkpoint_is_on_disk_before_its_rename"]),
+    ("src/atomic.py", "raw.flush()", "pass",
+     ["tests/test_reliability.py::test_a_checkpoint_is_on_disk_before_its_rename"]),
+    ("src/progress.py", "loss = (sums - before_sums)[LOSS].item() / max(seen, 1)",
+     "loss = sums[LOSS].item() / max(seen, 1)",
+     ["tests/test_watch.py::test_the_progress_bar_shows_the_recent_loss_and_images_per_second"]),
+    ("src/tools/benchmark.py", 'last["train_samples"] / last["train_seconds"]', 'last["train_samples"] / last["seconds"]',
+     ["tests/test_benchmark.py::test_the_benchmark_figures_are_those_of_its_runs"]),
+    ("src/tools/benchmark.py", "{'x' if met else ' '}", "{'x'}",
+     ["tests/test_benchmark.py::test_the_benchmark_figures_are_those_of_its_runs"]),
+    ("src/tools/benchmark.py", "counted = -(-max_batches // max(workers, 1)) * max(workers, 1)",
+     "counted = max_batches",
+     ["tests/test_benchmark.py::test_loader_alone_counts_whole_rounds_of_workers",
+      "tests/test_benchmark.py::test_loader_alone_measures_a_loader_of_known_speed"]),
+    ("src/models.py", 'MIN_IMAGE_SIZE = {"alexnet": 63,', 'MIN_IMAGE_SIZE = {"alexnet": 70,',
+     ["tests/test_arch_walk.py::test_sizes_a_model_cannot_take_are_refused_naming_the_size_it_needs"]),
+
+    # Claimed by the closing notes of earlier issues (14 to 19, 23).
+    ("src/progress.py", "self.data_wait += time.perf_counter() - start",
+     "self.data_wait += 0.0 * (time.perf_counter() - start)",
+     ["tests/test_watch.py::test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not"]),
+    ("src/transforms.py", "return torch.channels_last if args.channels_last else torch.preserve_format",
+     "return torch.preserve_format",
+     ["tests/test_performance.py::test_channels_last_and_compile_take_effect_and_change_nothing"]),
+    ("src/transforms.py", "images = images.contiguous(memory_format=torch.channels_last)", "images = images",
+     ["tests/test_gpu.py::test_channels_last_reaches_the_model_through_the_loop"]),
+    ("train_single.py", "net = torch.compile(stage.net) if args.compile else stage.net", "net = stage.net",
+     ["tests/test_performance.py::test_channels_last_and_compile_take_effect_and_change_nothing"]),
+    ("src/loaders.py", "self.epoch = epoch", "pass",
+     ["tests/test_loaders.py::test_ddp_global_batches_equal_single_process_batches"]),
+    ("src/metrics.py", ".clamp(EPS, 1 - EPS)", "",
+     ["tests/test_modes.py::test_val_log_loss_is_kaggles_metric_clipped",
+      "tests/test_modes.py::test_ddp_validation_metrics_are_what_one_process_computes"]),
+    ("train_ddp.py", "    if rank == 0:\n        print(run_header(", "    if True:\n        print(run_header(",
+     ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
+    ("train_ddp.py", "            if rank == 0:\n                is_best = save_epoch(",
+     "            if True:\n                is_best = save_epoch(",
+     ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
+    ("src/loaders.py", "table = from_rank_0(lambda: load_labels(data_dir, show))", "table = load_labels(data_dir, show)",
+     ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
+    ("train_ddp.py", "with contextlib.nullcontext() if last else model.no_sync():", "with contextlib.nullcontext():",
+     ["tests/test_recipe.py::test_ddp_all_reduces_the_gradients_once_per_optimizer_step"]),
+    ("src/progress.py", "if log_dir and is_first():", "if log_dir:",
+     ["tests/test_watch.py::test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only"]),
+    ("src/data_parallel.py", "return [AutocastReplica(replica, self.src_device_obj.type)\n                for replica in super().replicate(module, device_ids)]",
+     "return super().replicate(module, device_ids)",
+     ["tests/test_gpu.py::test_data_parallel_wraps_every_replica"]),
+    ("src/transforms.py", "@functools.cache\n", "",
+     ["tests/test_gpu.py::test_no_tensor_is_built_from_python_values_inside_a_step"]),
+    ("src/data_parallel.py", "if compile_model and gpus > 1:", "if False:",
+     ["tests/test_gpu.py::test_compile_with_data_parallel_on_two_gpus_is_refused"]),
+    ("src/devices.py", "torch.backends.cudnn.deterministic = True", "pass",
+     ["tests/test_gpu.py::test_deterministic_switches_off_tf32_and_nondeterministic_kernels"]),
+    ("src/devices.py", "return max(1, min(cpus, math.ceil(quota))) if quota else cpus", "return cpus",
+     ["tests/test_gpu.py::test_default_workers_follow_a_containers_cpu_quota"]),
+    ("src/devices.py", "    if free < need:\n        raise UserError(f\"{shm} has", "    if False:\n        raise UserError(f\"{shm} has",
+     ["tests/test_gpu.py::test_a_small_dev_shm_is_one_line_before_training"]),
+    ("src/checkpoint.py", "from_rank_0(lambda: _try_outputs(args))", "None",
+     ["tests/test_train_single.py::test_unwritable_output_folders_stop_before_training"]),
+    ("src/checkpoint.py", 'schedule.load_state_dict(state["schedule"])', "pass",
+     ["tests/test_recipe.py::test_resume_in_the_middle_of_the_schedule_equals_the_straight_run"]),
+    ("src/seeds.py", "torch.manual_seed(derive_seed(seed, epoch, rank))", "pass",
+     ["tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run"]),
+    ("src/cache.py", 'if int(os.environ.get("LOCAL_RANK", 0)) != 0:', "if False:",
+     ["tests/test_performance.py::test_a_process_waiting_for_a_cache_that_never_comes_stops_with_one_line",
+      "tests/test_performance.py::test_ddp_ranks_share_one_cache_that_one_process_built_once"]),
+    ("src/cache.py", 'f"{uuid.uuid4().hex[:8]}.tmp")', 'f"tmp")',
+     ["tests/test_performance.py::test_the_first_complete_build_wins_and_builders_never_share_a_file"]),
+    ("src/freeze.py", '{_weights_digest(model)}', "",
+     ["tests/test_freeze.py::test_the_feature_cache_is_rebuilt_when_the_backbone_or_size_changes"]),
+    ("src/plot.py", 'axes.plot(epochs, [r[f"val_{key}"] for r in history], "s-", label=f"Validation {title.lower()}")',
+     "pass", ["tests/test_train_single.py::test_the_plot_holds_both_curves_of_every_epoch"]),
+    ("src/tools/predict.py", "p_dog = (p_dog + model(images.flip(dims=[3])).float().softmax(dim=1)[:, 1]) / 2",
+     "p_dog = p_dog", ["tests/test_kaggle.py::test_tta_averages_each_image_with_its_mirror"]),
+    ("src/augment.py", "derive_seed(seed, epoch, index)", "derive_seed(seed, 0, index)",
+     ["tests/test_recipe.py::test_one_samples_augmentation_is_the_same_whatever_the_workers_or_the_rank"]),
+
+    # This script's own refusal of an entry that does not apply (the text in two pieces: whole, it
+    # would occur here too).
+    ("tests/mutations.py", "if count " "!= 1:", "if count > 1:",
+     ["tests/test_mutations.py::test_an_entry_that_does_not_apply_is_refused_before_anything_runs"]),
+]
+
+
+def problems(entries: list[tuple]) -> list[str]:
+    """Why each malformed entry cannot be applied: its text not found exactly once, and so on."""
+    found = []
+    for path, original, replacement, tests in entries:
+        where = ROOT / path
+        if not where.is_file():
+            found.append(f"{path}: no such file")
+            continue
+        count = where.read_text().count(original)
+        if count != 1:
+            found.append(f"{path}: the original text {original!r} occurs {count} times, not once")
+        if original == replacement:
+            found.append(f"{path}: {original!r} is replaced by itself")
+        if not tests or not all(isinstance(test, str) and test.startswith("tests/") for test in tests):
+            found.append(f"{path}: {original!r} names no tests, or a test outside tests/: {tests!r}")
+    return found
+
+
+def scratch_copy() -> Path:
+    """The working tree, as git sees it (tracked and untracked-not-ignored files), in a temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="mutations-"))
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file() or source.is_symlink():  # a tracked file deleted in the tree is skipped
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, folder / name, follow_symlinks=False)
+    return folder
+
+
+def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float]:
+    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds); its output goes to log."""
+    start = time.monotonic()
+    basetemp = copy / ".pytest-tmp"  # its own: a session of the shared runs, not another session's folder
+    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "--basetemp", str(basetemp), *tests]
+    try:
+        result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        output, code = result.stdout + result.stderr, result.returncode
+    except subprocess.TimeoutExpired as expired:
+        output, code = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", -1
+    log.write_text(" ".join(command) + "\n\n" + output)
+    shutil.rmtree(basetemp, ignore_errors=True)
+    # pytest's exit codes: 0 all passed, 1 some failed, 2 interrupted or errors in collection, 4 usage, 5 none collected.
+    return {0: "passed", 1: "failed"}.get(code, "error"), time.monotonic() - start
+
+
+def short(text: str, width: int = 60) -> str:
+    text = text.replace("\n", "\\n").replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", dest="match", default="",
+                        help="only the entries whose path or original text holds this substring")
+    parser.add_argument("--list", action="store_true", help="list the selected entries and stop")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the run of the named tests on the unchanged copy")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for one pytest run")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy and the logs")
+    args = parser.parse_args()
+
+    entries = [entry for entry in MUTATIONS if args.match in entry[0] or args.match in entry[1]]
+    if not entries:
+        print(f"no entry matches -k {args.match!r}", file=sys.stderr)
+        return 2
+    bad = problems(entries)
+    if bad:
+        print("refused, nothing was run; fix these entries of tests/mutations.py:", file=sys.stderr)
+        for line in bad:
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    if args.list:
+        for number, (path, original, replacement, tests) in enumerate(entries, 1):
+            print(f"{number:3} {path}: {short(original)} -> {short(replacement)}\n      {' '.join(tests)}")
+        return 0
+
+    copy = scratch_copy()
+    logs = copy / ".mutation-logs"
+    logs.mkdir()
+    print(f"scratch copy: {copy}", flush=True)
+    try:
+        if not args.no_baseline:
+            tests = sorted({test for entry in entries for test in entry[3]})
+            outcome, seconds = run_tests(copy, tests, logs / "baseline.log", args.timeout)
+            print(f"baseline: the {len(tests)} named tests on the unchanged copy {outcome} in {seconds:.0f} s",
+                  flush=True)
+            if outcome != "passed":
+                print((logs / "baseline.log").read_text()[-5000:], file=sys.stderr)
+                print("the named tests fail without any mutation: fix them first (--keep keeps the log)",
+                      file=sys.stderr)
+                return 1
+        rows = []
+        for number, (path, original, replacement, tests) in enumerate(entries, 1):
+            target = copy / path
+            kept = target.read_text()
+            target.write_text(kept.replace(original, replacement, 1))
+            try:
+                outcome, seconds = run_tests(copy, tests, logs / f"{number:03}.log", args.timeout)
+            finally:
+                target.write_text(kept)
+            verdict = {"failed": "caught", "passed": "SURVIVED"}.get(outcome, "ERROR")
+            rows.append((f"{path}: `{short(original)}` -> `{short(replacement)}`",
+                         ", ".join(test.split("::")[-1] for test in tests), verdict, seconds))
+            print(f"{number}/{len(entries)} {verdict:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(copy, ignore_errors=True)
+
+    print("\n| # | mutation | tests | result | seconds |\n|---|---|---|---|---|")
+    for number, (mutation, tests, verdict, seconds) in enumerate(rows, 1):
+        print(f"| {number} | {mutation} | {tests} | {verdict} | {seconds:.0f} |")
+    caught = sum(verdict == "caught" for _, _, verdict, _ in rows)
+    print(f"\n{caught} of {len(rows)} caught; " + (f"logs in {logs}" if args.keep else "rerun with --keep for the logs"))
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
