@@ -286,7 +286,7 @@ MUTATIONS = [
      ['tests/test_export.py::test_a_wrong_export_is_refused_and_nothing_written']),
     ('src/tools/export.py', '        put_in_place(folder, output)\n    finally:', '    finally:\n        put_in_place(folder, output)',
      ['tests/test_export.py::test_a_wrong_export_is_refused_and_nothing_written']),
-    ('src/onnx_model.py', '    if info.get("sha256") != meta["best_pth_sha256"]:', '    if False:',
+    ('src/tools/onnx_model.py', '    if info.get("sha256") != meta["best_pth_sha256"]:', '    if False:',
      ['tests/test_export.py::test_an_onnx_file_of_another_model_is_refused']),
     ('src/tools/predict.py', '        best_json = None  # an ONNX file alone describes itself', '        pass',
      ['tests/test_export.py::test_predict_onnx_runs_without_torch_and_gives_torchs_p_dog']),
@@ -296,7 +296,7 @@ MUTATIONS = [
      ['tests/test_export.py::test_predict_onnx_tta_averages_the_mirror_images']),
     ('src/tools/predict.py', 'import numpy as np\n', 'import numpy as np\nimport torch  # noqa: F401\n',
      ['tests/test_export.py::test_predict_onnx_runs_without_torch_and_gives_torchs_p_dog']),
-    ('src/rounding.py', 'LAMBDA = 3.0', 'LAMBDA = 3000.0',
+    ('src/tools/rounding.py', 'LAMBDA = 3.0', 'LAMBDA = 3000.0',
      ['tests/test_export.py::test_onnxruntime_matches_torch_on_real_images_within_the_bound']),
     # Issue 30: resume wherever rank 0 lands, one-line errors, ignored outputs.
     ('src/checkpoint.py', 'source = -max(held)[1]', 'source = 0',

@@ -1,6 +1,6 @@
 """python -m src.tools.export: best.pth -> ONNX (uint8 images in, probabilities out, dynamic batch,
 the normalisation inside), checked against onnxruntime at export time; onnxruntime's
-probabilities on real decoded images match torch's within the float32 bound of src/rounding.py;
+probabilities on real decoded images match torch's within the float32 bound of src/tools/rounding.py;
 `predict --onnx` runs it without torch; an ONNX file of another model is refused."""
 import json
 import shutil
@@ -16,9 +16,9 @@ from test_predict import FORMATTED, IMAGES, _csv, make_mixed, validation_pass
 
 from src.datasets import open_rgb
 from src.inference import load_checkpoint
-from src.onnx_model import FORMAT
-from src.rounding import rounding_bound
 from src.tools import export, predict
+from src.tools.onnx_model import FORMAT
+from src.tools.rounding import rounding_bound
 from src.transforms import image_transform, normalize
 
 

@@ -20,8 +20,8 @@ from src import inference
 from src.datasets import DogCatDataset, open_rgb
 from src.image_files import decode, find_images
 from src.inference import load_checkpoint
-from src.rounding import rounding_bound
 from src.tools import predict
+from src.tools.rounding import rounding_bound
 from src.transforms import image_transform, model_inputs, normalize
 
 FORMATTED = 5e-7  # the CSV's p_dog has 6 significant digits: off by at most half a unit of the 6th
@@ -86,7 +86,7 @@ def one_process(mixed, checkpoint, module_tmp):
 def validation_pass(checkpoint, files, flip=False):
     """p(dog) for the files as the training scripts' validation computes it, from its own pieces:
     DogCatDataset (open_rgb's draft decode, image_transform), a loader, model_inputs, the model;
-    and the float32 bound (src.rounding) of another computation of each."""
+    and the float32 bound (src.tools.rounding) of another computation of each."""
     model, info = load_checkpoint(checkpoint)
     table = pd.DataFrame({"filename": [str(f) for f in files], "label": 0})
     dataset = DogCatDataset(table, "/", image_transform(info["image_size"]), draft_size=info["image_size"])

@@ -6,9 +6,9 @@
 The graph takes uint8 RGB images (batch, 3, S, S), resized to a square as training resizes them,
 and returns the class probabilities (batch, classes); the normalisation is inside it, the batch
 is dynamic, the opset is OPSET. Its metadata names the arch, image size, classes and the sha256 of
-the best.pth it came from (src/onnx_model.py). Before the file is put in place, onnxruntime runs
+the best.pth it came from (src/tools/onnx_model.py). Before the file is put in place, onnxruntime runs
 it on N real images (decoded as training decodes them) and each probability must be within the
-float32 rounding bound of src/rounding.py of torch's; otherwise nothing is written.
+float32 rounding bound of src/tools/rounding.py of torch's; otherwise nothing is written.
 `python -m src.tools.predict --onnx OUTPUT PATH...` runs it without torch.
 Needs `pip install -r requirements-onnx.txt` (onnx, onnxscript, onnx-ir, onnxruntime).
 """
@@ -27,8 +27,8 @@ from src.cli import OneLineParser, at_least
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
 from src.inference import load_checkpoint, sha256_of
-from src.onnx_model import metadata, open_session
-from src.rounding import rounding_bound
+from src.tools.onnx_model import metadata, open_session
+from src.tools.rounding import rounding_bound
 from src.transforms import normalize
 
 OPSET = 20  # torch 2.14's default; onnxruntime 1.32 runs opsets up to 23

@@ -105,7 +105,7 @@ def report(result: Predictions, others: int, output: Path) -> str:
 def predict_onnx(args, files: list[Path]) -> Predictions:
     """With onnxruntime: numpy, Pillow and onnxruntime, no torch. Decoding threads prepare the next
     batch while onnxruntime runs one."""
-    from src.onnx_model import open_session
+    from src.tools.onnx_model import open_session
     best_json = (args.checkpoint or args.onnx).with_suffix(".json")
     if args.checkpoint is None and not best_json.is_file():
         best_json = None  # an ONNX file alone describes itself
