@@ -121,6 +121,15 @@ def shared_dataset(request, name: str, **sizes) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_timeout(monkeypatch):
+    """A script's main() run in this process sets DIST_TIMEOUT_MINUTES (src.cli.dist_timeout) for
+    its cache wait; without this the next test in the worker would inherit it (a test of the wait
+    then waited its 60 minutes)."""
+    monkeypatch.setenv("DIST_TIMEOUT_MINUTES", "unset")
+    monkeypatch.delenv("DIST_TIMEOUT_MINUTES")  # undone in reverse: set back, then removed
+
+
 @pytest.fixture(scope="session")
 def small_data(request) -> Path:
     """240 training and 30 test images of about 64 px."""

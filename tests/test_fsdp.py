@@ -351,7 +351,8 @@ def test_accelerate_refuses_a_sharding_plugin_it_was_asked_for(variable, plugin,
 @pytest.mark.parametrize("kind", list(DistributedType))
 def test_accelerate_trains_only_with_its_ddp(kind, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    accelerator = SimpleNamespace(distributed_type=kind, num_processes=1, is_main_process=True)
+    accelerator = SimpleNamespace(distributed_type=kind, num_processes=1, is_main_process=True,
+                                  mixed_precision="no", native_amp=True)
     if kind == DistributedType.NO or kind.value.startswith("MULTI_"):
         check_accelerator(accelerator)
     else:

@@ -79,7 +79,7 @@ FLAGS = ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--imag
          "--dropout", "--val-fraction", "--seed", "--workers", "--checkpoint", "--plot", "--resume", "--cache",
          "--channels-last", "--compile", "--deterministic", "--augment", "--optimizer", "--weight-decay",
          "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--best-by",
-         "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile"]
+         "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile", "--evaluate"]
 
 
 def help_entries(text: str) -> list[str]:
@@ -100,7 +100,8 @@ def test_help_lists_every_flag(script, monkeypatch, capsys):
     code, out, _ = in_process(importlib.import_module(script).main, ["--help"], monkeypatch, capsys)
     assert code == 0
     amp = [] if script == "train_accelerate" else ["--amp"]  # accelerate takes accelerate's setting
-    assert sorted(help_entries(out)) == sorted(["-h", "--help", *FLAGS, *amp])
+    timeout = ["--dist-timeout"] if script in ("train_ddp", "train_accelerate") else []  # distributed only
+    assert sorted(help_entries(out)) == sorted(["-h", "--help", *FLAGS, *amp, *timeout])
 
 
 def _main_fails(monkeypatch, capsys, *argv, message: str) -> str:
