@@ -5,6 +5,7 @@ and `make demo`; its time on the machines it was measured on: docs/performance.m
     .venv/bin/python tests/doc_commands.py           # the commands that run in minutes
     .venv/bin/python tests/doc_commands.py --long    # and those that take longer (the benchmark, the suite)
     .venv/bin/python tests/doc_commands.py --list    # what it would run, and why it skips the others
+    .venv/bin/python tests/doc_commands.py --page docs/inference.md   # one page's commands
 
 Every indented code block of those pages follows a tag, an HTML comment that a reader of the
 rendered page does not see:
@@ -185,10 +186,11 @@ def main() -> None:
     parser.add_argument("--long", action="store_true", help="also run the commands tagged long")
     parser.add_argument("--list", action="store_true", help="list the commands and what would happen to each")
     parser.add_argument("--keep", action="store_true", help="keep the clone (it is kept anyway when something failed)")
+    parser.add_argument("--page", choices=PAGES, help="only this page's commands")
     args = parser.parse_args()
 
     try:
-        todo = commands(ROOT)
+        todo = [command for command in commands(ROOT) if args.page in (None, command.page)]
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     runs = {"run", "small"} | ({"long"} if args.long else set())
