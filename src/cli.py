@@ -93,7 +93,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
     add("--compile", action="store_true", help="torch.compile the model (the first steps compile it)")
     add("--deterministic", action="store_true",
         help="IEEE float32 (no TF32) and deterministic kernels on GPUs, to compare runs exactly")
-    recipe = parser.add_argument_group("recipe (defaults: the seed's plain SGD)")
+    recipe = parser.add_argument_group("recipe (defaults: plain SGD, the blog post's)")
     add = recipe.add_argument
     add("--augment", action="store_true",
         help="random resized crop and horizontal flip of training images, drawn per (seed, epoch, image)")

@@ -21,7 +21,7 @@ def compared(module_tmp):
 def test_table_and_csv_report_both_recipes_from_their_histories(compared):
     out, printed = compared
     rows = {row["recipe"]: row for row in csv.DictReader(open(out / "compare.csv"))}
-    assert list(rows) == ["seed", "full"]
+    assert list(rows) == ["baseline", "full"]
     markdown = (out / "compare.md").read_text()
     assert markdown in printed
     for name, row in rows.items():
@@ -40,13 +40,13 @@ def test_table_and_csv_report_both_recipes_from_their_histories(compared):
 
 def test_runs_differ_only_in_the_recipe(compared):
     out, _ = compared
-    seed, full = (json.loads((out / "runs" / name / "best.json").read_text()) for name in ("seed", "full"))
+    baseline, full = (json.loads((out / "runs" / name / "best.json").read_text()) for name in ("baseline", "full"))
     # The same data, split, model and steps...
     for key in ("arch", "image_size", "batch_size", "seed", "val_fraction", "data", "epochs", "lr"):
-        assert seed[key] == full[key], key
-    # ...the seed recipe with the scripts' defaults, the full one with every piece on.
-    assert (seed["augment"], seed["lr_schedule"], seed["warmup_epochs"], seed["weight_decay"],
-            seed["label_smoothing"], seed["clip_grad_norm"]) == (False, "constant", 0.0, 0.0, 0.0, None)
+        assert baseline[key] == full[key], key
+    # ...the baseline recipe with the scripts' defaults, the full one with every piece on.
+    assert (baseline["augment"], baseline["lr_schedule"], baseline["warmup_epochs"], baseline["weight_decay"],
+            baseline["label_smoothing"], baseline["clip_grad_norm"]) == (False, "constant", 0.0, 0.0, 0.0, None)
     assert full["augment"] and full["lr_schedule"] == "cosine" and 0 < full["warmup_epochs"] < 1
     assert full["weight_decay"] > 0 and full["label_smoothing"] > 0 and full["clip_grad_norm"] > 0
     assert json.loads((out / "data" / "synthetic.json").read_text())["hard"] is True
@@ -68,14 +68,14 @@ def test_missing_data_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     assert line == f"error: --data-dir {tmp_path / 'nowhere'}: no train/ folder in it"
 
 
-@pytest.mark.parametrize("seed, full, says", [
+@pytest.mark.parametrize("baseline, full, says", [
     (0.26101, 0.26104, "last-epoch validation log loss: a tie to four decimals (0.2610)"),
-    (0.2610, 0.2620, "the seed recipe is lower, 0.2610 against 0.2620 (under 1% less than the full recipe's)"),
-    (0.2610, 0.1540, "the full recipe is lower, 0.1540 against 0.2610 (41% less than the seed recipe's)"),
+    (0.2610, 0.2620, "the baseline recipe is lower, 0.2610 against 0.2620 (under 1% less than the full recipe's)"),
+    (0.2610, 0.1540, "the full recipe is lower, 0.1540 against 0.2610 (41% less than the baseline recipe's)"),
 ])
-def test_verdict_says_how_much_lower_in_words_that_hold(seed, full, says):
+def test_verdict_says_how_much_lower_in_words_that_hold(baseline, full, says):
     """Nearly equal log losses are not "(0% less ...)"."""
     row = {"best_val_log_loss": 0.3, "last_val_acc": 0.9, "best_val_acc": 0.9, "val_images": 500}
-    lines = compare_recipes.verdict({"seed": {**row, "last_val_log_loss": seed},
+    lines = compare_recipes.verdict({"baseline": {**row, "last_val_log_loss": baseline},
                                      "full": {**row, "last_val_log_loss": full}})
     assert says in lines[0] and "0%" not in lines[0], lines[0]

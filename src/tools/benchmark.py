@@ -1,4 +1,4 @@
-"""Time every mode on the same data and print the seed's table, with the ceilings beside it.
+"""Time every mode on the same data and print the blog post's table (speed per mode), with the ceilings beside it.
 
     python -m src.tools.benchmark [--processes P] [--data-dir DIR] [--out-dir benchmark] ...
 

@@ -1,4 +1,4 @@
-"""Train the seed recipe and the full recipe for the same steps and compare their validation log loss.
+"""Train the baseline recipe and the full recipe for the same steps and compare their validation log loss.
 
     python -m src.tools.compare_recipes [--data-dir DIR] [--out-dir compare] [--epochs E] [--images N] ...
 
@@ -6,7 +6,7 @@ Runs the real train_single.py twice on the same data, split, data order, archite
 size, batch size, epochs, peak learning rate and seed, each from its own fresh initialisation
 (the same for both: --seed):
 
-- seed: the scripts' defaults, plain SGD (momentum 0.9) at a constant learning rate, no
+- baseline: the scripts' defaults, plain SGD (momentum 0.9) at a constant learning rate, no
   augmentation, no weight decay, no label smoothing, no clipping;
 - full: the same SGD and peak learning rate plus --augment, a cosine schedule after a linear
   warm-up over the first tenth of the steps, weight decay, label smoothing and gradient clipping
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None):
     add("--epochs", type=at_least(1), default=10, help="epochs of each run")
     add("--batch-size", type=at_least(1), default=32, help="images per step, the same in both runs")
     add("--lr", type=float, default=0.01,
-        help="learning rate of the seed recipe and peak of the full one's schedule (the scripts' "
+        help="learning rate of the baseline recipe and peak of the full one's schedule (the scripts' "
              "0.001 is for ImageNet weights; from random init it barely moves in a few epochs)")
     add("--images", type=at_least(10), default=2500,
         help="labelled images of the synthetic set (without --data-dir); 20%% are validation")
@@ -96,7 +96,7 @@ def recipes(epochs: int) -> dict[str, list[str]]:
     full = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", warmup]
     for flag, value in FULL_RECIPE.items():
         full += [flag, value]
-    return {"seed": [], "full": full}
+    return {"baseline": [], "full": full}
 
 
 def synthetic_data(args) -> Path:
@@ -169,27 +169,27 @@ def summary(name: str, flags: list[str], history: list[dict], steps_per_epoch: i
 
 def verdict(rows: dict[str, dict]) -> list[str]:
     """What the figures say, in words, whichever way they go."""
-    seed, full = rows["seed"], rows["full"]
+    baseline, full = rows["baseline"], rows["full"]
     lines = []
     for key, label in (("last_val_log_loss", "last-epoch"), ("best_val_log_loss", "best-epoch")):
-        a, b = seed[key], full[key]
+        a, b = baseline[key], full[key]
         if f"{a:.4f}" == f"{b:.4f}":  # as printed: no difference to speak of
             lines.append(f"{label} validation log loss: a tie to four decimals ({a:.4f})")
         else:
-            winner, loser = ("full", "seed") if b < a else ("seed", "full")
+            winner, loser = ("full", "baseline") if b < a else ("baseline", "full")
             share = abs(a - b) / max(a, b)
             lines.append(f"{label} validation log loss: the {winner} recipe is lower, "
                          f"{min(a, b):.4f} against {max(a, b):.4f} "
                          f"({f'{share:.0%}' if share >= 0.01 else 'under 1%'} less than the {loser} recipe's)")
-    n = seed["val_images"]
-    p = (seed["last_val_acc"] + full["last_val_acc"]) / 2
+    n = baseline["val_images"]
+    p = (baseline["last_val_acc"] + full["last_val_acc"]) / 2
     noise = math.sqrt(2 * p * (1 - p) / n)
-    lines.append(f"last-epoch validation accuracy: seed {seed['last_val_acc']:.4f}, full "
+    lines.append(f"last-epoch validation accuracy: baseline {baseline['last_val_acc']:.4f}, full "
                  f"{full['last_val_acc']:.4f}; on {n} validation images the standard error of their "
                  f"difference is about {noise:.4f} (binomial, one seed), so differences below about "
                  f"{2 * noise:.3f} are within the noise")
-    if seed["best_val_acc"] >= 1.0:
-        lines.append("the seed recipe reached 1.0 validation accuracy: this set is too easy to tell "
+    if baseline["best_val_acc"] >= 1.0:
+        lines.append("the baseline recipe reached 1.0 validation accuracy: this set is too easy to tell "
                      "recipes apart by accuracy")
     return lines
 
