@@ -1,5 +1,5 @@
-# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (about 3 minutes on 2 CPU cores)
-# make test: install into .venv (with pytest and pytest-xdist) and run the test suite in two workers
+# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/performance.md)
+# make test: the same install (one environment: training, pytest, pytest-xdist, onnx) and run the test suite in two workers
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (tests/gpu_selftest.py;
 #   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
 PYTHON ?= python3

@@ -64,7 +64,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
     add("--epochs", type=at_least(1), default=1, help="epochs to train")
     add("--batch-size", type=at_least(1), default=50,
-        help="images per process and step (the global batch is this times the processes "
+        help="images per process and micro-batch (the global batch is this times the processes "
              "times --accumulate)")
     add("--lr", type=_non_negative, default=0.001, help="learning rate (the peak of --lr-schedule)")
     add("--momentum", type=_non_negative, default=0.9, help="SGD momentum")

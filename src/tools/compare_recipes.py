@@ -21,9 +21,8 @@ difference may be noise (the table says how large the noise in accuracy is).
 Without --data-dir it writes the --hard synthetic set (src/tools/synthetic.py) of --images labelled
 images into OUT/data: on the default set any recipe reaches 1.0 accuracy in a few epochs and
 there is nothing to compare. The defaults (2500 images, ResNet-18 from random init at 64 px, batch
-32, lr 0.01, 10 epochs) should take about 7 minutes on 2 idle CPU cores (estimated from a run's
-undisturbed epochs: 15 s for the training pass over 2000 images); measured 34 minutes while
-other work loaded the same 2 cores. Both runs train from one --cache in OUT/cache, decoded once; a
+32, lr 0.01, 10 epochs) take minutes on a CPU (docs/recipe.md gives the time on the machine it
+was measured on). Both runs train from one --cache in OUT/cache, decoded once; a
 --data-dir without train.csv gets one (as `python -m src.tools.prepare` writes it), so that neither run
 opens every image to list them.
 """
