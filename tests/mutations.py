@@ -317,6 +317,8 @@ MUTATIONS = [
      ['tests/test_compare_recipes.py::test_verdict_says_how_much_lower_in_words_that_hold']),
     ('.gitignore', '/cache/', '/cachex/',
      ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
+    ('.gitignore', 'predictions.csv\n', '',
+     ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
     # Issue 28: FSDP2 and accelerate's refusals.
     ('train_fsdp.py', '        model.set_requires_gradient_sync(last)', '        model.set_requires_gradient_sync(True)',
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
