@@ -30,6 +30,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from src.tools.synthetic import write_dataset  # noqa: E402
 
@@ -283,6 +284,69 @@ def mode_run(runs: Runs, mode: str):
     (OUT/../accelerator.log), where OUT is the run's output folder."""
     return runs.exact(mode, "--log-dir", "{run}/tensorboard", "--log-every", "2", "--profile",
                       env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
+
+
+# The full recipe (test_recipe, test_fsdp): every recipe flag on.
+RECIPE = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--weight-decay", "0.01",
+          "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--best-by", "val_log_loss"]
+MICRO = {"single": (B, 4), "dp": (2 * B, 2), "ddp": (B, 2), "fsdp": (B, 2), "accelerate": (B, 2)}  # batch, --accumulate
+
+
+def recipe_run(runs, mode, *extra, env=None, batch=None, accumulate=None):
+    """A mode's two epochs of EXACT with every RECIPE flag, at the reference's global batch."""
+    b, n = MICRO[mode]
+    return runs(mode, *EXACT, *VAL, *RECIPE, "--epochs", "2", "--batch-size", str(batch or b),
+                "--accumulate", str(accumulate or n), *extra, env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    """train_single.py with --accumulate 4: one process takes the steps of 2 processes x 2."""
+    return recipe_run(runs, "single")[0]
+
+
+@pytest.fixture(scope="module")
+def recipe_far(runs, reference):
+    """The reference against the same recipe with half the global batch."""
+    other = recipe_run(runs, "single", accumulate=2)[0]
+    return distance(last_model(other), last_model(reference))
+
+
+# predict and export (test_predict, test_export): a folder of mixed files, a trained best.pth.
+def make_mixed(folder, source):
+    """The mixed folder, from the labelled JPEGs of the `exact` set (source/train)."""
+    train = source / "train"
+    copies = {"Cat 7, \"quoted\" é.JPG": "cat.7.jpg", "a/b/deep.jpeg": "dog.4.jpg", "a/cat.2.jpg": "cat.2.jpg",
+              "a/cat.10.jpg": "cat.10.jpg", "nested/dog.1.jpg": "dog.1.jpg", "nested/dog.3.JPEG": "dog.3.jpg",
+              "nested/dog.20.jpg": "dog.20.jpg"}
+    for name, original in copies.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(train / original, folder / name)
+    with Image.open(train / "dog.5.jpg") as image:
+        rgb = image.convert("RGB")
+    rgb.convert("CMYK").save(folder / "cmyk.jpg")
+    rgb.convert("L").save(folder / "gray.jpg")
+    rgb.save(folder / "lossless.png")
+    rgb.convert("P").save(folder / "palette.png")
+    rgb.convert("RGBA").save(folder / "rgba.png")
+    rgb.resize((rgb.width * 3, rgb.height * 3)).save(folder / "x.bmp")
+    (folder / "notes.txt").write_text("not an image\n")
+    (folder / "nested" / "README").write_text("not an image either\n")
+    jpeg = (train / "cat.5.jpg").read_bytes()
+    (folder / "broken.jpg").write_bytes(jpeg[: len(jpeg) // 3])
+    (folder / "empty.png").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mixed(module_tmp, exact_data):
+    return make_mixed(module_tmp / "mixed", exact_data)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(runs):
+    """best.pth of the shared one-device run (SqueezeNet at 64 px)."""
+    return mode_run(runs, "single")[0] / "best.pth"
 
 
 def command_line(main, argv: list[str]) -> list[str]:

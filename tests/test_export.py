@@ -12,7 +12,7 @@ import onnxruntime
 import pytest
 import torch
 from conftest import fails_in_process, in_process, mode_run, printed_by, python
-from test_predict import FORMATTED, IMAGES, _csv, make_mixed, validation_pass
+from test_predict import FORMATTED, IMAGES, _csv, validation_pass
 
 from src.datasets import open_rgb
 from src.inference import load_checkpoint
@@ -20,16 +20,6 @@ from src.tools import export, predict
 from src.tools.onnx_model import FORMAT
 from src.tools.rounding import rounding_bound
 from src.transforms import image_transform, normalize
-
-
-@pytest.fixture(scope="module")
-def checkpoint(runs):
-    return mode_run(runs, "single")[0] / "best.pth"
-
-
-@pytest.fixture(scope="module")
-def mixed(module_tmp, exact_data):
-    return make_mixed(module_tmp / "mixed", exact_data)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from accelerate.utils import DistributedType
 from conftest import (
     EXACT,
     LAUNCH,
+    RECIPE,
     VAL,
     B,
     assert_same_run,
@@ -29,10 +30,10 @@ from conftest import (
     mode_run,
     outputs,
     python,
+    recipe_run,
     run,
     weights,
 )
-from test_recipe import RECIPE, _recipe_run
 
 import train_accelerate
 import train_fsdp
@@ -44,27 +45,11 @@ from src.ranks import end_process_group
 from src.recipe import make_optimizer, make_schedule
 from src.sharding import fsdp_units, rank_bytes, shard_model
 
-# Two processes of B images and 2 micro-batches a step: the global batch of the recipe's reference,
-# train_single.py with B images and --accumulate 4.
-FSDP_RECIPE = [*EXACT, *VAL, *RECIPE, "--epochs", "2", "--batch-size", str(B), "--accumulate", "2"]
-
-
-@pytest.fixture(scope="module")
-def reference(runs):
-    return _recipe_run(runs, "single")[0]
-
-
-@pytest.fixture(scope="module")
-def recipe_far(runs, reference):
-    return distance(last_model(_recipe_run(runs, "single", accumulate=2)[0]), last_model(reference))
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(runs):
     """Two processes, every recipe flag, --accumulate 2, TensorBoard, --profile; each epoch's
     last.pth kept (OUT/../copies/last.K.pth)."""
-    return runs("fsdp", *FSDP_RECIPE, "--log-dir", "{run}/tensorboard", "--profile",
-                env={"COPY_LAST": "{run}/copies"})
+    return recipe_run(runs, "fsdp", "--log-dir", "{run}/tensorboard", "--profile", env={"COPY_LAST": "{run}/copies"})
 
 
 def test_fsdp_with_the_full_recipe_and_accumulate_matches_single(fsdp_run, reference, recipe_far):

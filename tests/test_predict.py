@@ -12,8 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import fails_in_process, in_process, mode_run, printed_by, run
-from PIL import Image
+from conftest import fails_in_process, in_process, printed_by, run
 from torch.utils.data import DataLoader
 
 from src import inference
@@ -32,42 +31,6 @@ IMAGES = ["a/b/deep.jpeg", "a/cat.2.jpg", "a/cat.10.jpg", "Cat 7, \"quoted\" é.
           "palette.png", "rgba.png", "x.bmp"]
 NOT_IMAGES = ["notes.txt", "nested/README"]
 BROKEN = {"broken.jpg": "truncated", "empty.png": "cannot identify image file"}
-
-
-def make_mixed(folder, source):
-    """The mixed folder, from the labelled JPEGs of the `exact` set (source/train)."""
-    train = source / "train"
-    copies = {"Cat 7, \"quoted\" é.JPG": "cat.7.jpg", "a/b/deep.jpeg": "dog.4.jpg", "a/cat.2.jpg": "cat.2.jpg",
-              "a/cat.10.jpg": "cat.10.jpg", "nested/dog.1.jpg": "dog.1.jpg", "nested/dog.3.JPEG": "dog.3.jpg",
-              "nested/dog.20.jpg": "dog.20.jpg"}
-    for name, original in copies.items():
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(train / original, folder / name)
-    with Image.open(train / "dog.5.jpg") as image:
-        rgb = image.convert("RGB")
-    rgb.convert("CMYK").save(folder / "cmyk.jpg")
-    rgb.convert("L").save(folder / "gray.jpg")
-    rgb.save(folder / "lossless.png")
-    rgb.convert("P").save(folder / "palette.png")
-    rgb.convert("RGBA").save(folder / "rgba.png")
-    rgb.resize((rgb.width * 3, rgb.height * 3)).save(folder / "x.bmp")
-    (folder / "notes.txt").write_text("not an image\n")
-    (folder / "nested" / "README").write_text("not an image either\n")
-    jpeg = (train / "cat.5.jpg").read_bytes()
-    (folder / "broken.jpg").write_bytes(jpeg[: len(jpeg) // 3])
-    (folder / "empty.png").write_bytes(b"")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def mixed(module_tmp, exact_data):
-    return make_mixed(module_tmp / "mixed", exact_data)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(runs):
-    """best.pth of the shared one-device run (SqueezeNet at 64 px)."""
-    return mode_run(runs, "single")[0] / "best.pth"
 
 
 def _csv(path) -> pd.DataFrame:

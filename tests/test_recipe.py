@@ -10,6 +10,7 @@ import torch.nn as nn
 from conftest import (
     EXACT,
     HOOKS,
+    RECIPE,
     TOLERANCE,
     VAL,
     B,
@@ -20,6 +21,7 @@ from conftest import (
     in_process,
     last_model,
     python,
+    recipe_run,
     weights,
 )
 from torch.utils.data import TensorDataset
@@ -36,39 +38,15 @@ from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
 # `recipe_far`: --clip-grad-norm 0.41, --weight-decay 0.36, the schedule 0.22, --augment 0.069,
 # --label-smoothing 0.0067; another augmentation seed 0.050. A mode that ignored any of them would
 # fail TOLERANCE (1e-3).
-RECIPE = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--weight-decay", "0.01",
-          "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--best-by", "val_log_loss"]
-MICRO = {"single": (B, 4), "dp": (2 * B, 2), "ddp": (B, 2), "accelerate": (B, 2)}  # batch, --accumulate
-
-
-def _recipe_run(runs, mode, *extra, env=None, batch=None, accumulate=None):
-    b, n = MICRO[mode]
-    return runs(mode, *EXACT, *VAL, *RECIPE, "--epochs", "2", "--batch-size", str(batch or b),
-                "--accumulate", str(accumulate or n), *extra, env=env)
-
-
-@pytest.fixture(scope="module")
-def reference(runs):
-    """train_single.py with --accumulate 4: one process takes the steps of 2 processes x 2."""
-    return _recipe_run(runs, "single")[0]
-
-
-@pytest.fixture(scope="module")
-def recipe_far(runs, reference):
-    """The reference against the same recipe with half the global batch."""
-    other = _recipe_run(runs, "single", accumulate=2)[0]
-    return distance(last_model(other), last_model(reference))
-
-
 @pytest.mark.parametrize("mode", ["dp", "ddp", "accelerate"])
 def test_every_mode_with_the_full_recipe_matches_single(mode, runs, reference, recipe_far):
-    out, result = _recipe_run(runs, mode)
+    out, result = recipe_run(runs, mode)
     assert "x 2 micro-batches" in result.stdout
     assert_same_run(out, reference, recipe_far)
 
 
 def test_a_different_augmentation_is_outside_the_tolerance(runs, reference, recipe_far):
-    control = _recipe_run(runs, "single", env={"AUGMENT_SEED_SHIFT": "1"})[0]
+    control = recipe_run(runs, "single", env={"AUGMENT_SEED_SHIFT": "1"})[0]
     assert distance(last_model(control), last_model(reference)) / recipe_far > 20 * TOLERANCE
 
 
