@@ -24,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from src.errors import UserError
+from src.ranks import is_first
 
 # Below this many parameters (4 MB in float32) a unit's three collectives a step cost more in
 # latency than gathering its weights with the next unit up saves.
@@ -205,8 +206,11 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, whole: bool =
 
 def watch_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
     """A dict that every optimizer step updates, at the step that held the most, with this rank's
-    bytes ("rank": rank_bytes) and the whole model's ("whole"). Sizes only: no device is waited for."""
+    bytes ("rank": rank_bytes) and the whole model's ("whole"). Sizes only: no device is waited for.
+    On global rank 0 only, the rank whose line is printed: the others' dict stays empty."""
     held = {"rank": {}, "whole": {}}
+    if not is_first():
+        return held
 
     def after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         now = rank_bytes(model, optimizer)
