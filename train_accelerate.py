@@ -78,8 +78,7 @@ def main() -> None:
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     processes, device = accelerator.num_processes, accelerator.device
-    if not args.evaluate:  # --evaluate writes nothing
-        check_writable(args)
+    check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)

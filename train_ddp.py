@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, dist_timeout, parse_args
-from src.devices import check_gpus, gpus_shared, training_device
+from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
@@ -37,8 +37,7 @@ def setup_distributed(args) -> tuple[int, int, torch.device]:
     # long enough for the slowest node's --cache build: the other nodes wait in their next collective.
     timeout = dist_timeout(args)
     store, rank, world_size = torchrun_store(timeout)
-    backend = "nccl" if device.type == "cuda" and not gpus_shared() else "gloo"  # NCCL: one rank per GPU
-    dist.init_process_group(backend, store=store, rank=rank,
+    dist.init_process_group(process_group_backend(device), store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     return rank, world_size, device
 
@@ -83,8 +82,7 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 def main() -> None:
     args = parse_args(__doc__, distributed=True)
     rank, world_size, device = setup_distributed(args)
-    if not args.evaluate:  # --evaluate writes nothing
-        check_writable(args)
+    check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)

@@ -58,8 +58,7 @@ def main() -> None:
     args = parse_args(__doc__)
     check_data_parallel(args)
     device = training_device(args.deterministic, args.amp)
-    if not args.evaluate:  # --evaluate writes nothing
-        check_writable(args)
+    check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)

@@ -56,8 +56,7 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 def main() -> None:
     args = parse_args(__doc__)
     device = training_device(args.deterministic, args.amp)
-    if not args.evaluate:  # --evaluate writes nothing
-        check_writable(args)
+    check_writable(args)
     torch.manual_seed(args.seed)
 
     data = labelled_data(args)

@@ -82,16 +82,20 @@ def atomic_write_text(path: Path, text: str) -> str:
     return atomic_write(path, lambda file: file.write(text.encode("utf-8", "surrogateescape")))
 
 
+def probe_folder(folder: Path) -> None:
+    """Make the folder and write and remove a file there, or raise OSError: os.access answers yes
+    to root where nothing can be created, as in /proc."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
 def check_can_write(path: Path, flag: str) -> None:
-    """Fail before the work, not after it, when `path` cannot be written: makes its folder and
-    writes and removes a probe file there (os.access answers yes to root where nothing can be
-    created, as in /proc)."""
+    """Fail before the work, not after it, when `path` cannot be written (probe_folder)."""
     path = Path(path)
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "it is a folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
+        probe_folder(path.parent)
     except OSError as error:
         raise UserError(f"{flag} {path}: cannot write there ({error.strerror or one_line(error)})") from None

@@ -9,12 +9,11 @@
 import json
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 import torch
 
-from src.atomic import atomic_torch_save, atomic_write, atomic_write_text
+from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
 from src.errors import UserError, one_line
 from src.history import best_record, history_text
@@ -31,6 +30,11 @@ RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data
 # How each key is spelled on the command line, where it is not --key.
 FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}
 
+
+def flag_of(key: str) -> str:
+    """The command-line flag that sets a key of best.json / last.pth's info."""
+    return FLAGS.get(key, "--" + key.replace("_", "-"))
+
 def output_paths(args) -> dict[str, Path]:
     folder = Path(args.checkpoint).parent
     return {"best": Path(args.checkpoint), "info": Path(args.checkpoint).with_suffix(".json"),
@@ -40,10 +44,12 @@ def output_paths(args) -> dict[str, Path]:
 def check_writable(args) -> None:
     """Fail before training, not after the first epoch, when an output cannot be written.
 
-    Tries it: makes the folders, writes and removes a probe file in each (os.access answers yes
-    to root where nothing can be created, as in /proc). Also removes the temporary files that a
-    killed run of these outputs left behind. Rank 0 tries; every rank gets its verdict.
+    Tries it (src.atomic.probe_folder on each folder) and removes the temporary files that a
+    killed run of these outputs left behind. Rank 0 tries; every rank gets its verdict. Under
+    --evaluate, which writes nothing, it does nothing (a save in progress in the folder is left alone).
     """
+    if args.evaluate:
+        return
     from_rank_0(lambda: _try_outputs(args))
 
 
@@ -51,9 +57,7 @@ def _try_outputs(args) -> None:
     for name, path in output_paths(args).items():
         flag = "--plot" if name == "plot" else "--checkpoint"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path.parent):
-                pass
+            probe_folder(path.parent)
         except OSError as error:
             raise UserError(f"{flag}: cannot write to folder {path.parent} ({error.strerror})") from None
         for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
@@ -216,7 +220,7 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         saved = state["info"]
         for key in RESUME_KEYS + (("epochs",) if args.lr_schedule != "constant" else ()):
             if saved.get(key) != info[key]:
-                flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+                flag = flag_of(key)
                 why = " (the schedule spans the run)" if key == "epochs" else ""
                 raise UserError(f"{state['from']} was trained with {flag} {_shown(key, saved.get(key))}, "
                                 f"not {_shown(key, info[key])}{why}; "

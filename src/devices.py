@@ -92,6 +92,12 @@ def gpus_shared() -> bool:
     return os.environ.get("SHARE_GPUS") == "1"
 
 
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for one rank per GPU; gloo on the CPU, and for ranks sharing a GPU (NCCL refuses two
+    ranks on one GPU: gpus_shared)."""
+    return "nccl" if device.type == "cuda" and not gpus_shared() else "gloo"
+
+
 def check_gpus(local_processes: int, launch: str = "torchrun --nproc_per_node={gpus}") -> None:
     """One process per GPU: refuse more processes on this node than it has GPUs (unless
     SHARE_GPUS=1). `launch`: the launcher's command for one process per GPU, for the message."""

@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from src.datasets import DogCatTestDataset
-from src.devices import check_gpus, training_device
+from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
 from src.history import evaluation_record, format_evaluation
 from src.image_files import try_decode
-from src.loaders import ShardSampler, default_workers
+from src.loaders import ShardSampler
 from src.metrics import EPS
 from src.models import model_kwargs, read_state_dict
 from src.ranks import from_rank_0, is_first
@@ -83,7 +83,7 @@ def start_processes(amp: str = "no") -> tuple[int, int, torch.device]:
         return 0, 1, training_device(False, amp)
     check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))
     device = training_device(False, amp, int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    dist.init_process_group(process_group_backend(device), timeout=timedelta(minutes=10))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -153,18 +153,6 @@ def kaggle_test_files(test_dir: Path) -> tuple[list[int], list[Path]]:
     return test.ids, [test.root_dir / test.files[i] for i in test.ids]
 
 
-def predict(model: torch.nn.Module, info: dict, test_dir: Path, batch_size: int = 100,
-            workers: int | None = None, tta: bool = False) -> tuple[list[int], torch.Tensor]:
-    """Ids in numeric order and p(dog) (unclipped) for each of Kaggle's test images, on the GPU
-    if there is one."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ids, files = kaggle_test_files(test_dir)
-    probabilities, broken = predict_files(model.to(device), info, files, device, batch_size,
-                                          default_workers() if workers is None else workers, tta)
-    check_complete(files, broken)
-    return ids, probabilities[:, info["classes"].index("dog")]
-
-
 def check_complete(files: list[Path], broken: dict[int, str]) -> None:
     """A submission needs every test image."""
     if broken:
@@ -190,7 +178,7 @@ def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
     Rank 0 reads and checks the file and sends it to every rank: on nodes without a shared disk
     only rank 0's node has it.
     """
-    from src.checkpoint import FLAGS
+    from src.checkpoint import flag_of
 
     path = Path(args.evaluate)
 
@@ -200,8 +188,7 @@ def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
         saved = read_info(path)
         for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
             if saved.get(key) != info[key]:
-                flag = FLAGS.get(key, "--" + key.replace("_", "-"))
-                raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag} "
+                raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag_of(key)} "
                                 f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "
                                 f"with to validate it on its split, or --weights {path} to validate "
                                 "it on this one")
