@@ -1,6 +1,6 @@
 # make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/performance.md)
 # make test: the same install (one environment: training, pytest, pytest-xdist, onnx) and run the test suite in two workers
-# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (tests/gpu_selftest.py;
+# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
 #   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,4 +28,4 @@ test: $(VENV)/.installed
 
 GPU_FLAGS ?=
 test-gpu: $(VENV)/.installed
-	$(PY) tests/gpu_selftest.py $(GPU_FLAGS)
+	$(PY) checks/gpu_selftest.py $(GPU_FLAGS)

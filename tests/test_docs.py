@@ -1,4 +1,4 @@
-"""The commands in README.md and docs/: each code block says how it is checked (tests/doc_commands.py
+"""The commands in README.md and docs/: each code block says how it is checked (checks/doc_commands.py
 runs them in a fresh clone), and what they write is ignored by git."""
 import shutil
 import subprocess

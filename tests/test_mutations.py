@@ -1,4 +1,4 @@
-"""tests/mutations.py's list stays applicable: each entry's text occurs exactly once in its file and
+"""checks/mutations.py's list stays applicable: each entry's text occurs exactly once in its file and
 names tests that exist, so a change to a mutated line shows here, in `make test`, not an hour into
 the mutation check; and the script refuses an entry that does not apply before running anything."""
 import sys
@@ -31,5 +31,5 @@ def test_an_entry_that_does_not_apply_is_refused_before_anything_runs(entry, pro
     monkeypatch.setattr(sys, "argv", ["mutations.py"])
     assert mutations.main() == 2
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == "refused, nothing was run; fix these entries of tests/mutations.py:"
+    assert lines[0] == "refused, nothing was run; fix these entries of checks/mutations.py:"
     assert lines[1:] == [f"  {problem}"], "the other entry applies"

@@ -2,10 +2,10 @@
 repository's HEAD. A check of the docs, not part of `make test` (it trains some twenty small runs
 and `make demo`; its time on the machines it was measured on: docs/performance.md):
 
-    .venv/bin/python tests/doc_commands.py           # the commands that run in minutes
-    .venv/bin/python tests/doc_commands.py --long    # and those that take longer (the benchmark, the suite)
-    .venv/bin/python tests/doc_commands.py --list    # what it would run, and why it skips the others
-    .venv/bin/python tests/doc_commands.py --page docs/inference.md   # one page's commands
+    .venv/bin/python checks/doc_commands.py           # the commands that run in minutes
+    .venv/bin/python checks/doc_commands.py --long    # and those that take longer (the benchmark, the suite)
+    .venv/bin/python checks/doc_commands.py --list    # what it would run, and why it skips the others
+    .venv/bin/python checks/doc_commands.py --page docs/inference.md   # one page's commands
 
 Every indented code block of those pages follows a tag, an HTML comment that a reader of the
 rendered page does not see:

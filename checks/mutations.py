@@ -1,8 +1,8 @@
 """One-line breakages of the product, each with the tests that must fail when it is applied.
 
-    .venv/bin/python tests/mutations.py              # every entry (half an hour or more on 2 cores)
-    .venv/bin/python tests/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
-    .venv/bin/python tests/mutations.py --list       # the entries, without running anything
+    .venv/bin/python checks/mutations.py              # every entry (half an hour or more on 2 cores)
+    .venv/bin/python checks/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
+    .venv/bin/python checks/mutations.py --list       # the entries, without running anything
 
 The working tree (its tracked files and the untracked ones git does not ignore) is copied once into
 a temporary folder; nothing here is changed. First the named tests of the selected entries run
@@ -172,7 +172,7 @@ MUTATIONS = [
 
     # This script's own refusal of an entry that does not apply (the text in two pieces: whole, it
     # would occur here too).
-    ("tests/mutations.py", "if count " "!= 1:", "if count > 1:",
+    ("checks/mutations.py", "if count " "!= 1:", "if count > 1:",
      ["tests/test_mutations.py::test_an_entry_that_does_not_apply_is_refused_before_anything_runs"]),
     # Issue 25: the GPU path (fused optimizers, seeds, DataParallel, timeouts, caches, make test-gpu).
     ('src/recipe.py', '    optimizer.register_step_pre_hook(zero_momentum)\n', '',
@@ -223,7 +223,7 @@ MUTATIONS = [
      ['tests/test_gpu.py::test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does']),
     ('src/freeze.py', '            if previous is not None:\n                _store(array, *previous)\n\n        ensure_array', '            pass\n\n        ensure_array',
      ['tests/test_freeze.py::test_the_feature_cache_trains_the_same_head_as_the_images']),
-    ('tests/gpu_selftest.py', 'START_UP, COMPILED, IN_PROCESS, DATA = 20, 40, 20, 5', 'START_UP, COMPILED, IN_PROCESS, DATA = 25, 40, 20, 5',
+    ('checks/gpu_selftest.py', 'START_UP, COMPILED, IN_PROCESS, DATA = 20, 40, 20, 5', 'START_UP, COMPILED, IN_PROCESS, DATA = 25, 40, 20, 5',
      ['tests/test_gpu.py::test_make_test_gpu_is_planned_within_its_time_and_dev_shm']),
     # Issue 29: predict, --evaluate, ONNX export.
     ('src/image_files.py', 'found = sorted((p for p in path.rglob("*") if p.is_file()),', 'found = sorted((p for p in path.glob("*") if p.is_file()),',
@@ -360,7 +360,7 @@ MUTATIONS = [
      ['tests/test_gpu.py::test_accelerate_with_more_processes_than_gpus_is_one_line']),
     ('src/data_parallel.py', '        check_bf16(args.amp, gpu)', '        pass',
      ['tests/test_gpu.py::test_data_parallel_checks_bf16_on_every_gpu']),
-    ('tests/gpu_selftest.py', 'SYNC_WINDOW = "3:8"', 'SYNC_WINDOW = "2:7"',
+    ('checks/gpu_selftest.py', 'SYNC_WINDOW = "3:8"', 'SYNC_WINDOW = "2:7"',
      ['tests/test_gpu.py::test_make_test_gpus_windows_can_see_what_they_check']),
 ]
 
@@ -435,7 +435,7 @@ def main() -> int:
         return 2
     bad = problems(entries)
     if bad:
-        print("refused, nothing was run; fix these entries of tests/mutations.py:", file=sys.stderr)
+        print("refused, nothing was run; fix these entries of checks/mutations.py:", file=sys.stderr)
         for line in bad:
             print(f"  {line}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """`make test-gpu`: on a machine with NVIDIA GPUs, what the CPU test suite cannot check.
 
-    python tests/gpu_selftest.py [--quick] [--out gpu-selftest]
+    python checks/gpu_selftest.py [--quick] [--out gpu-selftest]
 
 Each check prints its part of the report when it ends and rewrites OUT/report.md, so that a run
 cut short still says what passed. Exits 1 if a check failed. On a machine without a CUDA GPU it
