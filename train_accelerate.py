@@ -11,9 +11,11 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from src.accelerate_checks import check_accelerator, check_launch
+from src.batch_norm import synchronise
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
+from src.dropout import set_samples
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
@@ -33,8 +35,9 @@ def train_epoch(accelerator, model, loader: LoaderPass, device, args, optimizer,
     """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = torch.zeros(4, device=device)
-    for inputs, labels in loader.batches(sums):
+    for inputs, labels, samples in loader.batches(sums):
         inputs = model_inputs(inputs, device, args.channels_last)
+        set_samples(model, samples.to(device, non_blocking=True))  # each sample's dropout masks
         # Skips the gradient all-reduce and the optimizer step but on a step's last micro-batch.
         with accelerator.accumulate(model):
             logits = model(inputs)  # the prepared model applies the mixed-precision setting
@@ -85,6 +88,8 @@ def main() -> None:
     global_batch = args.batch_size * processes * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    if args.sync_bn:
+        synchronise(model, device)  # batch norm over every process's samples, before prepare
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     info = run_info(args, global_batch, data.digest)

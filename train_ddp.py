@@ -11,9 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from src.batch_norm import synchronise
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, dist_timeout, parse_args
 from src.devices import check_gpus, process_group_backend, training_device
+from src.dropout import set_samples
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
@@ -47,9 +49,10 @@ def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, sche
     """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = torch.zeros(4, device=device)
-    for step, (inputs, labels) in enumerate(loader.batches(sums)):
+    for step, (inputs, labels, samples) in enumerate(loader.batches(sums)):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
+        set_samples(model, samples.to(device, non_blocking=True))  # each sample's dropout masks
         last = (step + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
         # The gradients of all but a step's last micro-batch stay on each rank: one all-reduce a step.
         with contextlib.nullcontext() if last else model.no_sync():
@@ -89,6 +92,8 @@ def main() -> None:
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    if args.sync_bn:
+        synchronise(model, device)  # batch norm over every process's samples, before wrapping
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")

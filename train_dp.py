@@ -8,6 +8,7 @@ from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.data_parallel import DataParallel, check_data_parallel
 from src.devices import training_device
+from src.dropout import set_samples
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
@@ -26,9 +27,10 @@ def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, sche
     """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = torch.zeros(4, device=device)
-    for step, (inputs, labels) in enumerate(loader.batches(sums)):
+    for step, (inputs, labels, samples) in enumerate(loader.batches(sums)):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
+        set_samples(model, samples.to(device, non_blocking=True))  # each sample's dropout masks
         last = (step + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)

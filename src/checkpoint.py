@@ -25,7 +25,7 @@ from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 # same global batch in other micro-batches takes the same steps.
 RECIPE_FLAGS = ("lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_epochs",
                 "label_smoothing", "clip_grad_norm", "augment", "dropout", "best_by", "freeze",
-                "freeze_epochs")
+                "freeze_epochs", "sync_bn", "ema_decay")
 RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data") + RECIPE_FLAGS
 # How each key is spelled on the command line, where it is not --key.
 FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}

@@ -109,6 +109,12 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
     add("--clip-grad-norm", type=_positive, default=None, help="clip the gradient's norm to this")
     add("--accumulate", type=at_least(1), default=1,
         help="micro-batches of --batch-size per optimizer step (gradient accumulation)")
+    add("--sync-bn", action="store_true",
+        help="batch norm over the micro-batches of all the processes (train_ddp.py, train_fsdp.py, "
+             "train_accelerate.py; one process already normalises its whole micro-batch)")
+    add("--ema-decay", type=_open_fraction, default=None, metavar="D",
+        help="also keep an exponential moving average of the weights (decay D, e.g. 0.999, with a "
+             "warm-up), validated every epoch beside them; --best-by picks either for best.pth")
     add("--best-by", choices=["val_acc", "val_log_loss"], default="val_acc",
         help="the validation metric that picks best.pth")
     add("--freeze", action="store_true",

@@ -58,6 +58,10 @@ def check_data_parallel(args) -> None:
     gpus = torch.cuda.device_count()
     for gpu in range(gpus):  # every GPU runs a replica (training_device checks the first)
         check_bf16(args.amp, gpu)
+    if args.sync_bn:  # nn.SyncBatchNorm synchronises processes; DataParallel's replicas are threads
+        raise UserError("--sync-bn: DataParallel runs its replicas as threads of one process, which "
+                        "SyncBatchNorm cannot synchronise (each replica normalises its share of the batch); "
+                        f"use torchrun --nproc_per_node={max(gpus, 1)} train_ddp.py --sync-bn")
     if args.compile and gpus > 1:  # Dynamo compiles per thread, and the replicas run in threads
         raise UserError(f"--compile with DataParallel on {gpus} GPUs would compile nothing (pytorch/pytorch"
                         f"#94636): use torchrun --nproc_per_node={gpus} train_ddp.py --compile")

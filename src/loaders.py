@@ -30,6 +30,7 @@ from src.augment import augment, crop_params
 from src.cache import cached
 from src.datasets import DogCatDataset, load_labels
 from src.devices import available_cpus, check_shared_memory
+from src.dropout import sample_key
 from src.errors import UserError
 from src.ranks import from_rank_0, is_first
 from src.transforms import image_transform
@@ -68,10 +69,11 @@ class EpochSampler(Sampler[tuple[int, int]]):
 
 
 class TrainSplit(Dataset):
-    """The training images, indexed by (epoch, position in the split); augmented with --augment."""
+    """The training images, indexed by (epoch, position in the split); each item is (image, label,
+    the sample's dropout key: src.dropout.sample_key); augmented with `augment`."""
 
-    def __init__(self, dataset: Dataset, indices: list[int], augment_seed: int | None = None):
-        self.dataset, self.indices, self.augment_seed = dataset, indices, augment_seed
+    def __init__(self, dataset: Dataset, indices: list[int], seed: int, augment: bool = False):
+        self.dataset, self.indices, self.seed, self.augment = dataset, indices, seed, augment
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -80,9 +82,9 @@ class TrainSplit(Dataset):
         epoch, position = key
         index = self.indices[position]
         image, label = self.dataset[index]
-        if self.augment_seed is not None:
-            image = augment(image, crop_params(self.augment_seed, epoch, index, image.shape[-1]))
-        return image, label
+        if self.augment:
+            image = augment(image, crop_params(self.seed, epoch, index, image.shape[-1]))
+        return image, label, sample_key(self.seed, epoch, index)
 
 
 class ShardSampler(Sampler[int]):
@@ -126,7 +128,7 @@ def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], bat
         raise UserError(f"{world_size} processes but only {len(val_idx)} validation images; "
                         "use fewer processes or more data", quiet=rank != 0)
     check_shared_memory(workers, batch_size // split * dataset[train_idx[0]][0].nbytes)
-    train_set = TrainSplit(dataset, train_idx, seed if augment else None)
+    train_set = TrainSplit(dataset, train_idx, seed, augment)
     val_set = Subset(dataset, val_idx)
     # Their own generator: drawing the workers' base seed from the global one would shift what
     # dropout draws after it, differently in a run that resumes.

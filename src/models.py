@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
+from src.dropout import per_sample
 from src.errors import UserError
 from src.ranks import is_first
 
@@ -168,4 +169,4 @@ def build_model(arch: str = "vgg16", weights: str = "default", dropout: float | 
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = dropout
-    return model
+    return per_sample(model)  # dropout masks drawn per sample: the same in every mode

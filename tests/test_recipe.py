@@ -202,7 +202,7 @@ def test_one_samples_augmentation_is_the_same_whatever_the_workers_or_the_rank()
         loader, _ = make_loaders(dataset, list(range(24)), [0, 1], 4, 7, workers, rank, world, augment=True)
         loader.sampler.set_epoch(epoch)
         split = loader.dataset
-        return {split.indices[position]: image for batch_keys, (batch, _) in
+        return {split.indices[position]: image for batch_keys, (batch, _, _) in
                 zip(_batches(loader.sampler, 4), loader) for (_, position), image in zip(batch_keys, batch)}
 
     one = seen(0, 0, 1, 3)
@@ -224,7 +224,7 @@ def _batches(sampler, size):
 
 def test_train_split_without_augment_is_the_plain_image():
     images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
-    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3])
+    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3], seed=1)
     assert torch.equal(split[(5, 1)][0], images[3])
 
 

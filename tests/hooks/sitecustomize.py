@@ -26,6 +26,11 @@ the epochs' checkpoints that the next one replaces.
 SYNC_CHECK_STEPS=a:b: on a GPU, training micro-batches a to b of every epoch run under
 torch.cuda.set_sync_debug_mode("error"): any host synchronisation there raises.
 
+FLOAT64=1: the model's weights and inputs are float64: the agreement tests of batch norm models
+compare the modes there, where the order of float sums cannot flip a max-pool's choice (in float32
+a near tie flipped by a last-bit difference sends a gradient elsewhere, and a fast-learning ResNet
+amplifies that from step to step).
+
 OVERFLOW_AT=1,3: those optimizer steps (counted per gradient scaler, from 1) are skipped as for
 an fp16 overflow, whatever the gradients, on every rank alike: an fp16 GradScaler finds an inf
 (it halves its scale; fused optimizers get found_inf and must leave their state as it was); a
@@ -256,3 +261,14 @@ if os.environ.get("AS_ON_GPU") == "1":
     def _fp16_as_on_cuda(accelerate):
         accelerate.Accelerator = fp16_as_on_cuda(accelerate.Accelerator)
     _after_import("accelerate", _fp16_as_on_cuda)
+
+if os.environ.get("FLOAT64") == "1":
+    def _float64_models(models):
+        build = models.build_model
+        models.build_model = lambda *args, **kwargs: build(*args, **kwargs).double()
+    _after_import("src.models", _float64_models)
+
+    def _float64_inputs(transforms):
+        to_model = transforms.model_inputs
+        transforms.model_inputs = lambda *args, **kwargs: to_model(*args, **kwargs).double()
+    _after_import("src.transforms", _float64_inputs)
