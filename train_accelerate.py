@@ -21,8 +21,8 @@ from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
+from src.process_group import end_process_group
 from src.progress import LoaderPass, Progress
-from src.ranks import end_process_group
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
 from src.transforms import memory_format, model_inputs

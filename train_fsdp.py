@@ -3,7 +3,6 @@ each process holds 1/W of the weights, gradients and optimizer state.
 
 Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
 """
-import os
 import time
 
 import torch
@@ -12,8 +11,7 @@ import torch.nn.functional as F
 
 from src import sharding
 from src.checkpoint import check_writable, resume, run_info, save_epoch
-from src.cli import amp_dtype, dist_timeout, parse_args
-from src.devices import check_gpus, process_group_backend, training_device
+from src.cli import amp_dtype, parse_args
 from src.errors import exit_on_error
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
@@ -21,25 +19,11 @@ from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
+from src.process_group import end_process_group, join_process_group
 from src.progress import LoaderPass, Progress, TensorBoard
-from src.ranks import end_process_group, torchrun_store, world_of_one_without_launcher
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.transforms import memory_format, model_inputs
-
-
-def setup_distributed(args) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes in the environment; returns rank, world size, device."""
-    world_of_one_without_launcher()  # plain `python train_fsdp.py`: RANK 0 of WORLD_SIZE 1
-    check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))  # one GPU per process
-    device = training_device(args.deterministic, args.amp, int(os.environ["LOCAL_RANK"]))
-    # A peer that stops answering fails a collective after this long instead of hanging forever;
-    # long enough for the slowest node's --cache build: the other nodes wait in their next collective.
-    timeout = dist_timeout(args)
-    store, rank, world_size = torchrun_store(timeout)
-    dist.init_process_group(process_group_backend(device), store=store, rank=rank,
-                            world_size=world_size, timeout=timeout)
-    return rank, world_size, device
 
 
 def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, schedule,
@@ -86,7 +70,7 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args(__doc__, distributed=True)
-    rank, world_size, device = setup_distributed(args)
+    rank, world_size, device = join_process_group(args)
     check_writable(args)
     torch.manual_seed(args.seed)
 

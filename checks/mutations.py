@@ -195,7 +195,7 @@ MUTATIONS = [
      ['tests/test_gpu.py::test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw']),
     ('src/checkpoint.py', '        load_optimizer(optimizer, state["optimizer"])', '        optimizer.load_state_dict(state["optimizer"])',
      ['tests/test_gpu.py::test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw']),
-    ('train_ddp.py', '    timeout = dist_timeout(args)', '    timeout = __import__("datetime").timedelta(minutes=10)',
+    ('src/process_group.py', '    timeout = dist_timeout(args)', '    timeout = __import__("datetime").timedelta(minutes=10)',
      ['tests/test_gpu.py::test_dist_timeout_sets_the_process_group_and_the_cache_wait']),
     ('train_accelerate.py', '        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])', '        kwargs_handlers=[InitProcessGroupKwargs()])',
      ['tests/test_gpu.py::test_dist_timeout_sets_the_process_group_and_the_cache_wait']),

@@ -3,8 +3,6 @@ files, computed as training computes them (the same decode, uint8 batches normal
 device, --amp, --channels-last) and shared out over the processes of a launcher."""
 import hashlib
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -14,7 +12,6 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from src.datasets import DogCatTestDataset
-from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
 from src.history import evaluation_record, format_evaluation
 from src.image_files import try_decode
@@ -74,17 +71,6 @@ def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
         state = None
     what = f"a {num_classes}-class {arch} state_dict, as {Path(checkpoint).with_suffix('.json')} says"
     return load_state(model, state, checkpoint, what).eval(), info
-
-
-def start_processes(amp: str = "no") -> tuple[int, int, torch.device]:
-    """(rank, processes, device) of this process. Under torchrun (WORLD_SIZE > 1) it joins the
-    launcher's process group, one GPU per process; alone, it takes the GPU if there is one."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return 0, 1, training_device(False, amp)
-    check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))
-    device = training_device(False, amp, int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(process_group_backend(device), timeout=timedelta(minutes=10))
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 class ImageFiles(Dataset):

@@ -41,7 +41,7 @@ import train_single
 from src.accelerate_checks import check_accelerator
 from src.cli import parse_args
 from src.models import build_model, head_of
-from src.ranks import end_process_group
+from src.process_group import end_process_group
 from src.recipe import make_optimizer, make_schedule
 from src.sharding import fsdp_units, rank_bytes, shard_model
 

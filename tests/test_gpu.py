@@ -45,6 +45,7 @@ from conftest import (
 from torch.overrides import TorchFunctionMode
 
 import src.data_parallel as data_parallel
+import src.process_group as process_group
 import train_accelerate
 import train_ddp
 import train_dp
@@ -58,6 +59,7 @@ from src.loaders import labelled_images, make_loaders
 from src.progress import Progress
 from src.recipe import lr_factor, make_optimizer, make_schedule, optimizer_step
 from src.seeds import seed_epoch
+from src.tools import predict
 from src.tools.synthetic import write_dataset
 
 
@@ -634,19 +636,25 @@ def test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw(tmp_path, m
 
 
 def _dist_timeout_of(script, argv, monkeypatch) -> dict:
-    """What train_ddp.py's setup and train_accelerate.py's Accelerator() get as timeouts."""
+    """What the process group of train_ddp.py (and train_fsdp.py) and of predict under torchrun,
+    and train_accelerate.py's Accelerator() get as timeouts."""
     seen = {}
-    if script is train_ddp:
-        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+    if script in (train_ddp, predict):
+        processes = "2" if script is predict else "1"  # predict alone joins no group
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", processes), ("LOCAL_RANK", "0"),
+                            ("LOCAL_WORLD_SIZE", processes)):
             monkeypatch.setenv(name, value)
 
         def store(timeout):
             seen["store"] = timeout
-            return None, 0, 1
-        monkeypatch.setattr(train_ddp, "torchrun_store", store)
-        monkeypatch.setattr(train_ddp.dist, "init_process_group",
+            return None, 0, int(processes)
+        monkeypatch.setattr(process_group, "torchrun_store", store)
+        monkeypatch.setattr(process_group.dist, "init_process_group",
                             lambda backend, **kwargs: seen.update(backend=backend, group=kwargs["timeout"]))
-        train_ddp.setup_distributed(parse_args("", argv, distributed=True))
+        if script is predict:
+            process_group.join_process_group(predict.parse_args(argv), world_of_one=False)
+        else:
+            process_group.join_process_group(parse_args("", argv, distributed=True))
     else:
         def accelerator(**kwargs):
             seen["group"] = [h.timeout for h in kwargs["kwargs_handlers"] if isinstance(h, InitProcessGroupKwargs)][0]
@@ -659,7 +667,7 @@ def _dist_timeout_of(script, argv, monkeypatch) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("script", [train_ddp, train_accelerate])
+@pytest.mark.parametrize("script", [train_ddp, train_accelerate, predict])
 def test_dist_timeout_sets_the_process_group_and_the_cache_wait(script, monkeypatch, restore_numerics):
     """A node still building its --cache keeps the others waiting in their next collective: the
     timeout is --dist-timeout (60 minutes by default), and so is the node's own wait for its cache."""
@@ -747,7 +755,7 @@ def test_several_processes_may_share_a_gpu_when_asked(fake_gpus, monkeypatch, re
     monkeypatch.setenv("SHARE_GPUS", "1")
     check_gpus(2)
     assert training_device(False, None, local_rank=1) == torch.device("cuda", 0)
-    monkeypatch.setattr(train_ddp, "training_device", lambda *a: torch.device("cuda", 0))
+    monkeypatch.setattr(process_group, "training_device", lambda *a: torch.device("cuda", 0))
     assert _dist_timeout_of(train_ddp, [], monkeypatch)["backend"] == "gloo"
     monkeypatch.delenv("SHARE_GPUS")
     monkeypatch.setenv("DIST_TIMEOUT_MINUTES", "unset")
