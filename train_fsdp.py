@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from src import sharding
+from src import full_state, sharding
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.errors import exit_on_error
@@ -84,7 +84,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
-    history = resume(args, info, sharding.WholeModel(model), sharding.WholeOptimizer(model, optimizer),
+    history = resume(args, info, full_state.WholeModel(model), full_state.WholeOptimizer(model, optimizer),
                      scaler, schedule)
     held = sharding.watch_rank_bytes(model, optimizer)
     log = TensorBoard(args.log_dir)
@@ -98,7 +98,7 @@ def main() -> None:
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
         if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, sharding.WholeModel(model)), time.time()
+            evaluated, start = load_evaluated(args, info, full_state.WholeModel(model)), time.time()
             val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
             show_evaluation(evaluated, val_sums, time.time() - start)
             return
@@ -114,7 +114,7 @@ def main() -> None:
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"]))
-            whole = sharding.gather_state(model, optimizer)  # every rank sends its shards to rank 0
+            whole = full_state.gather_state(model, optimizer)  # every rank sends its shards to rank 0
             if rank == 0:
                 is_best = save_epoch(args, history, *whole, scaler, schedule, info)
                 progress.epoch_end(history[-1])
