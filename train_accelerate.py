@@ -92,8 +92,7 @@ def main() -> None:
     optimizer = accelerator.prepare(optimizer)
     if args.log_dir:
         accelerator.init_trackers("train_accelerate")  # on the main process only
-    progress = Progress(args, optimizer, steps, args.batch_size * processes, device,
-                        accelerator.log if args.log_dir else None)
+    progress = Progress(args, optimizer, steps, args.batch_size * processes, device, accelerator.log)
 
     if accelerator.is_main_process:
         print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
@@ -127,6 +126,7 @@ def main() -> None:
             accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(done_line(history, args, time.time() - since))
+    progress.run_end()
     del model, optimizer
     accelerator.free_memory()  # measured: releasing the model first avoids gloo aborts at exit
     accelerator.end_training()  # closes the trackers and the process group

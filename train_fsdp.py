@@ -20,7 +20,7 @@ from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
 from src.process_group import end_process_group, join_process_group
-from src.progress import LoaderPass, Progress, TensorBoard
+from src.progress import LoaderPass, Progress
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.transforms import memory_format, model_inputs
@@ -86,9 +86,7 @@ def main() -> None:
     # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
     history = resume(args, info, full_state.WholeModel(model), full_state.WholeOptimizer(model, optimizer),
                      scaler, schedule)
-    held = sharding.watch_rank_bytes(model, optimizer)
-    log = TensorBoard(args.log_dir)
-    progress = Progress(args, optimizer, steps, args.batch_size * world_size, device, log)
+    progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
 
     if rank == 0:
         print(run_header(args, data, device, world_size))
@@ -119,10 +117,9 @@ def main() -> None:
                 is_best = save_epoch(args, history, *whole, scaler, schedule, info)
                 progress.epoch_end(history[-1])
                 print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
-    log.close()
     if rank == 0:
         print(done_line(history, args, time.time() - since))
-        print(sharding.bytes_line(held))
+    progress.run_end()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.progress import LoaderPass, Progress, TensorBoard
+from src.progress import LoaderPass, Progress
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.transforms import memory_format, model_inputs
@@ -68,8 +68,7 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     history = resume(args, info, model, optimizer, scaler, schedule)
-    log = TensorBoard(args.log_dir)
-    progress = Progress(args, optimizer, steps, args.batch_size, device, log)
+    progress = Progress(args, optimizer, steps, args.batch_size, device)
 
     print(run_header(args, data, device))
     since = time.time()
@@ -96,8 +95,8 @@ def main() -> None:
             is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info)
             progress.epoch_end(history[-1])
             print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
-    log.close()
     print(done_line(history, args, time.time() - since))
+    progress.run_end()
 
 
 if __name__ == "__main__":

@@ -556,7 +556,8 @@ def _pinned(device) -> list[str]:
     from src.freeze import _to_host
     from src.loaders import Data, run_loaders
     from src.progress import Progress
-    args = Namespace(batch_size=4, seed=0, workers=0, accumulate=1, augment=False, log_every=10, profile=False)
+    args = Namespace(batch_size=4, seed=0, workers=0, accumulate=1, augment=False, log_every=10, profile=False,
+                     log_dir=None)
     data = Data([(torch.zeros(3, 8, 8, dtype=torch.uint8), 0) for _ in range(8)], list(range(6)), [6, 7], "")
     loader, _ = run_loaders(data.dataset, data, args, device)
     loader.sampler.set_epoch(0)

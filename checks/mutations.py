@@ -343,7 +343,7 @@ MUTATIONS = [
      ['tests/test_fsdp.py::test_freeze_epochs_resume_into_fsdp_across_the_unfreezing']),
     ('src/sharding.py', ' and id(module) in called', '',
      ['tests/test_fsdp.py::test_the_units_are_the_big_blocks_that_the_model_calls']),
-    ('src/sharding.py', 'counted = tensor.to_local() if isinstance(tensor, DTensor) and not whole else tensor', 'counted = tensor',
+    ('src/memory.py', 'counted = tensor.to_local() if isinstance(tensor, DTensor) and not whole else tensor', 'counted = tensor',
      ['tests/test_fsdp.py::test_each_vgg16_rank_holds_half_of_what_a_ddp_rank_holds']),
     ('src/accelerate_checks.py', '        if parse_flag_from_env(variable):', '        if False:',
      ['tests/test_fsdp.py::test_accelerate_refuses_a_sharding_plugin_it_was_asked_for']),
@@ -362,6 +362,13 @@ MUTATIONS = [
      ['tests/test_gpu.py::test_data_parallel_checks_bf16_on_every_gpu']),
     ('checks/gpu_selftest.py', 'SYNC_WINDOW = "3:8"', 'SYNC_WINDOW = "2:7"',
      ['tests/test_gpu.py::test_make_test_gpus_windows_can_see_what_they_check']),
+    # One job per module: Progress watches the shards' bytes and closes TensorBoard.
+    ('src/progress.py', 'watch_rank_bytes(optimizer) if self.show and is_sharded(optimizer) else None', 'None',
+     ['tests/test_fsdp.py::test_each_rank_holds_half_of_the_model_at_a_step']),
+    ('src/progress.py', 'if self.show and is_sharded(optimizer)', 'if is_sharded(optimizer)',
+     ['tests/test_fsdp.py::test_only_rank_0_writes_and_prints_and_best_pth_is_the_plain_model']),
+    ('src/progress.py', '            self.tensorboard.close()', '            pass',
+     ['tests/test_watch.py::test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only']),
 ]
 
 

@@ -14,10 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from src.errors import UserError
-from src.ranks import is_first
 
 # Below this many parameters (4 MB in float32) a unit's three collectives a step cost more in
 # latency than gathering its weights with the next unit up saves.
@@ -97,45 +95,3 @@ def forwards_behind(batches: int, device: torch.device) -> int:
     most = torch.tensor(batches, device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return int(most) - batches
-
-
-def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False) -> dict[str, int]:
-    """The bytes of parameters, gradients and optimizer state that this rank holds: the local
-    shards of a sharded model (a DTensor's to_local()), every tensor of a plain one; whole: the
-    whole tensors of a sharded model, what each DDP rank holds. Call it after an optimizer step
-    and before zero_grad, when all three exist."""
-    def size(tensor: torch.Tensor) -> int:
-        counted = tensor.to_local() if isinstance(tensor, DTensor) and not whole else tensor
-        return counted.numel() * counted.element_size()
-    params = list(model.parameters())
-    return {"parameters": sum(map(size, params)),
-            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(size(value) for state in optimizer.state.values() for value in state.values()
-                             if torch.is_tensor(value) and value.dim() > 0)}
-
-
-def watch_rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
-    """A dict that every optimizer step updates, at the step that held the most, with this rank's
-    bytes ("rank": rank_bytes) and the whole model's ("whole"). Sizes only: no device is waited for.
-    On global rank 0 only, the rank whose line is printed: the others' dict stays empty."""
-    held = {"rank": {}, "whole": {}}
-    if not is_first():
-        return held
-
-    def after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        now = rank_bytes(model, optimizer)
-        if sum(now.values()) > sum(held["rank"].values()):
-            held.update(rank=now, whole=rank_bytes(model, optimizer, whole=True))
-    optimizer.register_step_post_hook(after_step)
-    return held
-
-
-def bytes_line(held: dict[str, dict[str, int]]) -> str:
-    """What watch_rank_bytes saw, in one line."""
-    if not held["rank"]:
-        return "no optimizer step was taken: nothing to say about the memory of the shards"
-    mine, whole = sum(held["rank"].values()), sum(held["whole"].values())
-    parts = " + ".join(f"{value / 1e6:.1f} MB of {name.replace('optimizer', 'optimizer state')}"
-                       for name, value in held["rank"].items())
-    return (f"rank 0 held {mine / 1e6:.1f} MB at its fullest optimizer step ({parts}): "
-            f"{mine / whole:.3f} of the {whole / 1e6:.1f} MB that each DDP process holds")

@@ -40,10 +40,11 @@ import train_fsdp
 import train_single
 from src.accelerate_checks import check_accelerator
 from src.cli import parse_args
+from src.memory import rank_bytes
 from src.models import build_model, head_of
 from src.process_group import end_process_group
 from src.recipe import make_optimizer, make_schedule
-from src.sharding import fsdp_units, rank_bytes, shard_model
+from src.sharding import fsdp_units, shard_model
 
 @pytest.fixture(scope="module")
 def fsdp_run(runs):
@@ -222,7 +223,7 @@ def _vgg16_step(backend: str, world_size: int, wrap) -> tuple[dict, nn.Module]:
         optimizer = make_optimizer(model, parse_args("", []), torch.device("cpu"))
         F.cross_entropy(net(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
         optimizer.step()
-        return rank_bytes(model, optimizer), model
+        return rank_bytes(optimizer), model
     finally:
         dist.destroy_process_group()
 
