@@ -54,7 +54,6 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     sharding.broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
-    behind = sharding.forwards_behind(len(loader.loader), device)  # each forward gathers from every rank
     sums = torch.zeros(4, device=device)
     for inputs, labels in loader.batches(sums):
         inputs = model_inputs(inputs, device, args.channels_last)
@@ -62,8 +61,7 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
-    for _ in range(behind):  # as many forwards as the rank with the most batches, for nothing
-        model(inputs)
+    sharding.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 

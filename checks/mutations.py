@@ -362,13 +362,15 @@ MUTATIONS = [
      ['tests/test_gpu.py::test_data_parallel_checks_bf16_on_every_gpu']),
     ('checks/gpu_selftest.py', 'SYNC_WINDOW = "3:8"', 'SYNC_WINDOW = "2:7"',
      ['tests/test_gpu.py::test_make_test_gpus_windows_can_see_what_they_check']),
-    # One job per module: Progress watches the shards' bytes and closes TensorBoard.
+    # One job per module: FSDP's validation forwards, the shards' bytes that Progress watches.
+    ('src/sharding.py', '    for _ in range(most - len(loader)):', '    for _ in range(0):',
+     ['tests/test_fsdp.py::test_every_rank_runs_as_many_validation_forwards']),
+    ('train_fsdp.py', '    sharding.forwards_to_match(model, inputs, loader.loader)', '    pass',
+     ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
     ('src/progress.py', 'watch_rank_bytes(optimizer) if self.show and is_sharded(optimizer) else None', 'None',
      ['tests/test_fsdp.py::test_each_rank_holds_half_of_the_model_at_a_step']),
     ('src/progress.py', 'if self.show and is_sharded(optimizer)', 'if is_sharded(optimizer)',
      ['tests/test_fsdp.py::test_only_rank_0_writes_and_prints_and_best_pth_is_the_plain_model']),
-    ('src/progress.py', '            self.tensorboard.close()', '            pass',
-     ['tests/test_watch.py::test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only']),
 ]
 
 

@@ -86,11 +86,13 @@ class TrainSplit(Dataset):
 
 
 class ShardSampler(Sampler[int]):
-    """A contiguous, unpadded 1/num_replicas share of range(n), in order."""
+    """A contiguous, unpadded 1/num_replicas share of range(n), in order; the shares differ by up to
+    one sample, and `largest` is the size of the largest."""
 
     def __init__(self, n: int, num_replicas: int = 1, rank: int = 0):
         self.start = n * rank // num_replicas
         self.stop = n * (rank + 1) // num_replicas
+        self.largest = -(-n // num_replicas)
 
     def __iter__(self):
         return iter(range(self.start, self.stop))

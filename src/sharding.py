@@ -9,11 +9,14 @@ all-gathered whole just before its forward, freed after it, gathered again for i
 its gradients are reduce-scattered back to the shards; the root's fully_shard takes every parameter
 that no unit holds. See docs/fsdp.md.
 """
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
 
 from src.errors import UserError
 
@@ -87,11 +90,14 @@ def broadcast_buffers(model: nn.Module) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def forwards_behind(batches: int, device: torch.device) -> int:
-    """How many forward passes this rank's `batches` fall short of the rank with the most. Every
-    forward of a sharded model gathers its weights from all the ranks, and the unpadded validation
-    shards differ by up to a sample, so a rank may have a batch less: it must run that many
-    forwards more. Every rank must call it, before its first forward."""
-    most = torch.tensor(batches, device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
-    return int(most) - batches
+def forwards_to_match(model: nn.Module, inputs: torch.Tensor, loader: DataLoader) -> None:
+    """After this rank's validation batches, the forwards (of its last `inputs`, for nothing) that
+    it falls short of the rank with the most batches.
+
+    Every forward of a sharded model gathers its weights from all the ranks, so every rank must run
+    as many; the unpadded validation shards (src.loaders.ShardSampler) differ by up to a sample,
+    so a rank may have a batch less. The largest shard is known on every rank: no collective.
+    """
+    most = math.ceil(loader.sampler.largest / loader.batch_size)
+    for _ in range(most - len(loader)):
+        model(inputs)
