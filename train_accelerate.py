@@ -15,9 +15,9 @@ from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.errors import exit_on_error
+from src.evaluation import load_evaluated, show_evaluation
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -97,16 +97,18 @@ def main() -> None:
     if accelerator.is_main_process:
         print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
               f"mixed precision {accelerator.mixed_precision})")
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, model), time.time()
+        net = torch.compile(model) if args.compile else model
+        net, val_loader = accelerator.prepare(net, run_loaders(data.dataset, data, args, device, split=processes)[1])
+        val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
     for stage in stages(args, model, data.dataset, len(history), device):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, split=processes)
         net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, model), time.time()
-            val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, accelerator.process_index)
             train_loader.set_epoch(epoch)

@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.errors import exit_on_error
+from src.evaluation import load_evaluated, show_evaluation
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -82,17 +82,19 @@ def main() -> None:
 
     if rank == 0:
         print(run_header(args, data, device, world_size))
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, model), time.time()
+        net = torch.compile(model) if args.compile else model
+        val_loader = run_loaders(data.dataset, data, args, device, rank, world_size)[1]
+        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
     for stage in stages(args, model, data.dataset, len(history), device):
         # DDP all-reduces the gradients of the parameters that train in this stage, no others.
         net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
         net = torch.compile(net) if args.compile else net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, model), time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, rank)
             train_loader.sampler.set_epoch(epoch)

@@ -9,9 +9,9 @@ from src.cli import amp_dtype, parse_args
 from src.data_parallel import DataParallel, check_data_parallel
 from src.devices import training_device
 from src.errors import exit_on_error
+from src.evaluation import load_evaluated, show_evaluation
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -73,16 +73,18 @@ def main() -> None:
     progress = Progress(args, optimizer, steps, args.batch_size, device)
 
     print(run_header(args, data, device))
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, model), time.time()
+        net = torch.compile(model) if args.compile else model
+        val_loader = run_loaders(data.dataset, data, args, device)[1]
+        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
     for stage in stages(args, model, data.dataset, len(history), device):
         net = DataParallel(stage.net)  # splits each batch across the GPUs, gathers outputs on the first
         net = torch.compile(net) if args.compile else net
         train_loader, val_loader = run_loaders(stage.data, data, args, device)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, model), time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch)
             train_loader.sampler.set_epoch(epoch)

@@ -13,9 +13,9 @@ from src import full_state, sharding
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.errors import exit_on_error
+from src.evaluation import load_evaluated, show_evaluation
 from src.freeze import stages
 from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
@@ -88,16 +88,18 @@ def main() -> None:
 
     if rank == 0:
         print(run_header(args, data, device, world_size))
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, full_state.WholeModel(model)), time.time()
+        net = torch.compile(model) if args.compile else model
+        val_loader = run_loaders(data.dataset, data, args, device, rank, world_size)[1]
+        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
     # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
     for stage in stages(args, model, data.dataset, len(history), device, cache_features=False):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, full_state.WholeModel(model)), time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch, rank)
             train_loader.sampler.set_epoch(epoch)

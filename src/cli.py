@@ -146,9 +146,9 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         for flag in ("resume", "cache", "log_dir", "profile"):
             if getattr(args, flag):
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
-        # args.evaluate becomes the file to validate. The model is built without weights (nothing
-        # to download) and that file is loaded into it (src.inference.load_evaluated).
-        args.evaluate = args.weights if args.weights not in ("default", "none") else args.checkpoint
+        # The file to validate: the model is built without weights (nothing to download) and that
+        # file is loaded into it (src.evaluation.load_evaluated).
+        args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
     from src.models import check_image_size  # here, not above: it loads torchvision
     try:

@@ -13,12 +13,10 @@ from tqdm import tqdm
 
 from src.datasets import DogCatTestDataset
 from src.errors import UserError
-from src.history import evaluation_record, format_evaluation
 from src.image_files import try_decode
 from src.loaders import ShardSampler
 from src.metrics import EPS
-from src.models import model_kwargs, read_state_dict
-from src.ranks import from_rank_0, is_first
+from src.models import model_kwargs
 from src.transforms import normalize
 
 
@@ -152,43 +150,3 @@ def submission_text(ids: list[int], p_dog) -> str:
     Kaggle's log loss punishes a confident mistake without bound. p_dog: a tensor or an array."""
     rows = [f"{i},{min(max(float(p), EPS), 1 - EPS):.6f}" for i, p in zip(ids, p_dog)]
     return "id,label\n" + "\n".join(rows) + "\n"
-
-
-def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
-    """--evaluate: load the file to validate (args.evaluate, see src.cli) into `model`; returns how
-    the record names it.
-
-    --checkpoint (best.pth) must be the file its best.json describes, and best.json must describe
-    this run's model and validation split (--arch, --image-size, --seed, --val-fraction and the
-    images of --data-dir); --weights FILE is any 2-class state_dict of --arch, or a last.pth.
-    Rank 0 reads and checks the file and sends it to every rank: on nodes without a shared disk
-    only rank 0's node has it.
-    """
-    from src.checkpoint import flag_of
-
-    path = Path(args.evaluate)
-
-    def read() -> tuple[dict, str]:
-        if path != Path(args.checkpoint):
-            return read_state_dict(path), str(path)
-        saved = read_info(path)
-        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
-            if saved.get(key) != info[key]:
-                raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag_of(key)} "
-                                f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "
-                                f"with to validate it on its split, or --weights {path} to validate "
-                                "it on this one")
-        return read_state_dict(path, "--checkpoint"), f"{path} (epoch {saved.get('epoch')})"
-
-    state, named = from_rank_0(read)
-    load_state(model, state, path,
-               f"a {info['num_classes']}-class {info['arch']} state_dict (--arch {info['arch']})")
-    return named
-
-
-def show_evaluation(named: str, val_sums: torch.Tensor, seconds: float) -> None:
-    """Print --evaluate's result on rank 0: a line as an epoch's, then the record as JSON."""
-    if is_first():
-        record = evaluation_record(val_sums, seconds)
-        print(format_evaluation(named, record))
-        print(json.dumps(record))
