@@ -11,11 +11,11 @@ from src.devices import training_device
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
 from src.freeze import stages
-from src.history import done_line, epoch_record, format_record, run_header
+from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.progress import LoaderPass, Progress
+from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.transforms import memory_format, model_inputs

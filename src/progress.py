@@ -1,6 +1,7 @@
-"""What a run shows and records as it trains, on rank 0: the progress bar (images/s and a recent
-loss), the seconds spent waiting for the data loader, TensorBoard scalars, the profiler, and at
-the end of an FSDP run the bytes rank 0 held (src/memory.py).
+"""What a run shows and records as it trains, on rank 0: its header line, the progress bar
+(images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars,
+the profiler, and at the end of an FSDP run the bytes rank 0 held (src/memory.py). The lines of
+the history's records: src/history.py.
 
 Nothing here makes the host wait for the GPU inside a step: the loss is read from copies of the
 running metric sums that are started every --log-every optimizer steps without blocking and read
@@ -22,6 +23,14 @@ from src.profiling import Profiler
 from src.ranks import is_first
 
 Log = Callable[[dict, int], None]  # log(values, step), as accelerate's Accelerator.log
+
+
+def run_header(args, data, device, processes: int = 1) -> str:
+    """The line a run starts with: model, device, images and batch."""
+    where = str(device) if processes == 1 else f"{processes} x {device.type}"
+    return (f"{args.arch} on {where}: {len(data.train_idx)} train / {len(data.val_idx)} val images, "
+            f"batch {args.batch_size}" + (f" x {processes}" if processes > 1 else "")
+            + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
 
 
 class TensorBoard:
