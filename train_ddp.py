@@ -14,7 +14,6 @@ from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
-from src.freeze import stages
 from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
@@ -23,6 +22,7 @@ from src.process_group import end_process_group, join_process_group
 from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
+from src.stages import epoch_stages
 from src.transforms import memory_format, model_inputs
 
 
@@ -90,7 +90,7 @@ def main() -> None:
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    for stage in stages(args, model, data.dataset, len(history), device):
+    for stage in epoch_stages(args, model, data.dataset, len(history), device):
         # DDP all-reduces the gradients of the parameters that train in this stage, no others.
         net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
         net = torch.compile(net) if args.compile else net

@@ -14,7 +14,6 @@ from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
-from src.freeze import stages
 from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
@@ -23,6 +22,7 @@ from src.process_group import end_process_group, join_process_group
 from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
+from src.stages import epoch_stages
 from src.transforms import memory_format, model_inputs
 
 
@@ -97,7 +97,7 @@ def main() -> None:
         return
     since = time.time()
     # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
-    for stage in stages(args, model, data.dataset, len(history), device, cache_features=False):
+    for stage in epoch_stages(args, model, data.dataset, len(history), device, cache_features=False):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
         for epoch in stage.epochs:

@@ -9,7 +9,6 @@ from src.cli import amp_dtype, parse_args
 from src.devices import training_device
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
-from src.freeze import stages
 from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
@@ -17,6 +16,7 @@ from src.models import build_model
 from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
+from src.stages import epoch_stages
 from src.transforms import memory_format, model_inputs
 
 
@@ -79,7 +79,7 @@ def main() -> None:
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    for stage in stages(args, model, data.dataset, len(history), device):
+    for stage in epoch_stages(args, model, data.dataset, len(history), device):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device)
         for epoch in stage.epochs:
