@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
-from src.data_parallel import DataParallel, check_data_parallel
+from src.data_parallel import AutocastDataParallel, check_data_parallel
 from src.devices import training_device
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
@@ -82,7 +82,7 @@ def main() -> None:
         return
     since = time.time()
     for stage in epoch_stages(args, model, data.dataset, len(history), device):
-        net = DataParallel(stage.net)  # splits each batch across the GPUs, gathers outputs on the first
+        net = AutocastDataParallel(stage.net)  # splits each batch across the GPUs, gathers outputs on the first
         net = torch.compile(net) if args.compile else net
         train_loader, val_loader = run_loaders(stage.data, data, args, device)
         for epoch in stage.epochs:

@@ -31,7 +31,7 @@ class AutocastReplica(nn.Module):
             return self.replica(*inputs, **kwargs)
 
 
-class DataParallel(nn.DataParallel):
+class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16) and keep the
     module's channels-last weights."""
 

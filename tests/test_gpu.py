@@ -86,7 +86,7 @@ def test_data_parallel_replicas_autocast_to_the_dtype_asked_for():
 def test_data_parallel_wraps_every_replica(monkeypatch):
     monkeypatch.setattr(nn.DataParallel, "replicate",
                         lambda self, module, device_ids: [copy.deepcopy(module) for _ in device_ids])
-    dp = data_parallel.DataParallel(nn.Linear(2, 2))
+    dp = data_parallel.AutocastDataParallel(nn.Linear(2, 2))
     dp.src_device_obj = torch.device("cpu")  # what DataParallel sets when it has GPUs
     replicas = dp.replicate(dp.module, [0, 1])
     assert [type(r) for r in replicas] == [data_parallel.AutocastReplica] * 2
@@ -603,7 +603,7 @@ def test_data_parallel_replicas_keep_channels_last_weights(monkeypatch):
         return [list(tensors)] + [list(_unflatten_dense_tensors(flat, tensors)) for _ in devices[1:]]
     monkeypatch.setattr(importlib.import_module("torch.nn.parallel.replicate"), "_broadcast_coalesced_reshape", broadcast)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).to(memory_format=torch.channels_last)
-    dp = data_parallel.DataParallel(model)
+    dp = data_parallel.AutocastDataParallel(model)
     dp.src_device_obj = torch.device("cpu")  # what DataParallel sets when it has GPUs
     replicas = dp.replicate(model, [0, 1, 2])
     assert [r.replica[i].weight.is_contiguous(memory_format=torch.channels_last)
