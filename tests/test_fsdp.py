@@ -22,9 +22,14 @@ from conftest import (
     RECIPE,
     VAL,
     B,
+    assert_reproduces,
     assert_same_run,
+    copy_run,
     distance,
+    evaluate_flags,
+    evaluated_record,
     fails_in_process,
+    files_and_times,
     in_process,
     last_model,
     mode_run,
@@ -45,6 +50,7 @@ from src.models import build_model, head_of
 from src.process_group import end_process_group
 from src.recipe import make_optimizer, make_schedule
 from src.sharding import fsdp_units, shard_model
+
 
 @pytest.fixture(scope="module")
 def fsdp_run(runs):
@@ -179,16 +185,15 @@ def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_pa
 def test_evaluate_loads_best_pth_into_the_shards(runs, world_of_one, tmp_path, monkeypatch, capsys):
     """--evaluate of train_single.py's best.pth (epoch 1 of the shared run) under FSDP, a world of
     one in this process: the figures of that epoch, and nothing written."""
-    from test_evaluate import _assert_reproduces, _copy_run, _files, _flags, _record
-    out = _copy_run("single", runs, tmp_path / "out")
-    before = _files(out)
+    out = copy_run("single", runs, tmp_path / "out")
+    before = files_and_times(out)
     monkeypatch.chdir(tmp_path)  # where the plot would land
-    code, stdout, stderr = in_process(train_fsdp.main, ["--data-dir", str(runs.exact_data), *_flags("single", out)],
+    code, stdout, stderr = in_process(train_fsdp.main, ["--data-dir", str(runs.exact_data), *evaluate_flags("single", out)],
                                       monkeypatch, capsys)
     assert code == 0, stderr
     assert f"validated {out / 'best.pth'} (epoch 1)" in stdout
-    _assert_reproduces(_record(stdout), out, 1)
-    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert_reproduces(evaluated_record(stdout), out, 1)
+    assert files_and_times(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_amp_autocasts_as_in_the_other_modes(runs, far, tmp_path, world_of_one, monkeypatch, capsys):
