@@ -492,3 +492,32 @@ def tmpfs(tmp_path):
 
 def remount(folder: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(folder)], check=True)
+
+
+# Faked GPUs and torch's numerics settings (the tests of the GPU's paths on the CPU).
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """fake_gpus(n, bf16): torch reports n CUDA GPUs, for the checks made before any is used."""
+    def fake(n: int, bf16: bool = True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 0))
+    return fake
+
+
+@pytest.fixture
+def restore_numerics(monkeypatch):
+    """Put torch's global numerics settings back after a test changes them."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    backends = torch.backends
+    saved = (torch.are_deterministic_algorithms_enabled(), backends.cudnn.allow_tf32,
+             backends.cuda.matmul.allow_tf32, backends.cudnn.benchmark, backends.cudnn.deterministic)
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = saved[1:3]
+    backends.cudnn.benchmark, backends.cudnn.deterministic = saved[3:]
+
+
+class Asked(Exception):
+    """Raised by a stand-in that stops a script where a test has seen what it asked for."""
