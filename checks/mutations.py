@@ -376,6 +376,9 @@ MUTATIONS = [
      ['tests/test_diffs.py::test_each_scripts_diff_stays_within_its_ceiling']),
     ('train_ddp.py', '    check_writable(args)\n', '    check_writable(args)\n' + 3 * '    torch.manual_seed(args.seed)\n',
      ['tests/test_diffs.py::test_each_scripts_diff_stays_within_its_ceiling']),
+    # Hygiene: what the code imports is pinned.
+    ('requirements.txt', 'numpy==2.4.6\n', '',
+     ['tests/test_repository.py::test_every_imported_package_is_pinned']),
 ]
 
 
