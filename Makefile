@@ -1,4 +1,4 @@
-# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/performance.md)
+# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md)
 # make test: the same install (one environment: training, pytest, pytest-xdist, onnx) and run the test suite in two workers
 # make lint: ruff (requirements-lint.txt) with pyproject.toml's rules; installs only ruff into .venv
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
