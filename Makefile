@@ -1,5 +1,6 @@
-# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/performance.md)
+# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md)
 # make test: the same install (one environment: training, pytest, pytest-xdist, onnx) and run the test suite in two workers
+# make lint: ruff (requirements-lint.txt) with pyproject.toml's rules; installs only ruff into .venv
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
 #   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
 PYTHON ?= python3
@@ -9,7 +10,7 @@ SYNTHETIC := data/synthetic
 DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 32 \
               --batch-size 25 --lr 0.01 --epochs 3
 
-.PHONY: install demo test test-gpu
+.PHONY: install demo test lint test-gpu
 install: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt
@@ -25,6 +26,14 @@ demo: $(VENV)/.installed $(SYNTHETIC)/train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 tests
+
+$(VENV)/.lint-installed: requirements-lint.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -r requirements-lint.txt
+	touch $@
+
+lint: $(VENV)/.lint-installed
+	$(VENV)/bin/ruff check .
 
 GPU_FLAGS ?=
 test-gpu: $(VENV)/.installed

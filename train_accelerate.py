@@ -11,22 +11,22 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from src.accelerate_checks import check_accelerator, check_launch
-from src.batch_norm import synchronise
+from src.batch_norm import sync_batch_norm
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.dropout import set_samples
 from src.errors import exit_on_error
-from src.freeze import stages
-from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
+from src.evaluation import load_evaluated, show_evaluation
+from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.progress import LoaderPass, Progress
-from src.ranks import end_process_group
+from src.process_group import end_process_group
+from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
+from src.stages import epoch_stages
 from src.transforms import memory_format, model_inputs
 
 
@@ -88,8 +88,7 @@ def main() -> None:
     global_batch = args.batch_size * processes * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
-    if args.sync_bn:
-        synchronise(model, device)  # batch norm over every process's samples, before prepare
+    model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     info = run_info(args, global_batch, data.digest)
@@ -97,24 +96,25 @@ def main() -> None:
     optimizer = accelerator.prepare(optimizer)
     if args.log_dir:
         accelerator.init_trackers("train_accelerate")  # on the main process only
-    progress = Progress(args, optimizer, steps, args.batch_size * processes, device,
-                        accelerator.log if args.log_dir else None)
+    progress = Progress(args, optimizer, steps, args.batch_size * processes, device, accelerator.log)
 
     if accelerator.is_main_process:
         print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
               f"mixed precision {accelerator.mixed_precision})")
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, model), time.time()
+        net = torch.compile(model) if args.compile else model
+        net, val_loader = accelerator.prepare(net, run_loaders(data.dataset, data, args, device, split=processes)[1])
+        val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
-    for stage in stages(args, model, data.dataset, len(history), device):
+    for stage in epoch_stages(args, model, data.dataset, len(history), device):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, split=processes)
         net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, model), time.time()
-            val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
-            seed_epoch(args.seed, epoch, accelerator.process_index)
+            seed_epoch(args.seed, epoch)
             train_loader.set_epoch(epoch)
             desc, start = f"epoch {epoch + 1}/{args.epochs}", time.time()
             train_pass = progress.pass_over(train_loader, f"{desc} train", epoch)
@@ -132,6 +132,7 @@ def main() -> None:
             accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(done_line(history, args, time.time() - since))
+    progress.run_end()
     del model, optimizer
     accelerator.free_memory()  # measured: releasing the model first avoids gloo aborts at exit
     accelerator.end_training()  # closes the trackers and the process group

@@ -6,19 +6,19 @@ import torch.nn.functional as F
 
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
-from src.data_parallel import DataParallel, check_data_parallel
+from src.data_parallel import AutocastDataParallel, check_data_parallel
 from src.devices import training_device
 from src.dropout import set_samples
 from src.errors import exit_on_error
-from src.freeze import stages
-from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
+from src.evaluation import load_evaluated, show_evaluation
+from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.progress import LoaderPass, Progress, TensorBoard
+from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
+from src.stages import epoch_stages
 from src.transforms import memory_format, model_inputs
 
 
@@ -72,20 +72,21 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     history = resume(args, info, model, optimizer, scaler, schedule)
-    log = TensorBoard(args.log_dir)
-    progress = Progress(args, optimizer, steps, args.batch_size, device, log)
+    progress = Progress(args, optimizer, steps, args.batch_size, device)
 
     print(run_header(args, data, device))
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, model), time.time()
+        net = torch.compile(model) if args.compile else model
+        val_loader = run_loaders(data.dataset, data, args, device)[1]
+        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
-    for stage in stages(args, model, data.dataset, len(history), device):
-        net = DataParallel(stage.net)  # splits each batch across the GPUs, gathers outputs on the first
+    for stage in epoch_stages(args, model, data.dataset, len(history), device):
+        net = AutocastDataParallel(stage.net)  # splits each batch across the GPUs, gathers outputs on the first
         net = torch.compile(net) if args.compile else net
         train_loader, val_loader = run_loaders(stage.data, data, args, device)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, model), time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
             seed_epoch(args.seed, epoch)
             train_loader.sampler.set_epoch(epoch)
@@ -101,8 +102,8 @@ def main() -> None:
             is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info)
             progress.epoch_end(history[-1])
             print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
-    log.close()
     print(done_line(history, args, time.time() - since))
+    progress.run_end()
 
 
 if __name__ == "__main__":

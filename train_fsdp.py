@@ -3,45 +3,29 @@ each process holds 1/W of the weights, gradients and optimizer state.
 
 Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
 """
-import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from src import sharding
-from src.batch_norm import synchronise
+from src import full_state, sharding
+from src.batch_norm import sync_batch_norm
 from src.checkpoint import check_writable, resume, run_info, save_epoch
-from src.cli import amp_dtype, dist_timeout, parse_args
-from src.devices import check_gpus, process_group_backend, training_device
+from src.cli import amp_dtype, parse_args
 from src.dropout import set_samples
 from src.errors import exit_on_error
-from src.freeze import stages
-from src.history import done_line, epoch_record, format_record, run_header
-from src.inference import load_evaluated, show_evaluation
+from src.evaluation import load_evaluated, show_evaluation
+from src.history import done_line, epoch_record, format_record
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
-from src.progress import LoaderPass, Progress, TensorBoard
-from src.ranks import end_process_group, torchrun_store, world_of_one_without_launcher
+from src.process_group import end_process_group, join_process_group
+from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
+from src.stages import epoch_stages
 from src.transforms import memory_format, model_inputs
-
-
-def setup_distributed(args) -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes in the environment; returns rank, world size, device."""
-    world_of_one_without_launcher()  # plain `python train_fsdp.py`: RANK 0 of WORLD_SIZE 1
-    check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))  # one GPU per process
-    device = training_device(args.deterministic, args.amp, int(os.environ["LOCAL_RANK"]))
-    # A peer that stops answering fails a collective after this long instead of hanging forever;
-    # long enough for the slowest node's --cache build: the other nodes wait in their next collective.
-    timeout = dist_timeout(args)
-    store, rank, world_size = torchrun_store(timeout)
-    dist.init_process_group(process_group_backend(device), store=store, rank=rank,
-                            world_size=world_size, timeout=timeout)
-    return rank, world_size, device
 
 
 def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, schedule,
@@ -73,7 +57,6 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     sharding.broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
-    behind = sharding.forwards_behind(len(loader.loader), device)  # each forward gathers from every rank
     sums = torch.zeros(4, device=device)
     for inputs, labels in loader.batches(sums):
         inputs = model_inputs(inputs, device, args.channels_last)
@@ -81,15 +64,14 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
-    for _ in range(behind):  # as many forwards as the rank with the most batches, for nothing
-        model(inputs)
+    sharding.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 
 
 def main() -> None:
     args = parse_args(__doc__, distributed=True)
-    rank, world_size, device = setup_distributed(args)
+    rank, world_size, device = join_process_group(args)
     check_writable(args)
     torch.manual_seed(args.seed)
 
@@ -97,34 +79,33 @@ def main() -> None:
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
-    if args.sync_bn:
-        synchronise(model, device)  # batch norm over every process's samples, before wrapping
+    model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     sharding.shard_model(model, device)  # fully_shard per block and on the root
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
-    history = resume(args, info, sharding.WholeModel(model), sharding.WholeOptimizer(model, optimizer),
+    history = resume(args, info, full_state.WholeModel(model), full_state.WholeOptimizer(model, optimizer),
                      scaler, schedule)
-    held = sharding.watch_rank_bytes(model, optimizer)
-    log = TensorBoard(args.log_dir)
-    progress = Progress(args, optimizer, steps, args.batch_size * world_size, device, log)
+    progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
 
     if rank == 0:
         print(run_header(args, data, device, world_size))
+    if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
+        evaluated, start = load_evaluated(args, info, full_state.WholeModel(model)), time.time()
+        net = torch.compile(model) if args.compile else model
+        val_loader = run_loaders(data.dataset, data, args, device, rank, world_size)[1]
+        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        show_evaluation(evaluated, val_sums, time.time() - start)
+        return
     since = time.time()
     # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
-    for stage in stages(args, model, data.dataset, len(history), device, cache_features=False):
+    for stage in epoch_stages(args, model, data.dataset, len(history), device, cache_features=False):
         net = torch.compile(stage.net) if args.compile else stage.net
         train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
-        if args.evaluate:  # validate the checkpoint once: nothing trains, nothing is written
-            evaluated, start = load_evaluated(args, info, sharding.WholeModel(model)), time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
-            show_evaluation(evaluated, val_sums, time.time() - start)
-            return
         for epoch in stage.epochs:
-            seed_epoch(args.seed, epoch, rank)
+            seed_epoch(args.seed, epoch)
             train_loader.sampler.set_epoch(epoch)
             desc, start = f"epoch {epoch + 1}/{args.epochs}", time.time()
             train_pass = progress.pass_over(train_loader, f"{desc} train", epoch)
@@ -135,15 +116,14 @@ def main() -> None:
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"]))
-            whole = sharding.gather_state(model, optimizer)  # every rank sends its shards to rank 0
+            whole = full_state.gather_state(model, optimizer)  # every rank sends its shards to rank 0
             if rank == 0:
                 is_best = save_epoch(args, history, *whole, scaler, schedule, info)
                 progress.epoch_end(history[-1])
                 print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
-    log.close()
     if rank == 0:
         print(done_line(history, args, time.time() - since))
-        print(sharding.bytes_line(held))
+    progress.run_end()
 
 
 if __name__ == "__main__":

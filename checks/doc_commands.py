@@ -1,6 +1,6 @@
 """Run the commands of README.md and docs/*.md as a new user would, in a fresh clone of this
 repository's HEAD. A check of the docs, not part of `make test` (it trains some twenty small runs
-and `make demo`; its time on the machines it was measured on: docs/performance.md):
+and `make demo`; its time on the machines it was measured on: docs/measurements.md):
 
     .venv/bin/python checks/doc_commands.py           # the commands that run in minutes
     .venv/bin/python checks/doc_commands.py --long    # and those that take longer (the benchmark, the suite)
@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", "docs/modes.md", "docs/kaggle.md", "docs/freeze.md", "docs/recipe.md",
          "docs/multi-node.md", "docs/fsdp.md", "docs/performance.md", "docs/watching.md", "docs/reliability.md",
-         "docs/gpus.md", "docs/inference.md"]
+         "docs/gpus.md", "docs/inference.md", "docs/measurements.md"]
 KINDS = ("run", "small", "long", "skip", "text")
 TAG = re.compile(r"<!--\s*commands:\s*(.*?)\s*-->")
 TRAINS = re.compile(r"\btrain_\w+\.py\b|\bsrc\.tools\.compare_recipes\b")

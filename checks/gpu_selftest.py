@@ -511,7 +511,7 @@ class _Probe(nn.Module):
 def _data_parallel(gpus: int, device) -> list[str]:
     from torch.nn.parallel import parallel_apply
 
-    from src.data_parallel import AutocastReplica, DataParallel
+    from src.data_parallel import AutocastDataParallel, AutocastReplica
     from src.seeds import derive_seed, seed_epoch
     lines = []
     seen = {"plain": [], "ours": []}
@@ -520,7 +520,7 @@ def _data_parallel(gpus: int, device) -> list[str]:
         for name in seen:
             model = nn.Sequential(nn.Conv2d(3, 4, 3), _Probe(seen[name])).to(device)
             replicas = [copy.deepcopy(model) for _ in range(2)]
-            if name == "ours":  # made in this thread, as DataParallel.replicate makes them
+            if name == "ours":  # made in this thread, as AutocastDataParallel.replicate makes them
                 replicas = [AutocastReplica(replica, "cuda") for replica in replicas]
             parallel_apply(replicas, [(x,), (x,)], devices=[device.index, device.index])  # two threads
     lines.append(f"--amp bf16, two replicas in DataParallel's threads on one GPU: ours {sorted(set(map(str, seen['ours'])))}, "
@@ -536,7 +536,7 @@ def _data_parallel(gpus: int, device) -> list[str]:
         model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _Probe(seen["ours"]), nn.Flatten(), nn.Dropout(0.5))
         model[0].register_forward_pre_hook(lambda module, inputs: formats.append(
             module.weight.is_contiguous(memory_format=torch.channels_last)))
-        dp = DataParallel(model.to(device, memory_format=torch.channels_last))
+        dp = AutocastDataParallel(model.to(device, memory_format=torch.channels_last))
         seen["ours"].clear()
         with torch.autocast("cuda", torch.bfloat16):
             out = dp(torch.ones(2 * gpus, 3, 4, 4, device=device).to(memory_format=torch.channels_last))
@@ -556,7 +556,8 @@ def _pinned(device) -> list[str]:
     from src.freeze import _to_host
     from src.loaders import Data, run_loaders
     from src.progress import Progress
-    args = Namespace(batch_size=4, seed=0, workers=0, accumulate=1, augment=False, log_every=10, profile=False)
+    args = Namespace(batch_size=4, seed=0, workers=0, accumulate=1, augment=False, log_every=10, profile=False,
+                     log_dir=None)
     data = Data([(torch.zeros(3, 8, 8, dtype=torch.uint8), 0) for _ in range(8)], list(range(6)), [6, 7], "")
     loader, _ = run_loaders(data.dataset, data, args, device)
     loader.sampler.set_epoch(0)

@@ -28,7 +28,7 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and dist.is_initialized() and dist.get_world_size() > 1:
             return _cpu_sync_batch_norm(self, x)
         return super().forward(x)
 
@@ -52,19 +52,17 @@ class _SumOverRanks(torch.autograd.Function):
 
 def _cpu_sync_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """Training-mode batch norm of x with the mean and biased variance of every rank's x, in two
-    passes, all in float64 (so that the order of the sums, which depends on how the batch is cut
-    into processes, does not change a float32 result); the running variance is the unbiased one."""
+    passes (the mean, then the squared deviations from it), in float64 as torch's CPU batch norm
+    accumulates its statistics; the running variance is the unbiased one, as F.batch_norm keeps it."""
     dims = [0] + list(range(2, x.dim()))
     shape = [1, -1] + [1] * (x.dim() - 2)
     wide = x.double()
     count = wide.new_tensor([x.numel() / x.shape[1]])
-    world = dist.is_initialized() and dist.get_world_size() > 1
-    total = _SumOverRanks.apply if world else (lambda t: t)
-    sums = total(torch.cat([wide.sum(dims), count]))
+    sums = _SumOverRanks.apply(torch.cat([wide.sum(dims), count]))
     n = sums[-1]
     mean = sums[:-1] / n
     centred = wide - mean.view(shape)
-    var = total(centred.square().sum(dims)) / n
+    var = _SumOverRanks.apply(centred.square().sum(dims)) / n
     if bn.track_running_stats:
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
@@ -77,7 +75,7 @@ def _cpu_sync_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -
     return y.to(x.dtype)
 
 
-def synchronise(model: nn.Module, device: torch.device) -> nn.Module:
+def sync_batch_norm(model: nn.Module, device: torch.device) -> nn.Module:
     """Every batch norm layer of model normalising over all the processes: torch's SyncBatchNorm
     on GPUs, CpuSyncBatchNorm on the CPU. Call it before wrapping the model in DDP, fully_shard or
     accelerate's prepare; returns the model (the same object on the CPU, where the layers change

@@ -133,9 +133,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
         parser.add_argument("--amp", choices=["no", "bf16", "fp16"], default="no",
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
     if distributed:
-        parser.add_argument("--dist-timeout", metavar="MINUTES", type=at_least(1), default=60,
-                            help="how long a process waits for the others (in a collective, or for its "
-                                 "node's --cache build) before it fails")
+        add_dist_timeout(parser, "in a collective, or for its node's --cache build")
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -154,9 +152,9 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         for flag in ("resume", "cache", "log_dir", "profile"):
             if getattr(args, flag):
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
-        # args.evaluate becomes the file to validate. The model is built without weights (nothing
-        # to download) and that file is loaded into it (src.inference.load_evaluated).
-        args.evaluate = args.weights if args.weights not in ("default", "none") else args.checkpoint
+        # The file to validate: the model is built without weights (nothing to download) and that
+        # file is loaded into it (src.evaluation.load_evaluated).
+        args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
     from src.models import check_image_size  # here, not above: it loads torchvision
     try:
@@ -167,6 +165,12 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         from src.loaders import default_workers
         args.workers = default_workers()
     return args
+
+
+def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
+    """--dist-timeout, for a command that may run under a launcher (src.process_group)."""
+    parser.add_argument("--dist-timeout", metavar="MINUTES", type=at_least(1), default=60,
+                        help=f"how long a process waits for the others ({waits_for}) before it fails")
 
 
 def dist_timeout(args: argparse.Namespace) -> timedelta:

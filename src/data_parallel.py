@@ -31,7 +31,7 @@ class AutocastReplica(nn.Module):
             return self.replica(*inputs, **kwargs)
 
 
-class DataParallel(nn.DataParallel):
+class AutocastDataParallel(nn.DataParallel):
     """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16) and keep the
     module's channels-last weights."""
 
@@ -54,7 +54,7 @@ def keep_memory_format(module: nn.Module, replica: nn.Module) -> None:
 
 def check_data_parallel(args) -> None:
     """Refuse --compile on 2+ GPUs and --amp bf16 where a GPU lacks it, and say how many GPUs
-    DataParallel splits each batch over."""
+    DataParallel splits each batch over (--evaluate: one)."""
     gpus = torch.cuda.device_count()
     for gpu in range(gpus):  # every GPU runs a replica (training_device checks the first)
         check_bf16(args.amp, gpu)
@@ -67,5 +67,7 @@ def check_data_parallel(args) -> None:
                         f"#94636): use torchrun --nproc_per_node={gpus} train_ddp.py --compile")
     if gpus < 2:
         print(f"train_dp.py: {gpus} GPU(s) visible, DataParallel runs on one device")
+    elif args.evaluate:  # validated before the epoch loop, where DataParallel wraps the model
+        print(f"train_dp.py --evaluate: validates on the first of the {gpus} GPUs")
     else:
         print(f"train_dp.py: DataParallel splits each batch over {gpus} GPUs")

@@ -1,5 +1,6 @@
 """--freeze and --freeze-epochs: train the new last layer on a fixed pretrained backbone
-("feature extraction"), and the feature cache that makes those epochs cost seconds.
+("feature extraction"), and the feature cache that makes those epochs cost seconds (the loop over
+the frozen and the other epochs: src/stages.py).
 
 A frozen backbone's parameters get no gradient (so DDP leaves them out of its all-reduce and the
 optimizer gives them no state and no weight decay), and it runs in eval mode: dropout off, batch
@@ -13,7 +14,6 @@ train the last layer alone on those vectors. best.pth is the whole model either 
 import argparse
 import hashlib
 from pathlib import Path
-from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -23,18 +23,9 @@ from tqdm import tqdm
 
 from src.cache import MappedArray, ensure_array
 from src.models import head_of
-from src.ranks import is_first
 from src.transforms import model_inputs
 
 FORMAT = 1  # bump when the layout or the computation changes
-
-
-class Stage(NamedTuple):
-    """Consecutive epochs that train the same thing from the same data."""
-    epochs: range
-    frozen: bool
-    net: nn.Module  # what the loop runs: the model, or its last layer on cached backbone outputs
-    data: Dataset  # images (uint8), or the backbone outputs (float32 vectors)
 
 
 def set_frozen(model: nn.Module, frozen: bool) -> None:
@@ -46,29 +37,6 @@ def set_frozen(model: nn.Module, frozen: bool) -> None:
 def frozen_until(args: argparse.Namespace) -> int:
     """The number of epochs, from the first, that train the last layer only."""
     return args.epochs if args.freeze else min(args.freeze_epochs, args.epochs)
-
-
-def stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: int,
-           device: torch.device, cache_features: bool = True) -> Iterator[Stage]:
-    """The epochs from `start` on: frozen ones first (all with --freeze, the first K with
-    --freeze-epochs K), then the rest. Each stage freezes or unfreezes the model as it begins.
-    cache_features=False (FSDP, whose last layer is sharded): the frozen epochs train from the images."""
-    end, show = frozen_until(args), is_first()
-    if start < end:
-        set_frozen(model, True)
-        features = backbone_outputs(args, model, dataset, device, args.workers, show) if cache_features else None
-        if not cache_features and args.cache and show:
-            print("--freeze under FSDP runs the frozen backbone on every image in every epoch: the "
-                  "sharded model's last layer cannot train alone on cached outputs")
-        if features is None:
-            yield Stage(range(start, end), True, model, dataset)
-        else:
-            if show:
-                print(f"epochs {start + 1} to {end}: the last layer trains on {args.arch}'s cached outputs")
-            yield Stage(range(start, end), True, head_of(model)[1], features)
-    if max(start, end) < args.epochs:
-        set_frozen(model, False)
-        yield Stage(range(max(start, end), args.epochs), False, model, dataset)
 
 
 def _head_input(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

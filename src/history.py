@@ -20,14 +20,6 @@ def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_
             "seconds": round(train_seconds + val_seconds, 3)}
 
 
-def run_header(args, data, device, processes: int = 1) -> str:
-    """The line a run starts with: model, device, images and batch."""
-    where = str(device) if processes == 1 else f"{processes} x {device.type}"
-    return (f"{args.arch} on {where}: {len(data.train_idx)} train / {len(data.val_idx)} val images, "
-            f"batch {args.batch_size}" + (f" x {processes}" if processes > 1 else "")
-            + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
-
-
 def done_line(history: list[dict], args, seconds: float) -> str:
     """The line a run ends with: its time and the epoch of best.pth."""
     best = best_record(history, args.best_by)

@@ -3,8 +3,6 @@ files, computed as training computes them (the same decode, uint8 batches normal
 device, --amp, --channels-last) and shared out over the processes of a launcher."""
 import hashlib
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -14,14 +12,11 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from src.datasets import DogCatTestDataset
-from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
-from src.history import evaluation_record, format_evaluation
 from src.image_files import try_decode
 from src.loaders import ShardSampler
 from src.metrics import EPS
-from src.models import model_kwargs, read_state_dict
-from src.ranks import from_rank_0, is_first
+from src.models import model_kwargs
 from src.transforms import normalize
 
 
@@ -74,17 +69,6 @@ def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
         state = None
     what = f"a {num_classes}-class {arch} state_dict, as {Path(checkpoint).with_suffix('.json')} says"
     return load_state(model, state, checkpoint, what).eval(), info
-
-
-def start_processes(amp: str = "no") -> tuple[int, int, torch.device]:
-    """(rank, processes, device) of this process. Under torchrun (WORLD_SIZE > 1) it joins the
-    launcher's process group, one GPU per process; alone, it takes the GPU if there is one."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        return 0, 1, training_device(False, amp)
-    check_gpus(int(os.environ["LOCAL_WORLD_SIZE"]))
-    device = training_device(False, amp, int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(process_group_backend(device), timeout=timedelta(minutes=10))
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 class ImageFiles(Dataset):
@@ -166,43 +150,3 @@ def submission_text(ids: list[int], p_dog) -> str:
     Kaggle's log loss punishes a confident mistake without bound. p_dog: a tensor or an array."""
     rows = [f"{i},{min(max(float(p), EPS), 1 - EPS):.6f}" for i, p in zip(ids, p_dog)]
     return "id,label\n" + "\n".join(rows) + "\n"
-
-
-def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
-    """--evaluate: load the file to validate (args.evaluate, see src.cli) into `model`; returns how
-    the record names it.
-
-    --checkpoint (best.pth) must be the file its best.json describes, and best.json must describe
-    this run's model and validation split (--arch, --image-size, --seed, --val-fraction and the
-    images of --data-dir); --weights FILE is any 2-class state_dict of --arch, or a last.pth.
-    Rank 0 reads and checks the file and sends it to every rank: on nodes without a shared disk
-    only rank 0's node has it.
-    """
-    from src.checkpoint import flag_of
-
-    path = Path(args.evaluate)
-
-    def read() -> tuple[dict, str]:
-        if path != Path(args.checkpoint):
-            return read_state_dict(path), str(path)
-        saved = read_info(path)
-        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
-            if saved.get(key) != info[key]:
-                raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag_of(key)} "
-                                f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "
-                                f"with to validate it on its split, or --weights {path} to validate "
-                                "it on this one")
-        return read_state_dict(path, "--checkpoint"), f"{path} (epoch {saved.get('epoch')})"
-
-    state, named = from_rank_0(read)
-    load_state(model, state, path,
-               f"a {info['num_classes']}-class {info['arch']} state_dict (--arch {info['arch']})")
-    return named
-
-
-def show_evaluation(named: str, val_sums: torch.Tensor, seconds: float) -> None:
-    """Print --evaluate's result on rank 0: a line as an epoch's, then the record as JSON."""
-    if is_first():
-        record = evaluation_record(val_sums, seconds)
-        print(format_evaluation(named, record))
-        print(json.dumps(record))

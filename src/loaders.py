@@ -1,21 +1,11 @@
-"""The train/validation split and the data loaders, built so that every mode sees the same batches.
-
-Training order: each epoch is one seeded permutation of the training split, `randperm(n)` with a
-generator seeded `seed + epoch` (what `DistributedSampler` draws), cut to a whole number of
-global batches. With W processes of B images, process r takes the samples perm[r], perm[r + W],
-... (as DistributedSampler does); its k-th local batch is therefore a W-th of
-perm[k*W*B : (k+1)*W*B], which is exactly the k-th batch that one process with batch size W*B
-sees. With --accumulate N, N consecutive micro-batches make one step, perm[j*N*W*B : (j+1)*N*W*B]
-in every mode: one process with --accumulate N takes the steps of N processes. The last
-incomplete global batch is dropped in every mode, so every step averages the gradient over the
-same N*W*B samples.
+"""The train/validation split and the data loaders, built so that every mode sees the same batches
+(docs/modes.md, "The same batches", says why they are the same): EpochSampler gives each process
+its share of each epoch's seeded permutation, cut to whole global batches; ShardSampler gives it
+a contiguous, unpadded slice of the validation split.
 
 The sampler yields (epoch, position) pairs rather than positions: loader workers keep their own
 copy of the dataset for the whole run (persistent workers), so the epoch that --augment draws
 from has to travel with each index.
-
-Validation: each process takes a contiguous slice of the split without padding, so the summed
-counts cover every validation sample exactly once, whatever the number of processes.
 """
 import hashlib
 import os
@@ -88,11 +78,13 @@ class TrainSplit(Dataset):
 
 
 class ShardSampler(Sampler[int]):
-    """A contiguous, unpadded 1/num_replicas share of range(n), in order."""
+    """A contiguous, unpadded 1/num_replicas share of range(n), in order; the shares differ by up to
+    one sample, and `largest` is the size of the largest."""
 
     def __init__(self, n: int, num_replicas: int = 1, rank: int = 0):
         self.start = n * rank // num_replicas
         self.stop = n * (rank + 1) // num_replicas
+        self.largest = -(-n // num_replicas)
 
     def __iter__(self):
         return iter(range(self.start, self.stop))

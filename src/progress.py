@@ -1,5 +1,7 @@
-"""What a run shows and records as it trains, on rank 0: the progress bar (images/s and a recent
-loss), the seconds spent waiting for the data loader, TensorBoard scalars and the profiler.
+"""What a run shows and records as it trains, on rank 0: its header line, the progress bar
+(images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars,
+the profiler, and at the end of an FSDP run the bytes rank 0 held (src/memory.py). The lines of
+the history's records: src/history.py.
 
 Nothing here makes the host wait for the GPU inside a step: the loss is read from copies of the
 running metric sums that are started every --log-every optimizer steps without blocking and read
@@ -15,11 +17,20 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from src.memory import bytes_line, is_sharded, watch_rank_bytes
 from src.metrics import COUNT, LOSS
 from src.profiling import Profiler
 from src.ranks import is_first
 
 Log = Callable[[dict, int], None]  # log(values, step), as accelerate's Accelerator.log
+
+
+def run_header(args, data, device, processes: int = 1) -> str:
+    """The line a run starts with: model, device, images and batch."""
+    where = str(device) if processes == 1 else f"{processes} x {device.type}"
+    return (f"{args.arch} on {where}: {len(data.train_idx)} train / {len(data.val_idx)} val images, "
+            f"batch {args.batch_size}" + (f" x {processes}" if processes > 1 else "")
+            + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
 
 
 class TensorBoard:
@@ -50,9 +61,13 @@ class Progress:
     def __init__(self, args: argparse.Namespace, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
                  batch_images: int, device: torch.device, log: Log | None = None):
         """`batch_images`: the images of one micro-batch over all processes; `log`: where step and
-        epoch scalars go (TensorBoard, or accelerate's Accelerator.log)."""
+        epoch scalars go (accelerate's Accelerator.log; by default TensorBoard in --log-dir)."""
         self.args, self.optimizer, self.steps_per_epoch = args, optimizer, steps_per_epoch
-        self.batch_images, self.device, self.show, self.log = batch_images, device, is_first(), log
+        self.batch_images, self.device, self.show = batch_images, device, is_first()
+        self.tensorboard = TensorBoard(args.log_dir) if log is None else None
+        self.log = log or self.tensorboard
+        # Sharded parameters (FSDP): the bytes rank 0 holds at its fullest step, said by run_end().
+        self.held = watch_rank_bytes(optimizer) if self.show and is_sharded(optimizer) else None
         self.profiler = Profiler(args, device) if args.profile and self.show else None
         # Host copies of the running sums, made once: allocating pinned memory inside a step could wait.
         pinned = device.type == "cuda"
@@ -68,6 +83,14 @@ class Progress:
         if self.log is not None:
             self.log({f"epoch/{name}": value for name, value in record.items() if name != "epoch"},
                      record["epoch"])
+
+
+    def run_end(self) -> None:
+        """The end of the run: TensorBoard's files flushed; under FSDP, rank 0 prints the bytes it held."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.held is not None:
+            print(bytes_line(self.held))
 
 
 class LoaderPass:

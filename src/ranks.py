@@ -1,14 +1,11 @@
-"""The processes of a distributed run: which one speaks, what rank 0 reads for all, and the
-plumbing of torchrun's process group that a reader of train_ddp.py need not study.
+"""The processes of a distributed run: which one speaks, what rank 0 reads for all, and whether
+torchrun restarted this one (joining and leaving the group: src/process_group.py).
 
 Only the first process (global rank 0) prints, draws progress bars and writes files; every rank
 takes part in every collective. Without a process group (one device, DataParallel, a world of
 one) the one process is the first.
 """
-import gc
 import os
-import socket
-from datetime import timedelta
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
@@ -78,37 +75,6 @@ class _Failed:
         self.name = name
 
 
-def world_of_one_without_launcher() -> None:
-    """Plain `python train_ddp.py`: describe a world of one process, as torchrun would, on a free
-    local port (a fixed one may be taken by another run on this machine)."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-def torchrun_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
-    """(store, rank, world size) of the rendezvous torchrun describes in the environment.
-
-    torchrun --max-restarts keeps its store across restarts: without a fresh key prefix per
-    attempt, restarted workers read the dead workers' addresses and fail to connect.
-    """
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size
-
-
 def restarted() -> bool:
     """Whether torchrun restarted this worker (--max-restarts): it resumes from last.pth."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-
-
-def end_process_group() -> None:
-    """destroy_process_group(), after freeing what still holds the group's tensors: measured,
-    gloo ranks can abort at exit when the model outlives the group."""
-    if dist.is_initialized():
-        gc.collect()
-        dist.destroy_process_group()

@@ -45,10 +45,10 @@ HOOKS = str(ROOT / "tests" / "hooks")
 LEARN = ["--arch", "resnet18", "--weights", "none", "--image-size", "32", "--lr", "0.003"]
 EXACT = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", "64", "--dropout", "0",
          "--lr", "0.001", "--workers", "0"]
-VAL = ["--val-fraction", "0.5025"]
+VAL = ["--val-fraction", "0.5025"]  # the exact set's 201 images: 100 train, 101 validation
 # Dropout on (SqueezeNet's 0.5) and one persistent loader worker: every random draw must come out
 # the same in a resumed or restarted run as in a straight one, on every rank.
-DROPOUT = [flag for flag in EXACT if flag not in ("--dropout", "0", "--workers")] + ["--workers", "1"]  # the exact set's 201 images: 100 train, 101 validation
+DROPOUT = [flag for flag in EXACT if flag not in ("--dropout", "0", "--workers")] + ["--workers", "1"]
 B = 10  # per process in the two-process runs; one process takes 2 * B
 
 # How far apart two runs may end, as a share of the distance between the reference run and a
@@ -312,7 +312,91 @@ def recipe_far(runs, reference):
     return distance(last_model(other), last_model(reference))
 
 
+# --evaluate (test_evaluate, test_fsdp): a shared run's output folder validated again.
+U = 2.0 ** -24  # float32's unit roundoff
+
+
+def evaluate_flags(mode: str, out, *extra: str) -> list[str]:
+    """The flags of the shared run of `mode` (conftest.mode_run, less what writes: --log-dir,
+    --profile), validating a file of its output folder `out`; the plot at its default place."""
+    return [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(2 * B // PROCESSES[mode]),
+            "--checkpoint", str(out / "best.pth"), "--evaluate", *extra]
+
+
+def evaluated_record(stdout: str) -> dict:
+    """The record --evaluate prints (a JSON line after its summary line), printed once."""
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 1 and stdout.count("validated ") == 1, stdout
+    return records[0]
+
+
+def assert_reproduces(record: dict, out, epoch: int) -> None:
+    """The validation figures of history.json's epoch: the same samples and correct answers; the
+    same per-image losses, summed in float32 in the same order, give the same mean (a tolerance
+    of 101 x u covers another order of the 101 positive terms)."""
+    want = history(out)[epoch - 1]
+    assert want["epoch"] == epoch and record["val_samples"] == want["val_samples"] == 101
+    assert record["val_acc"] == want["val_acc"]
+    for key in ("val_loss", "val_log_loss"):
+        assert record[key] == pytest.approx(want[key], rel=101 * U, abs=0), (key, record, want)
+
+
+def files_and_times(folder) -> dict:
+    """The folder's files and its own time of change."""
+    return {".": folder.stat().st_mtime_ns,
+            **{p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}}
+
+
+def copy_run(mode: str, runs, out):
+    """A copy of the shared run's output folder, with the temporary file of a save in progress
+    (a training run writing there now): validating must leave it alone."""
+    shutil.copytree(mode_run(runs, mode)[0], out)
+    (out / ".last.pth.in-progress.tmp").write_bytes(b"half a checkpoint")
+    return out
+
+
 # predict and export (test_predict, test_export): a folder of mixed files, a trained best.pth.
+FORMATTED = 5e-7  # the CSV's p_dog has 6 significant digits: off by at most half a unit of the 6th
+
+# The images of the mixed folder in the order predict lists them (natural order of their path in
+# the folder), and the other files: two that are not images, two broken images.
+MIXED_IMAGES = ["a/b/deep.jpeg", "a/cat.2.jpg", "a/cat.10.jpg", "Cat 7, \"quoted\" é.JPG", "cmyk.jpg", "gray.jpg",
+                "lossless.png", "nested/dog.1.jpg", "nested/dog.3.JPEG", "nested/dog.20.jpg", "palette.png",
+                "rgba.png", "x.bmp"]
+MIXED_OTHERS = ["notes.txt", "nested/README"]
+MIXED_BROKEN = {"broken.jpg": "truncated", "empty.png": "cannot identify image file"}
+
+
+def read_predictions(path):
+    """predict's CSV as a DataFrame, every path a string."""
+    import pandas as pd
+    return pd.read_csv(path, dtype={"path": str}, keep_default_na=False)
+
+
+def validation_pass(checkpoint, files, flip=False):
+    """p(dog) for the files as the training scripts' validation computes it, from its own pieces:
+    DogCatDataset (open_rgb's draft decode, image_transform), a loader, model_inputs, the model;
+    and the float32 bound (src.tools.rounding) of another computation of each."""
+    import pandas as pd
+    from torch.utils.data import DataLoader
+
+    from src.datasets import DogCatDataset
+    from src.inference import load_checkpoint
+    from src.tools.rounding import rounding_bound
+    from src.transforms import image_transform, model_inputs, normalize
+    model, info = load_checkpoint(checkpoint)
+    table = pd.DataFrame({"filename": [str(f) for f in files], "label": 0})
+    dataset = DogCatDataset(table, "/", image_transform(info["image_size"]), draft_size=info["image_size"])
+    images = torch.cat([batch for batch, _ in DataLoader(dataset, batch_size=5)])
+    if flip:
+        images = images.flip(dims=[3])
+    with torch.no_grad():
+        p = torch.cat([model(model_inputs(batch, torch.device("cpu"))).softmax(dim=1)
+                       for batch in images.split(5)])
+    _, bound = rounding_bound(model, normalize(images))
+    return p[:, 1].numpy(), bound[:, 1].numpy()
+
+
 def make_mixed(folder, source):
     """The mixed folder, from the labelled JPEGs of the `exact` set (source/train)."""
     train = source / "train"
@@ -408,3 +492,32 @@ def tmpfs(tmp_path):
 
 def remount(folder: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(folder)], check=True)
+
+
+# Faked GPUs and torch's numerics settings (the tests of the GPU's paths on the CPU).
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """fake_gpus(n, bf16): torch reports n CUDA GPUs, for the checks made before any is used."""
+    def fake(n: int, bf16: bool = True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 0))
+    return fake
+
+
+@pytest.fixture
+def restore_numerics(monkeypatch):
+    """Put torch's global numerics settings back after a test changes them."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    backends = torch.backends
+    saved = (torch.are_deterministic_algorithms_enabled(), backends.cudnn.allow_tf32,
+             backends.cuda.matmul.allow_tf32, backends.cudnn.benchmark, backends.cudnn.deterministic)
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = saved[1:3]
+    backends.cudnn.benchmark, backends.cudnn.deterministic = saved[3:]
+
+
+class Asked(Exception):
+    """Raised by a stand-in that stops a script where a test has seen what it asked for."""

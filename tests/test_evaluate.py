@@ -11,14 +11,15 @@ import torch
 import torchvision
 from conftest import (
     BIN,
-    EXACT,
     HOOKS,
     LAUNCH,
-    PROCESSES,
     ROOT,
-    VAL,
-    B,
+    assert_reproduces,
+    copy_run,
+    evaluate_flags,
+    evaluated_record,
     fails_in_process,
+    files_and_times,
     history,
     in_process,
     mode_run,
@@ -26,47 +27,6 @@ from conftest import (
 
 import train_dp
 import train_single
-
-U = 2.0 ** -24  # float32's unit roundoff
-
-
-def _flags(mode: str, out, *extra: str) -> list[str]:
-    """The flags of the shared run of `mode` (conftest.mode_run, less what writes: --log-dir,
-    --profile), validating a file of its output folder `out`; the plot at its default place."""
-    return [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(2 * B // PROCESSES[mode]),
-            "--checkpoint", str(out / "best.pth"), "--evaluate", *extra]
-
-
-def _record(stdout: str) -> dict:
-    """The record --evaluate prints (a JSON line after its summary line), printed once."""
-    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    assert len(records) == 1 and stdout.count("validated ") == 1, stdout
-    return records[0]
-
-
-def _assert_reproduces(record: dict, out, epoch: int) -> None:
-    """The validation figures of history.json's epoch: the same samples and correct answers; the
-    same per-image losses, summed in float32 in the same order, give the same mean (a tolerance
-    of 101 x u covers another order of the 101 positive terms)."""
-    want = history(out)[epoch - 1]
-    assert want["epoch"] == epoch and record["val_samples"] == want["val_samples"] == 101
-    assert record["val_acc"] == want["val_acc"]
-    for key in ("val_loss", "val_log_loss"):
-        assert record[key] == pytest.approx(want[key], rel=101 * U, abs=0), (key, record, want)
-
-
-def _files(folder) -> dict:
-    """The folder's files and its own time of change."""
-    return {".": folder.stat().st_mtime_ns,
-            **{p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()}}
-
-
-def _copy_run(mode: str, runs, out):
-    """A copy of the shared run's output folder, with the temporary file of a save in progress
-    (a training run writing there now): validating must leave it alone."""
-    shutil.copytree(mode_run(runs, mode)[0], out)
-    (out / ".last.pth.in-progress.tmp").write_bytes(b"half a checkpoint")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +48,16 @@ def test_evaluate_reproduces_the_epoch_and_writes_nothing(script, weights, epoch
     """In this process (the same one-process computation as the script's): --checkpoint
     best.pth (checked against best.json), or --weights last.pth."""
     mode = "single" if script is train_single else "dp"
-    out = _copy_run(mode, runs, tmp_path / "out")
-    before, cwd_before = _files(out), tmp_path.stat().st_mtime_ns
+    out = copy_run(mode, runs, tmp_path / "out")
+    before, cwd_before = files_and_times(out), tmp_path.stat().st_mtime_ns
     extra = ["--weights", str(out / "last.pth")] if weights == "last.pth" else []
     monkeypatch.chdir(tmp_path)  # where the plot would land (training_results.png)
     code, stdout, stderr = in_process(script.main, ["--data-dir", str(runs.exact_data),
-                                                    *_flags(mode, out, *extra)], monkeypatch, capsys)
+                                                    *evaluate_flags(mode, out, *extra)], monkeypatch, capsys)
     assert code == 0, stderr
     assert f"validated {out / weights}" + (" (epoch 1)" if weights == "best.pth" else ":") in stdout
-    _assert_reproduces(_record(stdout), out, epoch)
-    assert _files(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+    assert_reproduces(evaluated_record(stdout), out, epoch)
+    assert files_and_times(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
     assert tmp_path.stat().st_mtime_ns == cwd_before
 
 
@@ -108,12 +68,12 @@ def test_evaluate_under_torchrun_and_accelerate_is_exact_and_rank_0_alone_speaks
     place (WRITE_LOG logs every os.replace) and the folders are unchanged."""
     started = {}
     for mode, extra in (("ddp", []), ("accelerate", ["--weights", "{out}/last.pth"])):
-        out = _copy_run(mode, runs, tmp_path / mode)
+        out = copy_run(mode, runs, tmp_path / mode)
         env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": HOOKS,
                "WRITE_LOG": str(tmp_path / f"{mode}.writes"), "HF_HOME": str(tmp_path / "hf"),
                "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"}
-        flags = [flag.replace("{out}", str(out)) for flag in _flags(mode, out, *extra)]
-        started[mode] = (out, _files(out), subprocess.Popen(
+        flags = [flag.replace("{out}", str(out)) for flag in evaluate_flags(mode, out, *extra)]
+        started[mode] = (out, files_and_times(out), subprocess.Popen(
             [*LAUNCH[mode](), "--data-dir", str(runs.exact_data), *flags, "--plot", str(tmp_path / "plot.png")],
             cwd=ROOT, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -123,8 +83,8 @@ def test_evaluate_under_torchrun_and_accelerate_is_exact_and_rank_0_alone_speaks
         weights, epoch = ("best.pth", 1) if mode == "ddp" else ("last.pth", 2)
         assert f"validated {out / weights}" + (" (epoch 1)" if weights == "best.pth" else ":") in stdout
         assert "on 2 x cpu" in stdout
-        _assert_reproduces(_record(stdout), out, epoch)
-        assert _files(out) == before
+        assert_reproduces(evaluated_record(stdout), out, epoch)
+        assert files_and_times(out) == before
     assert set(os.listdir(tmp_path)) <= {"accelerate", "ddp", "hf"}  # no plot, no log of a write
 
 
@@ -136,7 +96,7 @@ def single_out(runs, tmp_path):
 
 
 def _fails(runs, out, monkeypatch, capsys, message, *extra):
-    argv = ["--data-dir", str(runs.exact_data), *_flags("single", out), *extra]
+    argv = ["--data-dir", str(runs.exact_data), *evaluate_flags("single", out), *extra]
     return fails_in_process(train_single.main, argv, monkeypatch, capsys, message)
 
 

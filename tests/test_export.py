@@ -11,8 +11,17 @@ import onnx
 import onnxruntime
 import pytest
 import torch
-from conftest import fails_in_process, in_process, mode_run, printed_by, python
-from test_predict import FORMATTED, IMAGES, _csv, validation_pass
+from conftest import (
+    FORMATTED,
+    MIXED_IMAGES,
+    fails_in_process,
+    in_process,
+    mode_run,
+    printed_by,
+    python,
+    read_predictions,
+    validation_pass,
+)
 
 from src.datasets import open_rgb
 from src.inference import load_checkpoint
@@ -111,10 +120,10 @@ def test_predict_onnx_runs_without_torch_and_gives_torchs_p_dog(exported, mixed,
             "runpy.run_module('src.tools.predict', run_name='__main__')")
     result = python("-c", code)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"predicted {len(IMAGES)} images" in result.stdout and result.stdout.count("left out /") == 2
-    rows = _csv(out)
-    assert list(rows["path"]) == [str(mixed / name) for name in IMAGES]
-    p, bound = validation_pass(checkpoint, [mixed / name for name in IMAGES])
+    assert f"predicted {len(MIXED_IMAGES)} images" in result.stdout and result.stdout.count("left out /") == 2
+    rows = read_predictions(out)
+    assert list(rows["path"]) == [str(mixed / name) for name in MIXED_IMAGES]
+    p, bound = validation_pass(checkpoint, [mixed / name for name in MIXED_IMAGES])
     assert np.all(np.abs(rows["p_dog"].to_numpy() - p) <= bound + FORMATTED)
     assert list(rows["label"]) == ["dog" if q > 0.5 else "cat" for q in p]
 
@@ -124,9 +133,9 @@ def test_predict_onnx_tta_averages_the_mirror_images(exported, mixed, checkpoint
     code, _, err = in_process(predict.main, ["--onnx", str(exported[0]), str(mixed), "--output", str(out), "--tta"],
                               monkeypatch, capsys)
     assert code == 0, err
-    files = [mixed / name for name in IMAGES]
+    files = [mixed / name for name in MIXED_IMAGES]
     (p, bound), (mirrored, mirrored_bound) = validation_pass(checkpoint, files), validation_pass(checkpoint, files, True)
-    tta = _csv(out)["p_dog"].to_numpy()
+    tta = read_predictions(out)["p_dog"].to_numpy()
     assert np.all(np.abs(tta - (p + mirrored) / 2) <= (bound + mirrored_bound) / 2 + FORMATTED)
 
 

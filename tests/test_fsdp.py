@@ -22,9 +22,14 @@ from conftest import (
     RECIPE,
     VAL,
     B,
+    assert_reproduces,
     assert_same_run,
+    copy_run,
     distance,
+    evaluate_flags,
+    evaluated_record,
     fails_in_process,
+    files_and_times,
     in_process,
     last_model,
     mode_run,
@@ -40,10 +45,12 @@ import train_fsdp
 import train_single
 from src.accelerate_checks import check_accelerator
 from src.cli import parse_args
+from src.memory import rank_bytes
 from src.models import build_model, head_of
-from src.ranks import end_process_group
+from src.process_group import end_process_group
 from src.recipe import make_optimizer, make_schedule
-from src.sharding import fsdp_units, rank_bytes, shard_model
+from src.sharding import fsdp_units, shard_model
+
 
 @pytest.fixture(scope="module")
 def fsdp_run(runs):
@@ -178,16 +185,15 @@ def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_pa
 def test_evaluate_loads_best_pth_into_the_shards(runs, world_of_one, tmp_path, monkeypatch, capsys):
     """--evaluate of train_single.py's best.pth (epoch 1 of the shared run) under FSDP, a world of
     one in this process: the figures of that epoch, and nothing written."""
-    from test_evaluate import _assert_reproduces, _copy_run, _files, _flags, _record
-    out = _copy_run("single", runs, tmp_path / "out")
-    before = _files(out)
+    out = copy_run("single", runs, tmp_path / "out")
+    before = files_and_times(out)
     monkeypatch.chdir(tmp_path)  # where the plot would land
-    code, stdout, stderr = in_process(train_fsdp.main, ["--data-dir", str(runs.exact_data), *_flags("single", out)],
+    code, stdout, stderr = in_process(train_fsdp.main, ["--data-dir", str(runs.exact_data), *evaluate_flags("single", out)],
                                       monkeypatch, capsys)
     assert code == 0, stderr
     assert f"validated {out / 'best.pth'} (epoch 1)" in stdout
-    _assert_reproduces(_record(stdout), out, 1)
-    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert_reproduces(evaluated_record(stdout), out, 1)
+    assert files_and_times(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_amp_autocasts_as_in_the_other_modes(runs, far, tmp_path, world_of_one, monkeypatch, capsys):
@@ -222,7 +228,7 @@ def _vgg16_step(backend: str, world_size: int, wrap) -> tuple[dict, nn.Module]:
         optimizer = make_optimizer(model, parse_args("", []), torch.device("cpu"))
         F.cross_entropy(net(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
         optimizer.step()
-        return rank_bytes(model, optimizer), model
+        return rank_bytes(optimizer), model
     finally:
         dist.destroy_process_group()
 
@@ -249,7 +255,8 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
     micro-batch only: as often over 4 micro-batches as --accumulate 1 does over 2. Its validation
     first broadcasts each buffer (batch norm's statistics) from rank 0, as DDP's forward does:
     each rank's own would follow its share of the batches (measured with ResNet-18 on two real
-    ranks: validation loss 0.7018 against 0.7004 from the saved model). With the GPU's kernel
+    ranks: validation loss 0.7018 against 0.7004 from the saved model), and a rank with a
+    validation batch less runs a forward more, as every forward gathers. With the GPU's kernel
     choices (AS_ON_GPU=1: fused optimizers, but not SGD's, which has no DTensor version)."""
     monkeypatch.setenv("AS_ON_GPU", "1")
     from src.loaders import make_loaders
@@ -277,7 +284,7 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
             shard_model(model, device)
             optimizer = make_optimizer(model, args, device)
             schedule = make_schedule(optimizer, args, 2)
-            loader, val_loader = make_loaders(dataset, list(range(4 * accumulate * 2)), [8, 9], 2, 0, 0,
+            loader, val_loader = make_loaders(dataset, list(range(4 * accumulate * 2)), [8, 9, 10, 11, 12], 2, 0, 0,
                                               world_size=2, accumulate=accumulate)
             loader.sampler.set_epoch(0)
             progress = Progress(args, optimizer, 2, 4, device)
@@ -289,10 +296,39 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
                 per_two_steps = len(reduce_scatters)
                 assert per_two_steps == 2 * 3  # the convolution, batch norm and Linear: a unit each
         assert len(reduce_scatters) == per_two_steps, "one reduce-scatter a step, not one a micro-batch"
+        forwards = []
+        model.register_forward_hook(lambda module, inputs, output: forwards.append(len(inputs[0])))
         train_fsdp.evaluate(model, progress.pass_over(val_loader, "val"), device, args)
         assert broadcasts == [0, 0, 0]  # running mean, variance and batch count, from rank 0
+        # Rank 0's 2 of the 5 validation images are one batch, rank 1's 3 two: one forward more.
+        assert forwards == [2, 2]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("images, batch", [(5, 1), (5, 3), (7, 2), (8, 2)])
+def test_every_rank_runs_as_many_validation_forwards(images, batch):
+    """Each forward of a sharded model gathers from every rank: a rank whose unpadded validation
+    shard has a batch less runs one forward more after its own (7 images in batches of 2 over 3
+    ranks: 2, 2 and 3 images, so 1, 1 and 2 batches), counted against the loaders of every rank."""
+    from src.loaders import make_loaders
+    from src.sharding import forwards_to_match
+
+    dataset = [(torch.zeros(1), 0) for _ in range(images)]
+    for world_size in (2, 3):
+        train = [0] * batch * world_size  # enough for a global batch
+        loaders = [make_loaders(dataset, train, list(range(images)), batch, 0, 0, rank, world_size)[1]
+                   for rank in range(world_size)]
+        forwards = []
+        for loader in loaders:
+            model = nn.Identity()
+            calls = []
+            model.register_forward_hook(lambda module, inputs, output: calls.append(1))
+            for inputs, _ in loader:
+                model(inputs)
+            forwards_to_match(model, inputs, loader)
+            forwards.append(len(calls))
+        assert forwards == [max(map(len, loaders))] * world_size, (world_size, [len(loader) for loader in loaders])
 
 
 def _names(model: nn.Module, units: list[nn.Module]) -> list[str]:

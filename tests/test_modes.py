@@ -40,22 +40,23 @@ from src.transforms import normalize
 
 
 @pytest.fixture(scope="module")
-def reference(runs):
+def single_run(runs):
+    """The output folder of train_single.py's shared run (conftest's `reference` is the full recipe's)."""
     return mode_run(runs, "single")[0]
 
 
-def test_the_tolerance_catches_the_seed_faults(runs, reference, far):
+def test_the_tolerance_catches_the_seed_faults(runs, single_run, far):
     """Another global batch is `far` by definition; the seed's DDP script never reshuffled
     (no set_epoch): measured 0.065 of far after its one unshuffled epoch, 65 x the tolerance."""
     assert far > 0
     same_order = runs.exact("single", env={"NO_RESHUFFLE": "1"})[0]
-    assert distance(last_model(same_order), last_model(reference)) / far > 20 * TOLERANCE
+    assert distance(last_model(same_order), last_model(single_run)) / far > 20 * TOLERANCE
 
 
-def test_data_parallel_matches_single(runs, reference, far):
+def test_data_parallel_matches_single(runs, single_run, far):
     out, result = mode_run(runs, "dp")
     assert "DataParallel runs on one device" in result.stdout
-    assert assert_same_run(out, reference, far) == 0  # the same code path on a CPU
+    assert assert_same_run(out, single_run, far) == 0  # the same code path on a CPU
     assert not any(k.startswith("module.") for k in weights(out))
 
 
@@ -64,9 +65,9 @@ def _writes(out: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("mode", ["ddp", "accelerate"])
-def test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans(mode, runs, reference, far):
+def test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans(mode, runs, single_run, far):
     out, result = mode_run(runs, mode)
-    assert_same_run(out, reference, far)
+    assert_same_run(out, single_run, far)
     writes = _writes(out)
     assert {rank for rank, _ in writes} == {"0"}, writes
     assert {Path(path).name for _, path in writes} >= {
@@ -216,8 +217,8 @@ def test_accelerate_refuses_processes_it_cannot_see(exact_data, tmp_path):
 
 @pytest.mark.parametrize("script, extra", [("train_ddp.py", ["--local-rank", "0"]),
                                            ("train_accelerate.py", [])])
-def test_without_a_launcher_is_a_world_of_one(script, extra, exact_data, reference, far, tmp_path):
+def test_without_a_launcher_is_a_world_of_one(script, extra, exact_data, single_run, far, tmp_path):
     result = python(script, "--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "2",
                     "--batch-size", str(2 * B), *outputs(tmp_path), *extra)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(tmp_path, reference, far)
+    assert_same_run(tmp_path, single_run, far)

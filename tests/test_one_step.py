@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from conftest import fails_in_process
 
 from src.cli import parse_args
-from src.data_parallel import DataParallel
+from src.data_parallel import AutocastDataParallel
 from src.freeze import set_frozen
 from src.loaders import make_loaders
 from src.progress import Progress
@@ -67,7 +67,7 @@ def script_step(script: str, model: nn.Module, *argv: str, frozen: bool = False,
     if script == "single":
         train_epoch(model, progress.pass_over(loader, "test", 0), device, args, optimizer, scaler, schedule, frozen)
     elif script == "dp":
-        train_epoch(DataParallel(model), progress.pass_over(loader, "test", 0), device, args, optimizer, scaler,
+        train_epoch(AutocastDataParallel(model), progress.pass_over(loader, "test", 0), device, args, optimizer, scaler,
                     schedule, frozen)
     elif script == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

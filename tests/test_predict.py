@@ -9,32 +9,26 @@ import re
 import shutil
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
-from conftest import fails_in_process, in_process, printed_by, run
-from torch.utils.data import DataLoader
+from conftest import (
+    FORMATTED,
+    MIXED_BROKEN,
+    MIXED_IMAGES,
+    MIXED_OTHERS,
+    fails_in_process,
+    in_process,
+    printed_by,
+    read_predictions,
+    run,
+    validation_pass,
+)
 
 from src import inference
-from src.datasets import DogCatDataset, open_rgb
+from src.datasets import open_rgb
 from src.image_files import decode, find_images
-from src.inference import load_checkpoint
 from src.tools import predict
-from src.tools.rounding import rounding_bound
-from src.transforms import image_transform, model_inputs, normalize
-
-FORMATTED = 5e-7  # the CSV's p_dog has 6 significant digits: off by at most half a unit of the 6th
-
-# The images of the mixed folder in the order predict lists them (natural order of their path in
-# the folder), and the other files: two that are not images, two broken images.
-IMAGES = ["a/b/deep.jpeg", "a/cat.2.jpg", "a/cat.10.jpg", "Cat 7, \"quoted\" é.JPG", "cmyk.jpg", "gray.jpg", "lossless.png", "nested/dog.1.jpg", "nested/dog.3.JPEG", "nested/dog.20.jpg",
-          "palette.png", "rgba.png", "x.bmp"]
-NOT_IMAGES = ["notes.txt", "nested/README"]
-BROKEN = {"broken.jpg": "truncated", "empty.png": "cannot identify image file"}
-
-
-def _csv(path) -> pd.DataFrame:
-    return pd.read_csv(path, dtype={"path": str}, keep_default_na=False)
+from src.transforms import image_transform
 
 
 @pytest.fixture(scope="module")
@@ -43,39 +37,22 @@ def one_process(mixed, checkpoint, module_tmp):
     out = module_tmp / "one.csv"
     printed = printed_by(predict.main, [str(mixed), "--checkpoint", str(checkpoint), "--output", str(out),
                                         "--workers", "1", "--batch-size", "4"])
-    return _csv(out), printed
-
-
-def validation_pass(checkpoint, files, flip=False):
-    """p(dog) for the files as the training scripts' validation computes it, from its own pieces:
-    DogCatDataset (open_rgb's draft decode, image_transform), a loader, model_inputs, the model;
-    and the float32 bound (src.tools.rounding) of another computation of each."""
-    model, info = load_checkpoint(checkpoint)
-    table = pd.DataFrame({"filename": [str(f) for f in files], "label": 0})
-    dataset = DogCatDataset(table, "/", image_transform(info["image_size"]), draft_size=info["image_size"])
-    images = torch.cat([batch for batch, _ in DataLoader(dataset, batch_size=5)])
-    if flip:
-        images = images.flip(dims=[3])
-    with torch.no_grad():
-        p = torch.cat([model(model_inputs(batch, torch.device("cpu"))).softmax(dim=1)
-                       for batch in images.split(5)])
-    _, bound = rounding_bound(model, normalize(images))
-    return p[:, 1].numpy(), bound[:, 1].numpy()
+    return read_predictions(out), printed
 
 
 def test_a_mixed_folder_gives_the_validation_pass_p_dog(mixed, checkpoint, one_process):
     rows, printed = one_process
-    assert list(rows["path"]) == [str(mixed / name) for name in IMAGES]
-    p, bound = validation_pass(checkpoint, [mixed / name for name in IMAGES])
+    assert list(rows["path"]) == [str(mixed / name) for name in MIXED_IMAGES]
+    p, bound = validation_pass(checkpoint, [mixed / name for name in MIXED_IMAGES])
     assert np.all(np.abs(rows["p_dog"].to_numpy() - p) <= bound + FORMATTED), (rows["p_dog"], p, bound)
     assert not np.all(np.abs(np.roll(p, 1) - p) <= bound + FORMATTED), "rows out of order would show"
     assert list(rows["label"]) == ["dog" if q > 0.5 else "cat" for q in p]
     left_out = [line for line in printed.splitlines() if line.startswith("left out ")]
     assert len(left_out) == 2
-    for line, (name, why) in zip(left_out, sorted(BROKEN.items())):
+    for line, (name, why) in zip(left_out, sorted(MIXED_BROKEN.items())):
         assert line.startswith(f"left out {mixed / name}: cannot decode it (") and why in line, line
-    assert f"predicted {len(IMAGES)} images" in printed
-    assert f"skipped {len(NOT_IMAGES)} file(s) that are not images; left out 2 that cannot be decoded" in printed
+    assert f"predicted {len(MIXED_IMAGES)} images" in printed
+    assert f"skipped {len(MIXED_OTHERS)} file(s) that are not images; left out 2 that cannot be decoded" in printed
 
 
 def test_the_csv_quotes_odd_names_and_the_table_is_short(mixed, one_process, module_tmp):
@@ -85,7 +62,7 @@ def test_the_csv_quotes_odd_names_and_the_table_is_short(mixed, one_process, mod
     assert next(csv.reader(text.splitlines())) == ["path", "p_dog", "label"]
     table = printed.splitlines()[2:]
     assert table[0].split() == ["path", "p(dog)", "label"]
-    assert len(table) == 1 + predict.SHOWN + 2 and table[-2] == f"... {len(IMAGES) - predict.SHOWN} more rows"
+    assert len(table) == 1 + predict.SHOWN + 2 and table[-2] == f"... {len(MIXED_IMAGES) - predict.SHOWN} more rows"
     assert table[1].split()[-2:] == [f"{rows['p_dog'][0]:.4f}", rows["label"][0]]
 
 
@@ -94,7 +71,7 @@ def test_decode_is_the_training_decode_byte_for_byte(mixed):
     open_rgb + image_transform, at the shared run's size and at one where draft decoding shrinks
     the JPEGs first (the x3 BMP, and the 64-ish px JPEGs at 16 px)."""
     for size in (64, 16, 224):
-        for name in IMAGES:
+        for name in MIXED_IMAGES:
             want = image_transform(size)(open_rgb(mixed / name, draft_size=size)).numpy()
             assert np.array_equal(decode(mixed / name, size), want), (name, size)
 
@@ -117,9 +94,9 @@ def test_two_processes_under_torchrun_write_the_one_process_csv(mixed, checkpoin
     result = run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "src.tools.predict", str(mixed),
                   "--checkpoint", str(checkpoint), "--output", str(out), "--workers", "0", "--batch-size", "3"])
     assert result.returncode == 0, result.stderr[-3000:]
-    one, two = one_process[0], _csv(out)
+    one, two = one_process[0], read_predictions(out)
     assert list(two["path"]) == list(one["path"]) and list(two["label"]) == list(one["label"])
-    _, bound = validation_pass(checkpoint, [mixed / name for name in IMAGES])
+    _, bound = validation_pass(checkpoint, [mixed / name for name in MIXED_IMAGES])
     assert np.all(np.abs(two["p_dog"].to_numpy() - one["p_dog"].to_numpy()) <= 2 * FORMATTED + bound)
     lines = result.stdout.splitlines()
     assert sum(line.startswith("predicted ") for line in lines) == 1
@@ -151,10 +128,10 @@ def test_tta_amp_and_channels_last_are_applied(mixed, checkpoint, module_tmp, mo
     code, _, err = in_process(predict.main, [str(mixed), "--checkpoint", str(checkpoint), "--output", str(out),
                                              "--workers", "0", "--tta"], monkeypatch, capsys)
     assert code == 0, err
-    files = [mixed / name for name in IMAGES]
+    files = [mixed / name for name in MIXED_IMAGES]
     (p, bound), (mirrored, mirrored_bound) = validation_pass(checkpoint, files), validation_pass(checkpoint, files, True)
     assert not np.allclose(p, mirrored, atol=1e-4)
-    tta = _csv(out)["p_dog"].to_numpy()
+    tta = read_predictions(out)["p_dog"].to_numpy()
     assert np.all(np.abs(tta - (p + mirrored) / 2) <= (bound + mirrored_bound) / 2 + FORMATTED)
 
 

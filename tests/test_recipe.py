@@ -32,6 +32,7 @@ from src.history import best_record
 from src.loaders import TrainSplit, make_loaders
 from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
 
+
 # Every recipe flag on. 100 training images; a global batch of 4 * B = 40 makes 2 optimizer steps
 # an epoch, so the half-epoch warm-up is one step and the cosine spans steps 1 to 3. Measured on
 # the single-process run (2026-12-04), leaving one flag out moves the end weights by this share of

@@ -261,7 +261,7 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
 
 def held_line(log: Path) -> str:
     """train_fsdp.py's line on the bytes of parameters, gradients and optimizer state that its rank 0
-    held, against a DDP rank's (src.sharding.bytes_line), from its run's log."""
+    held, against a DDP rank's (src.memory.bytes_line), from its run's log."""
     return next((line for line in log.read_text().splitlines() if line.startswith("rank 0 held ")),
                 "no line on the bytes held")
 

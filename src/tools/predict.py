@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from src.atomic import atomic_write_text, check_can_write
-from src.cli import AMP_DTYPES, OneLineParser, at_least
+from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
 
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--tta", action="store_true", help="average over the image and its mirror")
     parser.add_argument("--amp", choices=list(AMP_DTYPES), default="no", help="bf16 or fp16 autocast")
     parser.add_argument("--channels-last", action="store_true", help="channels-last batches and weights")
+    add_dist_timeout(parser, "under torchrun, in a collective")
     args = parser.parse_args(argv)
     if args.onnx and (args.amp != "no" or args.channels_last):
         parser.error("--amp and --channels-last set up the torch model; --onnx runs in float32 on the CPU")
@@ -143,13 +144,13 @@ def predict_torch(args, files: list[Path] | None) -> Predictions | None:
         kaggle_test_files,
         load_checkpoint,
         predict_files,
-        start_processes,
     )
     from src.loaders import default_workers
-    from src.ranks import end_process_group, from_rank_0, is_first
+    from src.process_group import end_process_group, join_process_group
+    from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
 
-    rank, world_size, device = start_processes(args.amp)
+    rank, world_size, device = join_process_group(args, world_of_one=False)
     try:
         try:
             if files is None:
