@@ -16,6 +16,7 @@ from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.dropout import set_samples
+from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
 from src.history import done_line, epoch_record, format_record
@@ -90,17 +91,17 @@ def main() -> None:
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
+    ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     info = run_info(args, global_batch, data.digest)
-    history = resume(args, info, model, optimizer, accelerator.scaler, schedule)
+    history = resume(args, info, model, optimizer, ema, accelerator.scaler, schedule)
     optimizer = accelerator.prepare(optimizer)
     if args.log_dir:
         accelerator.init_trackers("train_accelerate")  # on the main process only
     progress = Progress(args, optimizer, steps, args.batch_size * processes, device, accelerator.log)
 
-    if accelerator.is_main_process:
-        print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
-              f"mixed precision {accelerator.mixed_precision})")
+    accelerator.print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
+                      f"mixed precision {accelerator.mixed_precision})")
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
         evaluated, start = load_evaluated(args, info, model), time.time()
         net = torch.compile(model) if args.compile else model
@@ -121,17 +122,17 @@ def main() -> None:
             train_sums = train_epoch(accelerator, net, train_pass, device, args, optimizer, schedule, stage.frozen)
             middle = time.time()
             val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, f"{desc} val"), device, args)
+            average_sums = ema.validate(lambda: evaluate(accelerator, net, progress.pass_over(val_loader, f"{desc} average"), device, args))
             history.append(epoch_record(
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
-                lr=optimizer.param_groups[0]["lr"]))
+                lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             if accelerator.is_main_process:
-                is_best = save_epoch(args, history, model, optimizer, accelerator.scaler, schedule, info)
+                is_best = save_epoch(args, history, model, optimizer, ema, accelerator.scaler, schedule, info)
                 print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
             progress.epoch_end(history[-1])  # accelerator.log writes on the main process only
             accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        print(done_line(history, args, time.time() - since))
+    accelerator.print(done_line(history, args, time.time() - since))  # on the main process only
     progress.run_end()
     del model, optimizer
     accelerator.free_memory()  # measured: releasing the model first avoids gloo aborts at exit

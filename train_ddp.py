@@ -14,6 +14,7 @@ from src.batch_norm import sync_batch_norm
 from src.checkpoint import check_writable, resume, run_info, save_epoch
 from src.cli import amp_dtype, parse_args
 from src.dropout import set_samples
+from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
 from src.history import done_line, epoch_record, format_record
@@ -78,10 +79,11 @@ def main() -> None:
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
+    ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
-    history = resume(args, info, model, optimizer, scaler, schedule)
+    history = resume(args, info, model, optimizer, ema, scaler, schedule)
     progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
 
     if rank == 0:
@@ -107,12 +109,13 @@ def main() -> None:
             train_sums = train_epoch(net, train_pass, device, args, optimizer, scaler, schedule, stage.frozen)
             middle = time.time()
             val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
+            average_sums = ema.validate(lambda: evaluate(net, progress.pass_over(val_loader, f"{desc} average"), device, args))
             history.append(epoch_record(
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
-                lr=optimizer.param_groups[0]["lr"]))
+                lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             if rank == 0:
-                is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info)
+                is_best = save_epoch(args, history, model, optimizer, ema, scaler, schedule, info)
                 progress.epoch_end(history[-1])
                 print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
     if rank == 0:

@@ -9,6 +9,7 @@ from src.cli import amp_dtype, parse_args
 from src.data_parallel import AutocastDataParallel, check_data_parallel
 from src.devices import training_device
 from src.dropout import set_samples
+from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.evaluation import load_evaluated, show_evaluation
 from src.history import done_line, epoch_record, format_record
@@ -68,10 +69,11 @@ def main() -> None:
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     optimizer = make_optimizer(model, args, device)
+    ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
-    history = resume(args, info, model, optimizer, scaler, schedule)
+    history = resume(args, info, model, optimizer, ema, scaler, schedule)
     progress = Progress(args, optimizer, steps, args.batch_size, device)
 
     print(run_header(args, data, device))
@@ -95,11 +97,12 @@ def main() -> None:
             train_sums = train_epoch(net, train_pass, device, args, optimizer, scaler, schedule, stage.frozen)
             middle = time.time()
             val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
+            average_sums = ema.validate(lambda: evaluate(net, progress.pass_over(val_loader, f"{desc} average"), device, args))
             history.append(epoch_record(
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
-                lr=optimizer.param_groups[0]["lr"]))
-            is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info)
+                lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
+            is_best = save_epoch(args, history, model, optimizer, ema, scaler, schedule, info)
             progress.epoch_end(history[-1])
             print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
     print(done_line(history, args, time.time() - since))

@@ -16,7 +16,7 @@ import torch
 from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
 from src.errors import UserError, one_line
-from src.history import best_record, history_text
+from src.history import best_choice, history_text
 from src.plot import plot_history
 from src.ranks import from_rank, from_rank_0, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -76,19 +76,24 @@ def run_info(args, global_batch: int, data: str) -> dict:
             **{key: getattr(args, key) for key in RECIPE_FLAGS}}
 
 
-def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler, schedule,
+def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, average, scaler, schedule,
                info: dict) -> bool:
-    """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far."""
+    """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far.
+
+    `average`: the weight average (src.ema.WeightAverage, or FSDP's gathered one); best.pth holds
+    whichever of the weights and their average --best-by picks, and best.json says which."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the plain names
     paths = output_paths(args)
-    is_best = best_record(history, args.best_by) is history[-1]
+    best, weights = best_choice(history, args.best_by)
+    is_best = best["epoch"] == history[-1]["epoch"]
+    averaged = average.state_dict()  # None without --ema-decay
     if is_best:
-        digest = atomic_torch_save(model.state_dict(), paths["best"])
+        digest = atomic_torch_save(averaged["model"] if weights == "average" else model.state_dict(), paths["best"])
         atomic_write_text(paths["info"], json.dumps(
-            {**info, "epoch": history[-1]["epoch"], "sha256": digest}, indent=2))
+            {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
     atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                        "scaler": scaler.state_dict() if scaler is not None else {},
-                       "schedule": schedule.state_dict(), "epoch": history[-1]["epoch"],
+                       "schedule": schedule.state_dict(), "average": averaged, "epoch": history[-1]["epoch"],
                        "history": history, "info": info}, paths["last"])
     atomic_write_text(paths["history"], history_text(history))
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
@@ -200,9 +205,9 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
                 state[key] = torch.empty_like(param).copy_(value)
 
 
-def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule) -> list[dict]:
+def resume(args, info: dict, model: torch.nn.Module, optimizer, average, scaler, schedule) -> list[dict]:
     """With --resume (or in a worker that torchrun restarted), load last.pth into model,
-    optimizer, scaler and schedule; returns the history so far ([] without).
+    optimizer, the weight average, scaler and schedule; returns the history so far ([] without).
 
     The newest last.pth of any node is sent to every rank (_newest_last): nodes without a
     shared disk each hold their own, and rank 0 may have moved. Refuses a last.pth of another
@@ -229,6 +234,7 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
             raise UserError(f"{state['from']} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
+        average.load(getattr(model, "_orig_mod", model), state["average"])
         load_optimizer(optimizer, state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:

@@ -17,10 +17,13 @@ rank averages its own shards (DTensors), with no collective; the whole average i
 when it is saved, like the weights.
 """
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+T = TypeVar("T")
 
 
 def decay_at(updates: int, decay: float) -> float:
@@ -29,10 +32,11 @@ def decay_at(updates: int, decay: float) -> float:
 
 
 class WeightAverage:
-    """The EMA of model's parameters. Off (decay None): holds nothing, updates nothing."""
+    """The EMA of model's parameters. Off (decay None): holds nothing, updates nothing, validates
+    nothing (validate and state_dict return None)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, decay: float | None):
-        self.decay, self.updates = decay, 0
+        self.model, self.decay, self.updates = model, decay, 0
         self.params = [p for p in model.parameters()] if decay else []
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.params]
@@ -50,6 +54,31 @@ class WeightAverage:
         torch._foreach_lerp_(self.average, [p.detach() for p in self.params], weight)
         self.updates += 1
 
+    def validate(self, run: Callable[[], T]) -> T | None:
+        """run() with the average in the model (the validation of it), or None when off."""
+        if not self.on:
+            return None
+        with self.swapped_in():
+            return run()
+
+    def state_dict(self) -> dict | None:
+        """{"model": the average as a whole state_dict on the CPU (with the model's buffers),
+        "updates": how many}, or None when off. Under FSDP use src.full_state.gather_state."""
+        if not self.on:
+            return None
+        with self.swapped_in():
+            return {"model": {key: value.to("cpu", copy=True) for key, value in self.model.state_dict().items()},
+                    "updates": self.updates}
+
+    def load(self, model, saved: dict) -> None:
+        """The average of a last.pth (state_dict's) into this one, through model.load_state_dict
+        (the plain model, or full_state.WholeModel for FSDP's shards); every rank loads it."""
+        if not self.on:
+            return
+        with self.swapped_in():
+            model.load_state_dict(saved["model"])
+        self.updates = int(saved["updates"])
+
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The model holds the average instead of its weights inside the block (to validate or
@@ -66,7 +95,15 @@ class WeightAverage:
     @torch.no_grad()
     def _swap(self) -> None:
         """Exchange the parameters' values with the average's, one tensor at a time (at most one
-        parameter's worth of memory more)."""
+        parameter's worth of memory more).
+
+        FSDP gathers a unit's whole weights from the shards before its forward, and frees them
+        after, except the root's, which stay gathered after a forward without backward (as in
+        validation): the next forward would run them and not the shards swapped here. So every
+        FSDP module drops its gathered weights first (reshard(): local, no collective)."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         for param, average in zip(self.params, self.average):
             held = param.detach().clone()
             param.detach().copy_(average)

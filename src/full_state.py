@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from src.ema import WeightAverage
+
 
 class Gathered:
     """A whole state_dict standing in for a model or optimizer where src/checkpoint.py saves one."""
@@ -30,9 +32,11 @@ def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     return [name[param] for group in optimizer.param_groups for param in group["params"]]
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Gathered, Gathered]:
-    """The model's and the optimizer's state_dict as one process holds them (train_single.py's
-    last.pth: whole tensors, the optimizer's numbered by parameter), on rank 0; empty elsewhere.
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 average: WeightAverage) -> tuple[Gathered, Gathered, Gathered]:
+    """The model's, the optimizer's and the weight average's state_dict as one process holds them
+    (train_single.py's last.pth: whole tensors, the optimizer's numbered by parameter), on rank 0;
+    empty elsewhere. The average (--ema-decay) is gathered from each rank's averaged shards.
 
     Every rank must call it (each tensor is all-gathered). Rank 0 moves each gathered tensor to
     the CPU before the next is gathered, so no rank holds more than one tensor whole on the device
@@ -40,14 +44,18 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Ga
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
+    averaged = None
+    if average.on:
+        with average.swapped_in():
+            averaged = {"model": get_model_state_dict(model, options=options), "updates": average.updates}
     by_name = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
     if not by_name:
-        return Gathered(model_state), Gathered({})
+        return Gathered(model_state), Gathered({}), Gathered(averaged)
     number = {name: i for i, name in enumerate(_names(model, optimizer))}
     return Gathered(model_state), Gathered({
         "state": {number[name]: state for name, state in by_name["state"].items()},
         "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
-                         for group in by_name["param_groups"]]})
+                         for group in by_name["param_groups"]]}), Gathered(averaged)
 
 
 class WholeModel:
