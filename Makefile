@@ -1,5 +1,7 @@
-# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md)
-# make test: the same install (one environment: training, pytest, pytest-xdist, onnx) and run the test suite in two workers
+# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md),
+#   write its report (model/report.html; its last line says how to open it)
+# make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright) and run the test suite in
+#   two workers; tests/test_report.py also needs Debian's chromium (apt-get install chromium; .ci/run installs it)
 # make lint: ruff (requirements-lint.txt) with pyproject.toml's rules; installs only ruff into .venv
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
 #   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
@@ -23,6 +25,7 @@ $(SYNTHETIC)/train: | $(VENV)/.installed
 
 demo: $(VENV)/.installed $(SYNTHETIC)/train
 	$(PY) train_single.py $(DEMO_FLAGS)
+	$(PY) -m src.tools.report model
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 tests

@@ -9,6 +9,8 @@
 import json
 import os
 import socket
+import sys
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -73,7 +75,21 @@ def run_info(args, global_batch: int, data: str) -> dict:
             "classes": list(CLASSES), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
             "batch_size": global_batch, "seed": args.seed, "val_fraction": args.val_fraction,
             "data": data, "epochs": args.epochs,
-            **{key: getattr(args, key) for key in RECIPE_FLAGS}}
+            **{key: getattr(args, key) for key in RECIPE_FLAGS}, **run_context(args)}
+
+
+def run_context(args) -> dict:
+    """What the report shows and --resume does not compare (a last.pth resumes in another mode):
+    the mode (the script's name: train_ddp.py is "ddp"), the processes, when, rank 0's machine
+    and every flag."""
+    from src.tools.commands import hardware
+
+    return {"mode": Path(sys.argv[0]).stem.removeprefix("train_"),
+            "processes": int(os.environ.get("WORLD_SIZE", 1)),
+            "started": datetime.now().isoformat(timespec="seconds"),
+            "hardware": hardware() if is_first() else "",  # rank 0 asks for GPU 0's name: its own
+            "flags": {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+                      for key, value in vars(args).items() if key != "local_rank"}}
 
 
 def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, average, scaler, schedule,

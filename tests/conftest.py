@@ -32,6 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from src.agreement import TOLERANCE, distance  # noqa: E402
 from src.tools.synthetic import write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +52,6 @@ VAL = ["--val-fraction", "0.5025"]  # the exact set's 201 images: 100 train, 101
 DROPOUT = [flag for flag in EXACT if flag not in ("--dropout", "0", "--workers")] + ["--workers", "1"]
 B = 10  # per process in the two-process runs; one process takes 2 * B
 
-# How far apart two runs may end, as a share of the distance between the reference run and a
-# run with another global batch ("far"). Measured for 2 epochs of SqueezeNet: DDP and accelerate
-# with 2 processes end 7e-5 of far from train_single.py (the processes run one thread each, the
-# single one two: float sums in another order); DataParallel on the CPU, 0.
-TOLERANCE = 1e-3
 
 LAUNCH = {
     "single": lambda: [sys.executable, "train_single.py"],
@@ -178,12 +174,6 @@ def weights(folder: Path, name: str = "best.pth") -> dict:
 
 def last_model(folder: Path) -> dict:
     return weights(folder, "last.pth")["model"]
-
-
-def distance(a: dict, b: dict) -> float:
-    """The Euclidean distance between two state_dicts, all tensors as one vector."""
-    assert a.keys() == b.keys()
-    return sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a).sqrt().item()
 
 
 def cache_files(folder: Path) -> list[str]:
