@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from src.agreement import TOLERANCE, distance  # noqa: E402
+from src.history import AVERAGE  # noqa: E402
 from src.tools.synthetic import write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,14 +43,14 @@ HOOKS = str(ROOT / "tests" / "hooks")
 # Small and fast, and the property under test does not need VGG16. ResNet-18 learns the
 # synthetic set in two epochs at 32 px. SqueezeNet 1.1 has no batch norm, so a batch split across
 # processes computes exactly what the whole batch does in one process (up to the order of float
-# sums); at lr 0.001 it keeps learning (at 0.01 its last ReLU dies and nothing moves any more).
+# sums), and its dropout (torchvision's 0.5) draws per sample, whichever process holds it; at
+# lr 0.001 it keeps learning (at 0.01 its last ReLU dies and nothing moves any more).
 LEARN = ["--arch", "resnet18", "--weights", "none", "--image-size", "32", "--lr", "0.003"]
-EXACT = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", "64", "--dropout", "0",
-         "--lr", "0.001", "--workers", "0"]
+EXACT = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", "64", "--lr", "0.001", "--workers", "0"]
 VAL = ["--val-fraction", "0.5025"]  # the exact set's 201 images: 100 train, 101 validation
-# Dropout on (SqueezeNet's 0.5) and one persistent loader worker: every random draw must come out
-# the same in a resumed or restarted run as in a straight one, on every rank.
-DROPOUT = [flag for flag in EXACT if flag not in ("--dropout", "0", "--workers")] + ["--workers", "1"]
+# What a resumed or restarted run must restore, on every rank: dropout's draws, a weight average
+# (--ema-decay) and one persistent loader worker.
+RESUMABLE = [flag for flag in EXACT if flag not in ("--workers", "0")] + ["--workers", "1", "--ema-decay", "0.9"]
 B = 10  # per process in the two-process runs; one process takes 2 * B
 
 
@@ -248,20 +249,38 @@ def assert_same_run(out: Path, reference: Path, far: float, tolerance: float = T
         assert (a["train_samples"], a["val_samples"]) == (b["train_samples"], b["val_samples"])
         for key in ("train_loss", "train_acc", "val_loss", "val_acc", "val_log_loss", "lr"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), (key, a, b)
+        for key in AVERAGE.values():  # the weight average's validation, where the runs keep one
+            assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key), rel=1e-4, abs=1e-9), (key, a, b)
     share = distance(last_model(out), last_model(reference)) / far
     assert share < tolerance, share
+    averages = last_average(out), last_average(reference)
+    assert (averages[0] is None) == (averages[1] is None)
+    if averages[0] is not None:
+        assert distance(*averages) / far < tolerance, distance(*averages) / far
     return share
 
 
-def dropout_run(runs: Runs, mode: str):
-    """Two straight epochs of DROPOUT with the global batch 2 * B."""
-    return runs(mode, *DROPOUT, *VAL, "--epochs", "2", "--batch-size", str(2 * B // PROCESSES[mode]))
+def last_average(folder: Path) -> dict | None:
+    """The weight average (--ema-decay) in last.pth, None without one."""
+    average = weights(folder, "last.pth")["average"]
+    return None if average is None else average["model"]
+
+
+def resumable_run(runs: Runs, mode: str):
+    """Two straight epochs of RESUMABLE with the global batch 2 * B."""
+    return runs(mode, *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", str(2 * B // PROCESSES[mode]))
 
 
 def same_end(out: Path, reference: Path) -> None:
-    """The same weights, bit for bit (the same processes, threads and data), and history."""
+    """The same weights and weight average, bit for bit (the same processes, threads and data),
+    and history."""
     assert torch.equal(torch.cat([t.flatten() for t in last_model(out).values()]),
                        torch.cat([t.flatten() for t in last_model(reference).values()]))
+    averages = last_average(out), last_average(reference)
+    assert (averages[0] is None) == (averages[1] is None)
+    if averages[0] is not None:
+        assert torch.equal(torch.cat([t.flatten() for t in averages[0].values()]),
+                           torch.cat([t.flatten() for t in averages[1].values()]))
     timings = {"train_seconds", "val_seconds", "seconds", "data_wait_seconds"}
     assert [{k: v for k, v in r.items() if k not in timings} for r in history(out)] == \
         [{k: v for k, v in r.items() if k not in timings} for r in history(reference)]
@@ -276,9 +295,9 @@ def mode_run(runs: Runs, mode: str):
                       env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
 
 
-# The full recipe (test_recipe, test_fsdp): every recipe flag on.
+# The full recipe (test_recipe, test_fsdp): every recipe flag on, a weight average among them.
 RECIPE = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--weight-decay", "0.01",
-          "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--best-by", "val_log_loss"]
+          "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--best-by", "val_log_loss", "--ema-decay", "0.9"]
 MICRO = {"single": (B, 4), "dp": (2 * B, 2), "ddp": (B, 2), "fsdp": (B, 2), "accelerate": (B, 2)}  # batch, --accumulate
 
 

@@ -59,9 +59,13 @@ def test_the_learning_rate_follows_warmup_then_cosine(reference):
 
 
 def test_best_by_log_loss_picks_best_pth_and_writes_it_only_when_it_improves(reference):
+    """Among every epoch's weights and their average (--ema-decay): the lowest log loss."""
     records = history(reference)
-    best = min(records, key=lambda r: r["val_log_loss"])
-    assert json.loads((reference / "best.json").read_text())["epoch"] == best["epoch"]
+    offered = [(r[key], r["epoch"], kind) for r in records
+               for key, kind in (("val_log_loss", "weights"), ("val_log_loss_ema", "average"))]
+    _, epoch, kind = min(offered)
+    info = json.loads((reference / "best.json").read_text())
+    assert (info["epoch"], info["weights"]) == (epoch, kind)
     writes = [line.split()[1] for line in (reference.parent / "writes.log").read_text().splitlines()]
     improved = [r for i, r in enumerate(records) if best_record(records[:i + 1], "val_log_loss") is r]
     assert sum(path.endswith("/best.pth") for path in writes) == len(improved)

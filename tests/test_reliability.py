@@ -8,14 +8,13 @@ from argparse import Namespace
 import pytest
 import torch
 from conftest import (
-    DROPOUT,
     EXACT,
     HOOKS,
     LAUNCH,
+    RESUMABLE,
     VAL,
     B,
     assert_same_run,
-    dropout_run,
     fails,
     fails_in_process,
     history,
@@ -24,6 +23,7 @@ from conftest import (
     outputs,
     python,
     remount,
+    resumable_run,
     run,
     same_end,
     weights,
@@ -41,19 +41,19 @@ DEAD_RANK_BOUND = 60
 
 
 def _flags(data, out, batch, epochs, *extra):
-    return ["--data-dir", str(data), *DROPOUT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch),
+    return ["--data-dir", str(data), *RESUMABLE, *VAL, "--epochs", str(epochs), "--batch-size", str(batch),
             *outputs(out), *extra]
 
 
 @pytest.fixture(scope="module")
 def straight(runs):
     """Two epochs of train_single.py --batch-size 2B with dropout, never stopped."""
-    return dropout_run(runs, "single")[0]
+    return resumable_run(runs, "single")[0]
 
 
 @pytest.fixture(scope="module")
 def straight_ddp(runs):
-    return dropout_run(runs, "ddp")[0]
+    return resumable_run(runs, "ddp")[0]
 
 
 def test_dropout_differs_from_the_run_without_it(straight, runs):
