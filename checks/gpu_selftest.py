@@ -336,8 +336,8 @@ class Launches:
     calling it gives the run's folder (OUT/name) or raises the error that names the run, its
     last line and its log."""
 
-    def __init__(self, work: Path, data: Path, gpus: int, parallel: int = PARALLEL):
-        self.work, self.data, self.gpus = work, data, gpus
+    def __init__(self, work: Path, data: Path, gpus: int, parallel: int = PARALLEL, deadline: float = math.inf):
+        self.work, self.data, self.gpus, self.deadline = work, data, gpus, deadline
         self.pool = ThreadPoolExecutor(parallel)
         self.futures: dict[str, Future] = {}
 
@@ -371,10 +371,13 @@ class Launches:
                 return RuntimeError(f"{name} did not start: {error}")
         command, env = command_of(name, self.work, self.data, self.gpus)
         log = out / f"log-{name}.txt"
+        limit = min(run.limit(), self.deadline - time.time())
+        if limit < (COMPILED if run.compiled else START_UP):
+            return RuntimeError(f"{name} not run: {max(limit, 0):.0f} s left before the --deadline")
         try:
-            result = _run(command, out, env, run.limit(), log=log.name)
+            result = _run(command, out, env, limit, log=log.name)
         except subprocess.TimeoutExpired:
-            return RuntimeError(f"{name} did not end within {run.limit()} s (log: {log})")
+            return RuntimeError(f"{name} did not end within {limit:.0f} s (log: {log})")
         if result.returncode != 0:
             return RuntimeError(f"{name} failed: {failure_line(result.stderr)} (log: {log})")
         return out
@@ -929,7 +932,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu-selftest"))
     parser.add_argument("--quick", action="store_true", help="the checks that matter most, in under 3 minutes")
     parser.add_argument("--only", help="comma-separated keys of the checks to run: " + ", ".join(c.key for c in CHECKS))
+    parser.add_argument("--deadline", type=float, help="seconds from now: a launch that would end later is not "
+                        "started (a failed leg, named), one still running is stopped")
     args = parser.parse_args()
+    deadline = time.time() + args.deadline if args.deadline else math.inf
     only = args.only.split(",") if args.only else None
     if only and not set(only) <= {check.key for check in CHECKS}:
         parser.error(f"--only: unknown check {sorted(set(only) - {check.key for check in CHECKS})[0]!r}")
@@ -956,7 +962,7 @@ def main() -> int:
     print(f"make test-gpu: {header['gpus']}, torch {header['torch']}, CUDA {header['cuda']}; {len(names)} launches, "
           f"{PARALLEL} at a time, {header['planned seconds']} s planned; at most {header['dev shm MB']:.1f} MB "
           "of /dev/shm (Docker's default: 64 MB)", flush=True)
-    launch, entries, start = Launches(work, data, gpus), [], time.time()
+    launch, entries, start = Launches(work, data, gpus, deadline=deadline), [], time.time()
     launch.start(names)  # every launch, in the order of the checks; each check waits for its own
     try:
         for check, new, planned in steps:
