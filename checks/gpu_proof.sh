@@ -3,7 +3,7 @@
 #
 #     bash checks/gpu_proof.sh OUT [SECONDS] [PYTHON]      # SECONDS: 540 by default
 #
-# The self-test gets until SELFTEST seconds (300), the benchmark what is left less a margin; each
+# The self-test gets until SELFTEST seconds (270), the benchmark what is left less a margin; each
 # stops what would run past its deadline and says so in its report. The work (data, runs,
 # checkpoints: several GB) stays in WORK (/tmp/gpu-proof); OUT gets the reports (Markdown and
 # JSON), the launches' logs and records, the runs' histories and nvidia-smi's view, small files only.
@@ -11,7 +11,7 @@ set -u
 OUT=${1:?usage: bash checks/gpu_proof.sh OUT [SECONDS] [PYTHON]}
 SECONDS_ALL=${2:-540}
 PY=${3:-}
-SELFTEST=${SELFTEST:-300}
+SELFTEST=${SELFTEST:-270}
 WORK=${WORK:-/tmp/gpu-proof}
 MARGIN=20
 cd "$(dirname "$0")/.."

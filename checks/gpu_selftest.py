@@ -184,6 +184,7 @@ class Run:
     start_from: str | None = None  # "RUN/FILE": a file of another run, copied to last.pth here first
     compiled: bool = False
     skips: bool = True  # OVERFLOW_AT: steps 1 and 3 skipped (a resumed process would count anew)
+    launcher_flags: list = field(default_factory=list)
 
     def processes(self, gpus: int) -> int:
         return MODES[self.mode].processes(gpus)
@@ -209,11 +210,12 @@ COMPILE = ["--arch", "resnet18", "--weights", "none", "--image-size", str(SIZE),
            "--workers", str(WORKERS), "--compile", "--amp", "bf16"]
 RUNS = {
     # Check 1's launch: accelerate with a dynamo backend ("eager": dynamo traces, nothing is
-    # generated) and no mixed precision turns TF32 matmuls on in Accelerator(); --deterministic
-    # must have them off when training starts.
+    # generated; the launcher sets ACCELERATE_DYNAMO_BACKEND from it) and no mixed precision turns
+    # TF32 matmuls on in Accelerator(); --deterministic must have them off when training starts.
     "accelerate-tf32": Run("accelerate", ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", str(SIZE),
                                           "--epochs", "1", "--deterministic", "--workers", str(WORKERS)],
-                           {"ACCELERATE_DYNAMO_BACKEND": "eager", "TF32_LOG": "{out}/tf32.txt"}, base=[], skips=False),
+                           {"TF32_LOG": "{out}/tf32.txt"}, base=[], skips=False,
+                           launcher_flags=["--dynamo_backend", "eager"]),
     "sgd-single": Run("single", ["--dropout", "0"], DTYPE_ENV),
     "sgd-far": Run("single", ["--dropout", "0"], half_batch=True),
     **{f"sgd-{mode}": Run(mode, ["--dropout", "0"]) for mode in AGREE},
@@ -319,7 +321,7 @@ def command_of(name: str, work: Path, data: Path, gpus: int) -> tuple[list[str],
     flags = [*run.base, *run.flags, "--batch-size", str(run.per_process(gpus))]
     if mode.script != "train_single.py" and mode.script != "train_dp.py":
         flags += ["--dist-timeout", str(run.dist_timeout())]
-    launcher = mode.launcher(run.processes(gpus))
+    launcher = [*mode.launcher(run.processes(gpus)), *run.launcher_flags]
     if run.mode == "accelerate" and "--amp" in flags:  # accelerate takes its precision from its launcher
         at = flags.index("--amp")
         launcher += ["--mixed_precision", flags[at + 1]]

@@ -379,10 +379,10 @@ MUTATIONS = [
     ('src/sharding.py', '        if id(module) in holding and type(module).forward is nn.Sequential.forward:',
      '        if False:',
      ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
-    ('src/sharding.py', 'torch.compile(_calling(module.forward), isolate_recompiles=True)',
+    ('src/sharding.py', 'torch.compile(_own_code(_calling(module.forward), name))',
      'torch.compile(_calling(module.forward))',
      ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
-    ('src/sharding.py', 'torch.compile(_chain(step), isolate_recompiles=True)', 'torch.compile(_chain(step))',
+    ('src/sharding.py', 'torch.compile(_own_code(_chain(step), f"{name}.{index}"))', 'torch.compile(_chain(step))',
      ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
     # make test-gpu's checks, each with a breakage it catches on a GPU (gpu:KEY), and its own logic on the CPU.
     ('src/recipe.py', 'fused = gpu_choices(device) and not (sharded and args.optimizer == "sgd")',

@@ -9,6 +9,9 @@ all-gathered whole just before its forward, freed after it, gathered again for i
 its gradients are reduce-scattered back to the shards; the root's fully_shard takes every parameter
 that no unit holds. See docs/fsdp.md.
 """
+import re
+import types
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -103,19 +106,28 @@ def compile_units(model: nn.Module, units: list[nn.Module]) -> None:
     nn.Sequential, and an nn.Sequential holding units, ran eagerly (VGG16: all 13 convolutions
     and its Linear layers; the root compiled its pooling and flatten). Here each unit that holds
     no other unit gets a compiled forward of its own, and each nn.Sequential holding units runs
-    its children in turn (an eager loop), those between two units compiled together. Each is its
-    own torch.compile call with its own compiled versions (isolate_recompiles: otherwise all the
-    regions would share one function's 8, and the later ones, eval mode for one, ran eagerly).
+    its children in turn (an eager loop), those between two units compiled together. Each piece
+    is its own torch.compile call over a function with a code object of its own: dynamo keeps at
+    most 8 compiled versions per code object, and pieces sharing one function's 8 ran eagerly
+    once eval mode had recompiled the first ones (torch 2.14's isolate_recompiles=True does the
+    same, but torch releases before it do not have it).
     """
     unit_ids = {id(unit) for unit in units}
     # The modules with a unit below them (not counting themselves).
     holding = {id(module) for module in model.modules()
                if any(id(inner) in unit_ids for child in module.children() for inner in child.modules())}
-    for module in model.modules():
+    for name, module in model.named_modules():
         if id(module) in holding and type(module).forward is nn.Sequential.forward:
-            module.forward = _sequence(list(module.children()), unit_ids | holding)
+            module.forward = _sequence(name, list(module.children()), unit_ids | holding)
         elif id(module) in unit_ids and id(module) not in holding:
-            module.forward = torch.compile(_calling(module.forward), isolate_recompiles=True)
+            module.forward = torch.compile(_own_code(_calling(module.forward), name))
+
+
+def _own_code(function, name: str):
+    """`function` with a code object of its own, named after the module (dynamo's logs say it)."""
+    code = function.__code__.replace(co_name="compiled_" + re.sub(r"\W", "_", name or "model"))
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__,
+                              function.__closure__)
 
 
 def _calling(forward):
@@ -125,7 +137,7 @@ def _calling(forward):
     return call
 
 
-def _sequence(children: list[nn.Module], sharded: set[int]):
+def _sequence(name: str, children: list[nn.Module], sharded: set[int]):
     """nn.Sequential's forward over `children`: the units and the modules holding units (their
     ids in `sharded`) called as they are, each run of the others between them compiled as one."""
     steps = []
@@ -136,8 +148,8 @@ def _sequence(children: list[nn.Module], sharded: set[int]):
             steps[-1].append(child)
         else:
             steps.append([child])
-    steps = [torch.compile(_chain(step), isolate_recompiles=True) if isinstance(step, list) else step
-             for step in steps]
+    steps = [torch.compile(_own_code(_chain(step), f"{name}.{index}")) if isinstance(step, list) else step
+             for index, step in enumerate(steps)]
 
     @torch.compiler.disable(recursive=False)  # a loop that breaks the graph: dynamo would skip it anyway
     def forward(x):
