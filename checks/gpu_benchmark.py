@@ -97,7 +97,7 @@ def loader_workers(batch_size: int, image_size: int, cores: int) -> tuple[int, s
     if free is None:
         return cores, "no /dev/shm"
     workers = min(cores, free // need)
-    return workers, f"/dev/shm has {free / 2**20:.0f} MB free, {need / 2**20:.1f} MB a worker"
+    return workers, f"/dev/shm has {free / 2**20:.0f} MB free, {need / 2**20:.2f} MB a worker"
 
 
 def leg_command(name: str, shape: dict, data: Path, out: Path, workers: int, epochs: int = 2) -> list[str]:
@@ -160,7 +160,8 @@ def write_report(out: Path, report: dict) -> str:
     (out / "benchmark.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# The blog post's job on one GPU, {report['date']}", "",
              f"{report['machine']}; {report['peak']}", "",
-             f"{report['shape']['images']} JPEGs ({report['data']['distinct']} distinct, {report['data']['mean kB']:.0f} kB "
+             f"{report['shape']['images']} JPEGs ({report['data']['distinct']} distinct, "
+             f"{report['data']['mean kB']:.0f} kB "
              f"on average, written in {report['data']['seconds']:.0f} s on {report['data']['cores']} cores), "
              f"80% train; {report['shape']['arch']} at {report['shape']['image_size']} px, batch "
              f"{report['shape']['batch_size']}, --amp bf16 --channels-last, {report['workers']} loader workers "
@@ -174,7 +175,8 @@ def write_report(out: Path, report: dict) -> str:
             continue
         mfu = f"{f['MFU']:.1%}" if f["MFU"] is not None else "n/a"
         lines.append(f"| {name} | {leg['outcome']} | {f['epoch seconds'][0]:.1f} | {f['seconds']:.1f} (epoch "
-                     f"{f['reported epoch']}) | {f['blog epoch / this epoch']:.1f}x | {f['train images/s']:.0f} | {mfu} | "
+                     f"{f['reported epoch']}) | {f['blog epoch / this epoch']:.1f}x | "
+                     f"{f['train images/s']:.1f} | {mfu} | "
                      f"{f['data wait share']:.0%} |")
     lines += ["", "Commands (from the repository):", ""] + [f"    {' '.join(leg['command'])}"
                                                             for leg in report["legs"].values()]

@@ -300,7 +300,8 @@ def _run(command: list[str], out: Path, env: dict, limit: float, log: str = "log
         stop(launch)
         with contextlib.suppress(subprocess.TimeoutExpired):
             stdout, stderr = launch.communicate(timeout=10)
-        (out / log).write_text(" ".join(command) + f"\n\n(stopped after {limit:.0f} s)\n" + (stdout or "") + (stderr or ""))
+        (out / log).write_text(" ".join(command) + f"\n\n(stopped after {limit:.0f} s)\n"
+                               + (stdout or "") + (stderr or ""))
         raise subprocess.TimeoutExpired(command, limit) from None
     (out / log).write_text(" ".join(command) + f"\n\n(ran {time.time() - started:.0f} s)\n" + stdout + stderr)
     return subprocess.CompletedProcess(command, launch.returncode, stdout, stderr)
@@ -485,10 +486,12 @@ def fp16_learns(launch: Launches, gpus: int, quick: bool) -> Result:
             if name not in legs:
                 continue
             last = _last(legs[name])
-            share, loss_scale, dtypes = _distance(last["model"], ref) / scale, last["scaler"]["scale"], logits_dtypes(legs[name])
+            share, loss_scale = _distance(last["model"], ref) / scale, last["scaler"]["scale"]
+            dtypes = logits_dtypes(legs[name])
             result.figures[f"{name} share of {scale_run}"] = share
             result.figures[f"{name} loss scale"] = loss_scale
-            ok = share < tolerance and loss_scale <= 2.0 ** 16 / 4 and dtypes == {"float16"}  # steps 1 and 3 (at least) skipped
+            # Steps 1 and 3 (at least) skipped: the scale halved twice.
+            ok = share < tolerance and loss_scale <= 2.0 ** 16 / 4 and dtypes == {"float16"}
             result.add(f"{name}: {share:.3g} {unit} ({scale:.3g}) from {reference} (tolerance {tolerance}); "
                        f"final loss scale {loss_scale:g} (2^16 halved at each skipped step); logits in "
                        f"{sorted(dtypes)} on every rank", None if ok else name)
@@ -566,7 +569,8 @@ def compiled(launch: Launches, gpus: int, quick: bool) -> Result:
         result.figures.update({"single graphs": graphs, "single val acc": record["val_acc"],
                                "single epoch 2 seconds": record["seconds"]})
         result.add(f"single: {graphs} graph(s) compiled; val acc {record['val_acc']:.3f} (at least 0.8), "
-                   f"epoch 2 in {record['seconds']:.1f} s", None if graphs >= 1 and record["val_acc"] >= 0.8 else "single")
+                   f"epoch 2 in {record['seconds']:.1f} s",
+                   None if graphs >= 1 and record["val_acc"] >= 0.8 else "single")
     for name, out in legs.items():
         line, ok = judge_compiled(name, compiled_ops(out), RUNS[name].processes(gpus))
         result.add(line, None if ok else f"{name} graphs")
@@ -600,10 +604,12 @@ class Check:
 
 CHECKS = [
     Check("gpu", "on the GPU, in this process (and accelerate's TF32)",
-          lambda launch, gpus, quick: on_the_gpu(launch, gpus), lambda g, q: ["accelerate-tf32"], in_process=IN_PROCESS),
+          lambda launch, gpus, quick: on_the_gpu(launch, gpus), lambda g, q: ["accelerate-tf32"],
+          in_process=IN_PROCESS),
     Check("agreement", "agreement (--deterministic, every recipe flag)", agreement,
           lambda g, q: ["sgd-single", "sgd-far"] + [f"sgd-{m}" for m in _compared(g)]),
-    Check("fp16", "fp16 learns", fp16_learns, lambda g, q: ["sgd-single", "sgd-far"] + [f"sgd-fp16-{m}" for m in SYNC_SGD]
+    Check("fp16", "fp16 learns", fp16_learns,
+          lambda g, q: ["sgd-single", "sgd-far"] + [f"sgd-fp16-{m}" for m in SYNC_SGD]
           + ([] if q else ["adamw-single", "adamw-bf16-single", "adamw-fp16-single", "adamw-fp16-ddp"])),
     Check("sync", "no host synchronisation in a step", no_syncs, lambda g, q: _sync_runs(g, q)),
     Check("compile", "compile compiled", compiled, lambda g, q: ["compile", "compile-fsdp-shared"], quick=False),
@@ -861,7 +867,8 @@ def _fsdp_amp_memory(device) -> tuple[list[str], dict]:
     with torch.device("meta"):
         whole = sum(p.numel() for p in torchvision.models.vgg16(num_classes=2).parameters()) * 4 / 1e6
     line = (f"FSDP --amp memory (VGG16, {MEMORY_SIZE} px, batch {MEMORY_BATCH}, rank 0 of 2, MB): "
-            + "; ".join(f"{amp}: {f['shards MB']:.0f} with its shards and their optimizer, {f['end of forward MB']:.0f} "
+            + "; ".join(f"{amp}: {f['shards MB']:.0f} with its shards and their optimizer, "
+                        f"{f['end of forward MB']:.0f} "
                         f"at the end of the forward, {f['peak MB']:.0f} at the peak" for amp, f in figures.items())
             + f" (the whole float32 weights: {whole:.0f}; a half-precision copy of them: {whole / 2:.0f})")
     return [line], {"fsdp amp memory": figures, "vgg16 float32 weights MB": whole}
@@ -901,8 +908,10 @@ def entry_markdown(entry: dict) -> str:
 def write_report(work: Path, header: dict, entries: list[dict]) -> str:
     """Write report.md and report.json into `work`; returns the Markdown."""
     lines = [f"# make test-gpu{' --quick' if header['quick'] else ''}, {header['date']}", "",
-             f"{len(header['gpus'])} GPU(s): {', '.join(header['gpus'])}; torch {header['torch']}, CUDA {header['cuda']}", "",
-             f"Planned: {header['launches']} launches, {header['parallel']} at a time, {header['planned seconds']} s", ""]
+             f"{len(header['gpus'])} GPU(s): {', '.join(header['gpus'])}; torch {header['torch']}, "
+             f"CUDA {header['cuda']}", "",
+             f"Planned: {header['launches']} launches, {header['parallel']} at a time, "
+             f"{header['planned seconds']} s", ""]
     for entry in entries:
         lines.append(entry_markdown(entry))
     passed = sum(entry["verdict"] == "passed" for entry in entries)
