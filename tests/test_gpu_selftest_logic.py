@@ -276,3 +276,31 @@ def test_only_runs_the_named_checks_and_their_launches():
     assert [check.key for check, _, _ in steps] == ["sync"]
     assert steps[0][1] == selftest._sync_runs(1, False)
     assert "sgd-fp16-fsdp-shared" in steps[0][1] and "adamw-fp16-fsdp-shared" in steps[0][1]
+
+
+def test_the_fused_optimizer_check_fails_when_sgd_is_not_fused(monkeypatch):
+    """Check 1 on the CPU with the GPU's choices (AS_ON_GPU=1), make_optimizer's SGD reported
+    unfused (as `fused = gpu_choices(device) and args.optimizer == "adamw"` would make it): the
+    check fails and prints both optimizers' kernels."""
+    import src.recipe
+    monkeypatch.setenv("AS_ON_GPU", "1")
+    make_optimizer = src.recipe.make_optimizer
+
+    def sgd_unfused(model, args, device):
+        optimizer = make_optimizer(model, args, device)
+        if args.optimizer == "sgd":
+            optimizer.defaults["fused"] = False
+        return optimizer
+    monkeypatch.setattr(src.recipe, "make_optimizer", sgd_unfused)
+    with pytest.raises(AssertionError, match=r"fused \{'sgd': False, 'adamw': True\}"):
+        selftest._fused_optimizers(torch.device("cpu"))
+
+
+def test_the_plan_fits_the_proofs_deadline_at_half_the_speed():
+    """checks/gpu_proof.sh gives make test-gpu SELFTEST seconds; the plan counts launches at their
+    speed one at a time, and 4 at once share the cores and the GPU: it must fit at half that speed."""
+    script = (selftest.ROOT / "checks" / "gpu_proof.sh").read_text()
+    deadline = int(script.split("SELFTEST=${SELFTEST:-")[1].split("}")[0])
+    planned = selftest.DATA + sum(seconds for _, _, seconds in selftest.plan(1, False))
+    assert 2 * planned <= deadline, (planned, deadline)
+
