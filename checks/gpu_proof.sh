@@ -33,5 +33,5 @@ echo "benchmark: exit $? after $(( $(date +%s) - start )) s (it had $left s)" | 
 (cd "$WORK" && find selftest benchmark -maxdepth 4 -type f \( -name 'report.*' -o -name 'benchmark.*' \
     -o -name 'log-*.txt' -o -name 'syncs.json.*' -o -name 'compiled.json.*' -o -name 'compiled.txt' \
     -o -name 'dtypes.txt' -o -name 'tf32.txt' -o -name 'history.json' -o -name 'log.txt' \) -size -2M \
-    -print0 | xargs -0 -r cp --parents -t "$OUT")
+    -print0 2>/dev/null | xargs -0 -r cp --parents -t "$OUT")
 cat "$OUT/summary.txt"
