@@ -76,7 +76,7 @@ def main() -> None:
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
-    sharding.shard_model(model, device)  # fully_shard per block and on the root
+    sharding.shard_model(model, device, compiled=args.compile)  # fully_shard per block and on the root
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
