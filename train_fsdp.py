@@ -81,7 +81,7 @@ def main() -> None:
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
-    sharding.shard_model(model, device)  # fully_shard per block and on the root
+    sharding.shard_model(model, device, compiled=args.compile)  # fully_shard per block and on the root
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)

@@ -17,9 +17,17 @@ An entry is ("path", "original", "replacement", ["tests/test_x.py::test_name", .
 text must occur exactly once in the file (several lines if one is not enough to be unique);
 an entry whose text is not found exactly once is refused before anything runs. A new feature
 adds the mutation that switches it off, with the tests that catch it.
+
+GPU entries: a name "gpu:KEY" among an entry's tests is the check KEY of `make test-gpu`
+(checks/gpu_selftest.py --only KEY, caught when report.json says it FAILED). On a machine with a
+CUDA GPU they run after the entry's tests (the baseline runs the named checks once, unchanged);
+on one without, they are skipped: an entry that names GPU checks only is reported "no GPU" and
+counts as neither caught nor survived (--gpu selects the GPU entries alone).
 """
 import argparse
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
+GPU = "gpu:"  # the prefix of a check of make test-gpu among an entry's tests
 
 MUTATIONS = [
     # Issue 27's seven rows.
@@ -224,6 +233,9 @@ MUTATIONS = [
     ('src/freeze.py', '            if previous is not None:\n                _store(array, *previous)\n\n        ensure_array', '            pass\n\n        ensure_array',
      ['tests/test_freeze.py::test_the_feature_cache_trains_the_same_head_as_the_images']),
     ('checks/gpu_selftest.py', 'START_UP, COMPILED, IN_PROCESS, DATA = 20, 40, 20, 5', 'START_UP, COMPILED, IN_PROCESS, DATA = 25, 40, 20, 5',
+     ['tests/test_gpu_on_cpu_selftest.py::test_make_test_gpu_is_planned_within_its_time_and_dev_shm',
+      'tests/test_gpu_selftest_logic.py::test_the_plan_fits_the_proofs_deadline_at_half_the_speed']),
+    ('checks/gpu_selftest.py', 'PARALLEL = 4  # launches at once', 'PARALLEL = 1  # launches at once',
      ['tests/test_gpu_on_cpu_selftest.py::test_make_test_gpu_is_planned_within_its_time_and_dev_shm']),
     # Issue 29: predict, --evaluate, ONNX export.
     ('src/image_files.py', 'found = sorted((p for p in path.rglob("*") if p.is_file()),', 'found = sorted((p for p in path.glob("*") if p.is_file()),',
@@ -327,7 +339,7 @@ MUTATIONS = [
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
     ('src/recipe.py', 'fused = gpu_choices(device) and not (sharded and args.optimizer == "sgd")', 'fused = gpu_choices(device)',
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
-    ('src/sharding.py', '    for unit in fsdp_units(model):\n        fully_shard(unit, mesh=mesh)\n', '',
+    ('src/sharding.py', '    for unit in units:\n        fully_shard(unit, mesh=mesh)\n', '',
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
     ('src/full_state.py', 'param.requires_grad_(i in state["state"])', 'param.requires_grad_(True)',
      ['tests/test_fsdp.py::test_freeze_epochs_resume_into_fsdp_across_the_unfreezing']),
@@ -339,7 +351,7 @@ MUTATIONS = [
      ['tests/test_fsdp.py::test_freeze_epochs_resume_into_fsdp_across_the_unfreezing']),
     ('train_fsdp.py', 'load_evaluated(args, info, full_state.WholeModel(model))', 'load_evaluated(args, info, model)',
      ['tests/test_fsdp.py::test_evaluate_loads_best_pth_into_the_shards']),
-    ('train_fsdp.py', '    sharding.shard_model(model, device)', '    pass  # sharding.shard_model(model, device)',
+    ('train_fsdp.py', '    sharding.shard_model(model, device, compiled=args.compile)', '    pass  # sharding.shard_model(model, device, compiled=args.compile)',
      ['tests/test_fsdp.py::test_freeze_epochs_resume_into_fsdp_across_the_unfreezing']),
     ('src/sharding.py', ' and id(module) in called', '',
      ['tests/test_fsdp.py::test_the_units_are_the_big_blocks_that_the_model_calls']),
@@ -409,6 +421,63 @@ MUTATIONS = [
      ['tests/test_report.py::test_the_five_modes_page_shows_their_curves_and_distances_within_the_tolerance']),
     ('src/checkpoint.py', '"processes": int(os.environ.get("WORLD_SIZE", 1))', '"processes": 1',
      ['tests/test_report.py::test_the_five_modes_page_shows_their_curves_and_distances_within_the_tolerance']),
+    # FSDP's --compile: the units and the pieces between them compiled (src/sharding.py, compile_units).
+    ('train_fsdp.py', 'compiled=args.compile)', 'compiled=False)',
+     ['tests/test_fsdp.py::test_train_fsdp_compile_runs_every_convolution_compiled', 'gpu:compile']),
+    ('src/sharding.py', '    if compiled:\n        compile_units(model, units)\n', '',
+     ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
+    ('src/sharding.py', '        if id(module) in holding and type(module).forward is nn.Sequential.forward:',
+     '        if False:',
+     ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
+    ('src/sharding.py', 'torch.compile(_own_code(_calling(module.forward), name))',
+     'torch.compile(_calling(module.forward))',
+     ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
+    ('src/sharding.py', 'torch.compile(_own_code(_chain(step), f"{name}.{index}"))', 'torch.compile(_chain(step))',
+     ['tests/test_fsdp.py::test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp']),
+    # make test-gpu's checks, each with a breakage it catches on a GPU (gpu:KEY), and its own logic on the CPU.
+    ('src/recipe.py', 'fused = gpu_choices(device) and not (sharded and args.optimizer == "sgd")',
+     'fused = gpu_choices(device) and args.optimizer == "adamw"',
+     ['tests/test_gpu_on_cpu_selftest.py::test_make_test_gpus_fused_optimizer_check_bites', 'gpu:gpu']),
+    ('train_accelerate.py', '    configure_numerics(args.deterministic)  # after Accelerator()', '    pass  # ', ['gpu:gpu']),
+    ('train_fsdp.py', 'scaler.scale(loss / args.accumulate)', 'scaler.scale(loss)', ['gpu:agreement']),
+    ('train_single.py', 'enabled=args.amp != "no"):\n            logits = model(inputs)\n            loss',
+     'enabled=args.amp == "bf16"):\n            logits = model(inputs)\n            loss', ['gpu:fp16']),
+    ('src/transforms.py', '    batch = batch.to(device, non_blocking=True)', '    batch = batch.to(device)', ['gpu:sync']),
+    ('train_single.py', '            seed_epoch(args.seed, epoch)', '            pass', ['gpu:resume']),
+    ('checks/gpu_selftest.py', '                groups.add(os.getpgid(pid))', '                groups.add(launch.pid)',
+     ['tests/test_gpu_selftest_logic.py::test_stop_ends_the_workers_that_torchrun_puts_in_sessions_of_their_own']),
+    ('checks/gpu_selftest.py', '        flags += ["--dist-timeout", str(run.dist_timeout())]', '        pass',
+     ['tests/test_gpu_selftest_logic.py::test_every_distributed_launch_times_out_its_collectives_well_before_its_limit']),
+    ('checks/gpu_selftest.py', 'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 1, 3, 90',
+     'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 5, 5, 0',
+     ['tests/test_gpu_selftest_logic.py::test_every_distributed_launch_times_out_its_collectives_well_before_its_limit']),
+    ('checks/gpu_selftest.py', '        except RuntimeError as error:\n            result.add(str(error), failed=name)',
+     '        except RuntimeError:\n            raise',
+     ['tests/test_gpu_selftest_logic.py::test_agreement_runs_every_leg_after_one_failed_and_names_the_failed_mode']),
+    ('checks/gpu_selftest.py', ' and dtypes == {"float16"}', '',
+     ['tests/test_gpu_selftest_logic.py::test_fp16_needs_float16_logits_on_every_rank']),
+    ('checks/gpu_selftest.py', 'ok &= windows == 2 and controls == windows and not other', 'ok &= not other',
+     ['tests/test_gpu_selftest_logic.py::test_the_sync_verdict_needs_the_control_and_nothing_but_what_is_allowed']),
+    ('checks/gpu_selftest.py', 'allowed = {SCALER_READ} if name == "sgd-fp16-fsdp-shared" else set()',
+     'allowed = {SCALER_READ}',
+     ['tests/test_gpu_selftest_logic.py::test_only_the_fsdp_sgd_run_may_read_the_scalers_flag']),
+    ('checks/gpu_selftest.py', 'ok &= record["forwards"] > 0 and all(record[kind] == expected[kind] for kind in expected)',
+     'ok &= record["forwards"] > 0',
+     ['tests/test_gpu_selftest_logic.py::test_the_compiled_verdict_needs_every_convolution_of_every_forward']),
+    ('checks/gpu_selftest.py', 'ok = seen.get("accelerator") is True and seen.get("step") is False',
+     'ok = seen.get("step") is False',
+     ['tests/test_gpu_selftest_logic.py::test_the_tf32_verdict_needs_accelerate_to_have_turned_it_on_and_the_script_off']),
+    ('checks/gpu_selftest.py', '"verdict": "FAILED" if result.failed else "passed"', '"verdict": "passed"',
+     ['tests/test_gpu_selftest_logic.py::test_a_check_that_raises_fails_under_its_name_and_the_others_still_run']),
+    ('checks/gpu_selftest.py', 'assert off <= 1e-5 and all(kernels.values()) and steps == [2.0], lines',
+     'assert off <= 1e-5 and kernels["adamw"] and steps == [2.0], lines',
+     ['tests/test_gpu_selftest_logic.py::test_the_fused_optimizer_check_fails_when_sgd_is_not_fused']),
+    ('tests/hooks/sitecustomize.py', '        if any(frame.name == "_control_sync" for frame in stack):', '        if False:',
+     ['tests/test_gpu_selftest_logic.py::test_the_sync_record_sorts_the_control_from_the_others']),
+    ('tests/hooks/sitecustomize.py', '                counts[kind] += number', '                pass',
+     ['tests/test_gpu_selftest_logic.py::test_the_counting_backend_counts_the_calls_inside_compiled_graphs']),
+    ('tests/hooks/sitecustomize.py', '            seen.add(input.dtype)\n', '',
+     ['tests/test_gpu_selftest_logic.py::test_the_dtype_hook_logs_each_dtype_of_the_logits_once']),
 ]
 
 
@@ -425,9 +494,31 @@ def problems(entries: list[tuple]) -> list[str]:
             found.append(f"{path}: the original text {original!r} occurs {count} times, not once")
         if original == replacement:
             found.append(f"{path}: {original!r} is replaced by itself")
-        if not tests or not all(isinstance(test, str) and test.startswith("tests/") for test in tests):
+        if not tests or not all(isinstance(test, str) and test.startswith(("tests/", GPU)) for test in tests):
             found.append(f"{path}: {original!r} names no tests, or a test outside tests/: {tests!r}")
+        unknown = [test for test in tests if isinstance(test, str) and test.startswith(GPU)
+                   and test[len(GPU):] not in gpu_checks()]
+        if unknown:
+            found.append(f"{path}: {original!r} names checks make test-gpu does not have: {unknown!r}")
     return found
+
+
+def gpu_checks() -> list[str]:
+    """The keys of make test-gpu's checks (read from its source: no torch to import)."""
+    return re.findall(r'Check\("([a-z0-9-]+)"', (Path(__file__).parent / "gpu_selftest.py").read_text())
+
+
+def has_gpu() -> bool:
+    """Whether this repository's Python sees a CUDA GPU (asked in a process of its own)."""
+    probe = subprocess.run([str(PYTHON), "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() == "True"
+
+
+def split(tests: list[str]) -> tuple[list[str], list[str]]:
+    """An entry's pytest names, and the keys of its make test-gpu checks."""
+    return ([test for test in tests if not test.startswith(GPU)],
+            [test[len(GPU):] for test in tests if test.startswith(GPU)])
 
 
 def scratch_copy() -> Path:
@@ -460,6 +551,43 @@ def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[
     return {0: "passed", 1: "failed"}.get(code, "error"), time.monotonic() - start
 
 
+def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tuple[str, float]:
+    """make test-gpu's checks `keys` in the copy: ("passed" | "failed" | "error", seconds), failed
+    when its report.json has one of them FAILED; its output goes to log."""
+    start = time.monotonic()
+    out = copy / ".gpu-selftest"
+    shutil.rmtree(out, ignore_errors=True)
+    command = [str(PYTHON), "checks/gpu_selftest.py", "--only", ",".join(keys), "--out", str(out)]
+    try:
+        result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout)
+        output = result.stdout + result.stderr
+        report = json.loads((out / "report.json").read_text())
+        verdicts = {check["key"]: check["verdict"] for check in report["checks"]}
+        outcome = ("failed" if any(verdicts.get(key) == "FAILED" for key in keys)
+                   else "passed" if all(verdicts.get(key) == "passed" for key in keys) else "error")
+    except subprocess.TimeoutExpired as expired:
+        output, outcome = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", "error"
+    except (OSError, ValueError, KeyError) as error:
+        output, outcome = f"{output}\nno report: {error}", "error"
+    log.write_text(" ".join(command) + "\n\n" + output)
+    return outcome, time.monotonic() - start
+
+
+def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool) -> tuple[str, float]:
+    """An entry's tests, then (on a GPU) its make test-gpu checks: "failed" as soon as one fails;
+    "no GPU" when it names GPU checks only and there is none here."""
+    cpu_tests, keys = split(tests)
+    outcome, seconds = "passed", 0.0
+    if cpu_tests:
+        outcome, seconds = run_tests(copy, cpu_tests, log, timeout)
+    if keys and outcome == "passed":
+        if not gpu:
+            return ("no GPU" if not cpu_tests else outcome), seconds
+        outcome, more = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
+        seconds += more
+    return outcome, seconds
+
+
 def short(text: str, width: int = 60) -> str:
     text = text.replace("\n", "\\n").replace("|", "\\|")
     return text if len(text) <= width else text[:width - 3] + "..."
@@ -474,9 +602,11 @@ def main() -> int:
                         help="skip the run of the named tests on the unchanged copy")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one pytest run")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy and the logs")
+    parser.add_argument("--gpu", action="store_true", help="only the entries that name checks of make test-gpu")
     args = parser.parse_args()
 
-    entries = [entry for entry in MUTATIONS if args.match in entry[0] or args.match in entry[1]]
+    entries = [entry for entry in MUTATIONS if (args.match in entry[0] or args.match in entry[1])
+               and (not args.gpu or split(entry[3])[1])]
     if not entries:
         print(f"no entry matches -k {args.match!r}", file=sys.stderr)
         return 2
@@ -491,31 +621,37 @@ def main() -> int:
             print(f"{number:3} {path}: {short(original)} -> {short(replacement)}\n      {' '.join(tests)}")
         return 0
 
+    gpu = any(split(entry[3])[1] for entry in entries) and has_gpu()
     copy = scratch_copy()
     logs = copy / ".mutation-logs"
     logs.mkdir()
-    print(f"scratch copy: {copy}", flush=True)
+    print(f"scratch copy: {copy}" + ("" if gpu or not any(split(e[3])[1] for e in entries)
+                                     else "; no GPU here: the make test-gpu checks are skipped"), flush=True)
     try:
         if not args.no_baseline:
-            tests = sorted({test for entry in entries for test in entry[3]})
-            outcome, seconds = run_tests(copy, tests, logs / "baseline.log", args.timeout)
-            print(f"baseline: the {len(tests)} named tests on the unchanged copy {outcome} in {seconds:.0f} s",
-                  flush=True)
-            if outcome != "passed":
-                print((logs / "baseline.log").read_text()[-5000:], file=sys.stderr)
-                print("the named tests fail without any mutation: fix them first (--keep keeps the log)",
-                      file=sys.stderr)
-                return 1
+            tests, keys = split(sorted({test for entry in entries for test in entry[3]}))
+            for kind, names, runner in (("tests", tests, run_tests), ("make test-gpu checks", keys if gpu else [],
+                                                                       run_gpu_checks)):
+                if not names:
+                    continue
+                outcome, seconds = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
+                print(f"baseline: the {len(names)} named {kind} on the unchanged copy {outcome} in {seconds:.0f} s",
+                      flush=True)
+                if outcome != "passed":
+                    print((logs / f"baseline-{kind.split()[-1]}.log").read_text()[-5000:], file=sys.stderr)
+                    print(f"the named {kind} fail without any mutation: fix them first (--keep keeps the log)",
+                          file=sys.stderr)
+                    return 1
         rows = []
         for number, (path, original, replacement, tests) in enumerate(entries, 1):
             target = copy / path
             kept = target.read_text()
             target.write_text(kept.replace(original, replacement, 1))
             try:
-                outcome, seconds = run_tests(copy, tests, logs / f"{number:03}.log", args.timeout)
+                outcome, seconds = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu)
             finally:
                 target.write_text(kept)
-            verdict = {"failed": "caught", "passed": "SURVIVED"}.get(outcome, "ERROR")
+            verdict = {"failed": "caught", "passed": "SURVIVED", "no GPU": "no GPU"}.get(outcome, "ERROR")
             rows.append((f"{path}: `{short(original)}` -> `{short(replacement)}`",
                          ", ".join(test.split("::")[-1] for test in tests), verdict, seconds))
             print(f"{number}/{len(entries)} {verdict:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
@@ -527,8 +663,10 @@ def main() -> int:
     for number, (mutation, tests, verdict, seconds) in enumerate(rows, 1):
         print(f"| {number} | {mutation} | {tests} | {verdict} | {seconds:.0f} |")
     caught = sum(verdict == "caught" for _, _, verdict, _ in rows)
-    print(f"\n{caught} of {len(rows)} caught; " + (f"logs in {logs}" if args.keep else "rerun with --keep for the logs"))
-    return 0 if caught == len(rows) else 1
+    skipped = sum(verdict == "no GPU" for _, _, verdict, _ in rows)
+    print(f"\n{caught} of {len(rows) - skipped} caught" + (f" ({skipped} for a GPU only, not run here)" if skipped else "")
+          + "; " + (f"logs in {logs}" if args.keep else "rerun with --keep for the logs"))
+    return 0 if caught + skipped == len(rows) else 1
 
 
 if __name__ == "__main__":

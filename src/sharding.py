@@ -10,6 +10,8 @@ its gradients are reduce-scattered back to the shards; the root's fully_shard ta
 that no unit holds. See docs/fsdp.md.
 """
 import math
+import re
+import types
 
 import torch
 import torch.distributed as dist
@@ -59,9 +61,10 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def shard_model(model: nn.Module, device: torch.device) -> None:
+def shard_model(model: nn.Module, device: torch.device, compiled: bool = False) -> None:
     """fully_shard each unit (fsdp_units), then the root, over all the ranks; the model must be on
     `device` already. Call it before making the optimizer: fully_shard replaces the parameters.
+    compiled (--compile): torch.compile the units and what lies between them first (compile_units).
 
     The weights stay float32 and --amp autocasts as in the other modes, rather than FSDP's
     MixedPrecisionPolicy(param_dtype=...), which would halve the bytes gathered but casts every
@@ -76,9 +79,85 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     # The mesh of the training device, explicitly: fully_shard's default follows the machine's
     # accelerator, which would be CUDA for a gloo run on the CPU of a machine with a GPU.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in fsdp_units(model):
+    units = fsdp_units(model)
+    if compiled:
+        compile_units(model, units)
+    for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def compile_units(model: nn.Module, units: list[nn.Module]) -> None:
+    """torch.compile each unit's computation and the torch.nn containers' pieces between units,
+    which a compiled root cannot reach: the rest, the model's own forward code around the units,
+    is compiled by torch.compile(model), as in the other modes.
+
+    FSDP runs its hooks around each unit's forward eagerly (torch 2.14.1 wraps them in
+    torch._dynamo.disable), so a compiled root breaks its graph at every unit it calls, and the
+    unit's call then runs in a new Python frame. Dynamo starts no frame in torch.nn's own code,
+    and gives up on a loop whose body breaks the graph: a unit that is an nn.Conv2d, nn.Linear or
+    nn.Sequential, and an nn.Sequential holding units, ran eagerly (VGG16: all 13 convolutions
+    and its Linear layers; the root compiled its pooling and flatten). Here each unit that holds
+    no other unit gets a compiled forward of its own, and each nn.Sequential holding units runs
+    its children in turn (an eager loop), those between two units compiled together. Each piece
+    is its own torch.compile call over a function with a code object of its own: dynamo keeps at
+    most 8 compiled versions per code object, and pieces sharing one function's 8 ran eagerly
+    once eval mode had recompiled the first ones (torch 2.14's isolate_recompiles=True does the
+    same, but torch releases before it do not have it).
+    """
+    unit_ids = {id(unit) for unit in units}
+    # The modules with a unit below them (not counting themselves).
+    holding = {id(module) for module in model.modules()
+               if any(id(inner) in unit_ids for child in module.children() for inner in child.modules())}
+    for name, module in model.named_modules():
+        if id(module) in holding and type(module).forward is nn.Sequential.forward:
+            module.forward = _sequence(name, list(module.children()), unit_ids | holding)
+        elif id(module) in unit_ids and id(module) not in holding:
+            module.forward = torch.compile(_own_code(_calling(module.forward), name))
+
+
+def _own_code(function, name: str):
+    """`function` with a code object of its own, named after the module (dynamo's logs say it)."""
+    code = function.__code__.replace(co_name="compiled_" + re.sub(r"\W", "_", name or "model"))
+    return types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__,
+                              function.__closure__)
+
+
+def _calling(forward):
+    """A function of ours calling `forward`: dynamo traces into torch.nn's forwards from there."""
+    def call(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return call
+
+
+def _sequence(name: str, children: list[nn.Module], sharded: set[int]):
+    """nn.Sequential's forward over `children`: the units and the modules holding units (their
+    ids in `sharded`) called as they are, each run of the others between them compiled as one."""
+    steps = []
+    for child in children:
+        if id(child) in sharded:
+            steps.append(child)
+        elif steps and isinstance(steps[-1], list):
+            steps[-1].append(child)
+        else:
+            steps.append([child])
+    steps = [torch.compile(_own_code(_chain(step), f"{name}.{index}")) if isinstance(step, list) else step
+             for index, step in enumerate(steps)]
+
+    @torch.compiler.disable(recursive=False)  # a loop that breaks the graph: dynamo would skip it anyway
+    def forward(x):
+        for step in steps:
+            x = step(x)
+        return x
+    return forward
+
+
+def _chain(children: list[nn.Module]):
+    def forward(x):
+        for child in children:
+            x = child(x)
+        return x
+    return forward
 
 
 def broadcast_buffers(model: nn.Module) -> None:

@@ -352,6 +352,94 @@ def test_the_units_are_the_big_blocks_that_the_model_calls():
         assert all(type(unit).forward is not nn.Module.forward for unit in fsdp_units(model))
 
 
+
+# --compile under FSDP: every convolution and Linear layer runs in a compiled graph, as under DDP.
+
+class CompiledCalls:
+    """A torch.compile backend that runs each graph as it is (no code generation: seconds, not
+    minutes) and counts, per kind, the conv2d and linear calls that run inside compiled graphs."""
+
+    KINDS = ("conv2d", "linear")
+
+    def __init__(self):
+        self.calls = dict.fromkeys(self.KINDS, 0)
+
+    def __call__(self, graph, example_inputs):
+        targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        ops = {kind: sum(kind in target for target in targets) for kind in self.KINDS}
+
+        def run(*args):
+            for kind in self.KINDS:
+                self.calls[kind] += ops[kind]
+            return graph.forward(*args)
+        return run
+
+    def compile(self, compile):
+        """torch.compile with this backend, for monkeypatch.setattr(torch, "compile", ...)."""
+        return lambda function, **options: compile(function, backend=self, **options)
+
+    def taken(self) -> dict:
+        calls, self.calls = self.calls, dict.fromkeys(self.KINDS, 0)
+        return calls
+
+
+def _layers(model: nn.Module) -> dict:
+    """The model's conv2d and linear calls in one forward: each Conv2d and Linear module is called once."""
+    return {"conv2d": sum(isinstance(m, nn.Conv2d) for m in model.modules()),
+            "linear": sum(isinstance(m, nn.Linear) for m in model.modules())}
+
+
+@pytest.mark.parametrize("arch", ["vgg11", "resnet18"])
+def test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp(arch, monkeypatch):
+    """The compiled calls in a training forward and backward and an eval forward, DDP (a world of
+    one) and FSDP (rank 0 of torch's "fake" world of two: the gathers are not run, the hooks and
+    graph breaks are FSDP's), each model compiled as its script compiles it. VGG11's units are
+    bare Conv2d and Linear layers in nn.Sequential containers, ResNet-18's its last four blocks.
+    With a limit of 2 compiled versions per function (train and eval mode), regions sharing one
+    function's versions would run eagerly."""
+    import torch._dynamo
+    compile, counted = torch.compile, {}
+    for mode, backend, world_size in (("ddp", "gloo", 1), ("fsdp", "fake", 2)):
+        torch._dynamo.reset()
+        captured = CompiledCalls()
+        monkeypatch.setattr(torch, "compile", captured.compile(compile))
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=world_size)
+        try:
+            with torch.device("meta"):  # uninitialised weights: what is compiled does not depend on them
+                model = torchvision.models.get_model(arch, num_classes=2)
+            layers = _layers(model)
+            model.to_empty(device="cpu")
+            if mode == "ddp":
+                net = torch.compile(nn.parallel.DistributedDataParallel(model))
+            else:
+                shard_model(model, torch.device("cpu"), compiled=True)
+                net = torch.compile(model)
+            with torch._dynamo.config.patch(recompile_limit=2):
+                net(torch.randn(2, 3, 32, 32)).sum().backward()
+                training = captured.taken()
+                net.eval()
+                with torch.no_grad():
+                    net(torch.randn(2, 3, 32, 32))
+            counted[mode] = training, captured.taken()
+        finally:
+            dist.destroy_process_group()
+    assert counted["ddp"] == (layers, layers) and counted["fsdp"] == counted["ddp"], counted
+
+
+def test_train_fsdp_compile_runs_every_convolution_compiled(exact_data, tmp_path, world_of_one, monkeypatch, capsys):
+    """train_fsdp.py --compile, a world of one in this process, one epoch of SqueezeNet (its units
+    the Fire blocks of an nn.Sequential that holds its first convolution too): every forward of
+    training and validation (5 and 6 batches of 20) runs all 26 convolutions in compiled graphs."""
+    captured = CompiledCalls()
+    monkeypatch.setattr(torch, "compile", captured.compile(torch.compile))
+    code, _, stderr = in_process(train_fsdp.main, ["--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "1",
+                                                   "--batch-size", "20", "--compile", *outputs(tmp_path / "out")],
+                                 monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    with torch.device("meta"):
+        convolutions = _layers(build_model("squeezenet1_1", "none", 0.0))["conv2d"]
+    assert captured.taken()["conv2d"] == (100 // 20 + -(-101 // 20)) * convolutions == 11 * 26
+
 # train_accelerate.py and accelerate's sharding plugins.
 
 @pytest.mark.parametrize("variable, plugin", [("ACCELERATE_USE_FSDP", "FSDP"),

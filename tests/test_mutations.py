@@ -10,7 +10,7 @@ import pytest
 def test_every_mutation_applies_once_and_names_existing_tests():
     assert mutations.problems(mutations.MUTATIONS) == []
     for _, _, _, tests in mutations.MUTATIONS:
-        for test in tests:
+        for test in mutations.split(tests)[0]:  # the make test-gpu checks' keys: problems() knows them
             path, _, name = test.partition("::")
             assert (mutations.ROOT / path).is_file(), test
             assert not name or f"def {name}(" in (mutations.ROOT / path).read_text(), test

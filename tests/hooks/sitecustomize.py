@@ -23,8 +23,21 @@ NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP scr
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
 COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...):
 the epochs' checkpoints that the next one replaces.
-SYNC_CHECK_STEPS=a:b: on a GPU, training micro-batches a to b of every epoch run under
-torch.cuda.set_sync_debug_mode("error"): any host synchronisation there raises.
+SYNC_CHECK_STEPS=a:b (with SYNC_LOG=path): on a GPU, training micro-batches a to b of every epoch
+run under torch.cuda.set_sync_debug_mode("warn"), and each host synchronisation there that this
+process's Python code makes is recorded with where it was called from (in the main thread, or in
+a backward, whose warnings autograd hands to the thread that called it; gloo's own threads, which
+copy CUDA tensors through the host for ranks sharing a GPU, only print theirs). At the first
+micro-batch of each window the hook reads a tensor back itself: the control, which the record
+must show. Each process writes its record to SYNC_LOG.RANK (JSON) at exit.
+DTYPE_LOG=path: each process appends "RANK DTYPE" for each dtype of the logits that
+F.cross_entropy gets (the training loss): float16 under --amp fp16, float32 without autocast.
+COMPILE_OPS_LOG=path: each process writes to path.RANK (JSON) at exit the conv2d and linear calls
+that ran inside graphs compiled by torch.compile (its backend wrapped to count them), the forwards
+of the model given to torch.compile first (the scripts' root), and that model's Conv2d and Linear
+modules: every forward run compiled calls each of them once.
+TF32_LOG=path: torch.backends.cuda.matmul.allow_tf32 ("RANK WHEN VALUE"), right after accelerate's
+Accelerator() is made (WHEN accelerator) and at the first optimizer step (step).
 
 FLOAT64=1: the model's weights and inputs are float64: the agreement tests of batch norm models
 compare the modes there, where the order of float sums cannot flip a max-pool's choice (in float32
@@ -183,9 +196,63 @@ if os.environ.get("COMPILE_LOG"):
             log.write(f"{counters['stats']['unique_graphs']}\n")
     atexit.register(_write_compiled)
 
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # c10's, for each one in "warn" mode
+
+
+def sync_site(stack: list) -> str:
+    """Where a synchronisation came from, innermost first: the last six frames of `stack`
+    (traceback.extract_stack(), the warnings module's left out), each as file:line function,
+    paths from the site-packages or the repository on."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def short(frame) -> str:
+        path = frame.filename.split("site-packages/")[-1]
+        return f"{os.path.relpath(path, here) if path.startswith(here) else path}:{frame.lineno} {frame.name}"
+    stack = [frame for frame in stack if not frame.filename.endswith(os.sep + "warnings.py")]
+    return " < ".join(short(frame) for frame in reversed(stack[-6:]))
+
+
+class SyncRecord:
+    """The synchronisations this process made in its sync windows: the control read-backs, and
+    each other one counted by the place it came from (sync_site). Its showwarning stands in for
+    warnings.showwarning, which gets every other warning (`shown`)."""
+
+    def __init__(self, rank: str, shown):
+        self.record = {"rank": rank, "windows": 0, "control": 0, "syncs": {}}
+        self.shown = shown
+
+    def showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if SYNC_MESSAGE not in str(message):
+            return self.shown(message, category, filename, lineno, file, line)
+        import traceback
+        stack = traceback.extract_stack()[:-1]
+        if any(frame.name == "_control_sync" for frame in stack):
+            self.record["control"] += 1
+        else:
+            where = sync_site(stack)
+            self.record["syncs"][where] = self.record["syncs"].get(where, 0) + 1
+
+    def write(self, path: str) -> None:
+        import json
+        with open(f"{path}.{self.record['rank']}", "w") as log:
+            json.dump(self.record, log, indent=1)
+
+
+def _control_sync():
+    """A read-back of a CUDA tensor: a synchronisation the record must show."""
+    import torch
+    return torch.ones(1, device="cuda").item()
+
+
 if os.environ.get("SYNC_CHECK_STEPS"):
-    # SYNC_CHECK_STEPS=a:b (the GPU self-test): any host synchronisation between training
-    # micro-batches a and b of each epoch raises, through torch.cuda.set_sync_debug_mode.
+    import atexit
+    import warnings
+    _syncs = SyncRecord(RANK, warnings.showwarning)
+    warnings.showwarning = _syncs.showwarning
+    warnings.filterwarnings("always", message=".*" + SYNC_MESSAGE)  # each one, not once per place
+    if os.environ.get("SYNC_LOG"):
+        atexit.register(_syncs.write, os.environ["SYNC_LOG"])
+
     def _check_syncs(progress):
         batches = progress.LoaderPass.batches
         first, last = map(int, os.environ["SYNC_CHECK_STEPS"].split(":"))
@@ -195,14 +262,99 @@ if os.environ.get("SYNC_CHECK_STEPS"):
             watched = self.epoch is not None and torch.cuda.is_available()  # training passes
             try:
                 for step, batch in enumerate(batches(self, sums)):
-                    if watched and step in (first, last):
-                        torch.cuda.set_sync_debug_mode("error" if step == first else "default")
+                    if watched and step == first:
+                        torch.cuda.set_sync_debug_mode("warn")
+                        _syncs.record["windows"] += 1
+                        _control_sync()
+                    elif watched and step == last:
+                        torch.cuda.set_sync_debug_mode("default")
                     yield batch
             finally:
                 if watched:
                     torch.cuda.set_sync_debug_mode("default")
         progress.LoaderPass.batches = checked
     _after_import("src.progress", _check_syncs)
+
+def log_dtypes(functional, path, rank: str) -> None:
+    """functional.cross_entropy (torch.nn.functional's) appending "RANK DTYPE" to `path` for each
+    dtype of the logits it gets, once."""
+    cross_entropy, seen = functional.cross_entropy, set()
+
+    def logged(input, *args, **kwargs):
+        if input.dtype not in seen:
+            seen.add(input.dtype)
+            with open(path, "a") as log:
+                log.write(f"{rank} {str(input.dtype).removeprefix('torch.')}\n")
+        return cross_entropy(input, *args, **kwargs)
+    functional.cross_entropy = logged
+
+
+if os.environ.get("DTYPE_LOG"):
+    import torch.nn.functional
+    log_dtypes(torch.nn.functional, os.environ["DTYPE_LOG"], RANK)
+
+
+def counting_backend(backend, counts: dict):
+    """A torch.compile backend that compiles with `backend` (a name or a function) and counts, in
+    `counts`, the graphs and the conv2d and linear calls that run inside them."""
+    def compile_graph(graph, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+        targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+        ops = {kind: sum(kind in target for target in targets) for kind in ("conv2d", "linear")}
+        compiled = (lookup_backend(backend) if isinstance(backend, str) else backend)(graph, example_inputs)
+        counts["graphs"] += 1
+
+        def run(*args):
+            for kind, number in ops.items():
+                counts[kind] += number
+            return compiled(*args)
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # how dynamo passes the inputs
+        return run
+    return compile_graph
+
+
+if os.environ.get("COMPILE_OPS_LOG"):
+    import atexit
+    import json
+
+    import torch
+    _compile, _counts = torch.compile, {"rank": RANK, "graphs": 0, "conv2d": 0, "linear": 0, "forwards": 0}
+
+    def _counting_compile(model=None, **options):
+        options["backend"] = counting_backend(options.get("backend") or "inductor", _counts)
+        compiled = _compile(model, **options)
+        if isinstance(model, torch.nn.Module) and "conv2d modules" not in _counts:  # the scripts' root
+            inner = getattr(model, "module", model)  # DDP's
+            _counts["conv2d modules"] = sum(isinstance(m, torch.nn.Conv2d) for m in inner.modules())
+            _counts["linear modules"] = sum(isinstance(m, torch.nn.Linear) for m in inner.modules())
+
+            class Counted(type(compiled)):
+                def __call__(self, *args, **kwargs):
+                    _counts["forwards"] += 1
+                    return super().__call__(*args, **kwargs)
+            compiled.__class__ = Counted
+        return compiled
+    torch.compile = _counting_compile
+
+    def _write_ops():
+        with open(f"{os.environ['COMPILE_OPS_LOG']}.{RANK}", "w") as log:
+            json.dump(_counts, log)
+    atexit.register(_write_ops)
+
+if os.environ.get("TF32_LOG"):
+    def _log_tf32(when: str) -> None:
+        import torch
+        with open(os.environ["TF32_LOG"], "a") as log:
+            log.write(f"{RANK} {when} {torch.backends.cuda.matmul.allow_tf32}\n")
+
+    def _tf32_after_accelerator(accelerate):
+        class Logged(accelerate.Accelerator):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                _log_tf32("accelerator")
+        accelerate.Accelerator = Logged
+    _after_import("accelerate", _tf32_after_accelerator)
+    _on_step(1, lambda: _log_tf32("step"))
 
 
 # The next two are functions as well, for the tests that train in their own process (monkeypatch).
