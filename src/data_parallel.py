@@ -6,6 +6,10 @@ autocast without a dtype (torch/nn/parallel/parallel_apply.py); the dtype is per
 float16 by default on CUDA, so --amp bf16 would silently train in float16 without a gradient
 scaler. The replicas here read the dtype in the caller's thread and autocast to it.
 
+Each replica draws the dropout masks of its share of the batch: the module's per-sample dropout
+layers hold the keys of the whole batch (src.dropout.set_samples), and each replica gets the keys
+of the samples that the scatter gave it, on its GPU.
+
 The replicas on GPUs 1..N get their weights from a broadcast that hands them out as views of one
 flat buffer, contiguous (NCHW) whatever the module's format (torch/csrc/cuda/comm.cpp,
 broadcast_coalesced): with --channels-last, cuDNN would convert them in every convolution,
@@ -15,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from src.devices import check_bf16
+from src.dropout import sample_keys, set_samples
 from src.errors import UserError
 
 
@@ -32,13 +37,22 @@ class AutocastReplica(nn.Module):
 
 
 class AutocastDataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16) and keep the
-    module's channels-last weights."""
+    """nn.DataParallel whose replicas autocast to the dtype asked for (--amp bf16), keep the
+    module's channels-last weights and draw the dropout masks of their own samples."""
+
+    def scatter(self, inputs, kwargs, device_ids):
+        inputs, kwargs = super().scatter(inputs, kwargs, device_ids)
+        self.shares = [len(args[0]) for args in inputs]  # the samples each replica gets, in order
+        return inputs, kwargs
 
     def replicate(self, module, device_ids):
         replicas = super().replicate(module, device_ids)
         for replica in replicas[1:]:  # the first holds the module's own tensors
             keep_memory_format(module, replica)
+        keys = sample_keys(module)
+        if keys is not None:
+            for replica, gpu, share in zip(replicas, device_ids, keys.split(self.shares)):
+                set_samples(replica, share.to(torch.device(self.src_device_obj.type, gpu), non_blocking=True))
         return [AutocastReplica(replica, self.src_device_obj.type) for replica in replicas]
 
 

@@ -152,3 +152,9 @@ def set_samples(model: nn.Module, keys: torch.Tensor) -> None:
     model's device already: a copy from unpinned host memory would make the host wait."""
     for unit in units(model):
         unit.samples = keys
+
+
+def sample_keys(model: nn.Module) -> torch.Tensor | None:
+    """The keys that set_samples gave model's dropout layers, None if it has none."""
+    found = units(model)
+    return getattr(found[0], "samples", None) if found else None

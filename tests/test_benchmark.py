@@ -25,7 +25,7 @@ from src.tools.benchmark import loader_alone
 # Not single-jpeg, dp and accelerate: three runs less (their --profile tables are checked on the
 # runs of test_modes, in test_watch.py), and --modes is exercised.
 RUNS = ["single", "ddp", "freeze"]
-ROWS = RUNS + ["bare step", "bare forward", "feature cache build", "loader, JPEG", "loader, cache",
+ROWS = RUNS + ["bare step", "bare forward", "bare step, torch's dropout", "feature cache build", "loader, JPEG", "loader, cache",
                "loader, cache + augment", "decode full 32 px", "decode draft 32 px",
                "decode full 224 px", "decode draft 224 px"]
 
@@ -68,7 +68,8 @@ def test_benchmark_writes_the_table_chart_and_checks(bench):
     checks = markdown.split("Checks:")[1]
     for text in ("of the bare step (target >= 0.90)", "the cache loader delivers",
                  "the cache loader with --augment delivers", "an epoch of --freeze from the feature cache is",
-                 "the feature-cache build runs at", "draft decode at 32 px", "draft decode at 224 px"):
+                 "the feature-cache build runs at", "draft decode at 32 px", "draft decode at 224 px",
+                 "per-sample dropout: the bare step takes"):
         assert text in checks, text
     assert "feature cache build (--freeze): 240 images in" in markdown
     assert markdown in printed
@@ -124,6 +125,8 @@ def test_the_benchmark_figures_are_those_of_its_runs(bench):
             (rows["single"]["epoch_seconds"] / rows["freeze"]["epoch_seconds"], 50),
         r"runs at ([\d.]+) of the bare forward ceiling \(target >= 0.90\)":
             (rate("feature cache build") / rate("bare forward"), 0.90),
+        r"per-sample dropout: the bare step takes ([\d.]+)x its time with torch's dropout \(target <= 1.05\)":
+            (rate("bare step, torch's dropout") / rate("bare step"), -1.05),
         r"draft decode at 32 px: ([\d.]+)x .*\(target >= 1.5\)": (rate("decode draft 32 px") / rate("decode full 32 px"), 1.5),
         r"draft decode at 224 px: ([\d.]+)x .*\(target >= 0.95\)":
             (rate("decode draft 224 px") / rate("decode full 224 px"), 0.95),
@@ -171,7 +174,7 @@ def test_benchmark_unknown_mode_is_one_line_and_exit_2(tmp_path, capsys):
         benchmark.parse_args(["--out-dir", str(tmp_path), "--modes", "single,deepspeed"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().endswith(
-        ": error: argument --modes: unknown run 'deepspeed' (choose from single-jpeg, single, dp, ddp, fsdp, "
+        ": error: argument --modes: unknown run 'deepspeed' (choose from single-jpeg, single, dp, ddp, ddp-sync-bn, fsdp, "
         "accelerate, freeze) (see --help)")
 
 

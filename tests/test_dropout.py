@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from conftest import TOLERANCE, VAL, B, assert_same_run, distance, last_model, mode_run
 from torchvision.ops import StochasticDepth
 
 from src import dropout
@@ -128,3 +129,27 @@ def test_built_models_draw_per_sample_and_keep_torchvision_state_dicts(arch):
     assert nn.Dropout not in kinds and StochasticDepth not in kinds
     probabilities = [m.p for m in plain.modules() if isinstance(m, (nn.Dropout, StochasticDepth))]
     assert [m.p for m in dropout.units(model)] == probabilities and probabilities
+
+
+VGG = ["--arch", "vgg11", "--weights", "none", "--image-size", "32", "--lr", "0.01", "--workers", "0",
+       "--epochs", "1", *VAL]
+
+
+def test_vgg_with_torchvision_dropout_trains_the_same_model_in_two_processes(runs):
+    """VGG11 (dropout 0.5 after each of its two hidden Linear layers, torchvision's default):
+    two DDP processes of B end where train_single.py at 2 x B ends, within the tolerance of `far`
+    (the same run at a global batch of B)."""
+    reference = runs("single", *VGG, "--batch-size", str(2 * B))[0]
+    far = distance(last_model(runs("single", *VGG, "--batch-size", str(B))[0]), last_model(reference))
+    out, result = runs("ddp", *VGG, "--batch-size", str(B))
+    assert "on 2 x cpu" in result.stdout
+    assert_same_run(out, reference, far)
+
+
+def test_per_process_masks_would_end_outside_the_tolerance(runs, far):
+    """The control: SqueezeNet's two DDP processes with torch's own dropout (PER_PROCESS_DROPOUT,
+    a test hook: each process draws its masks from its generator) end far outside the tolerance
+    that the per-sample masks meet (test_modes.py)."""
+    reference = mode_run(runs, "single")[0]
+    out = runs.exact("ddp", env={"PER_PROCESS_DROPOUT": "1"})[0]
+    assert distance(last_model(out), last_model(reference)) / far > 20 * TOLERANCE

@@ -14,6 +14,8 @@ from conftest import (
 
 import src.data_parallel as data_parallel
 import train_dp
+from src.dropout import sample_key, set_samples
+from src.models import build_model
 from src.seeds import seed_epoch
 
 
@@ -65,6 +67,34 @@ def test_data_parallel_replicas_keep_channels_last_weights(monkeypatch):
             for r in replicas for i in (0, 2)] == [True] * 6
     replicas[2](torch.ones(1, 3, 8, 8)).sum().backward()  # the gradients reach the module's weights
     assert model[0].weight.grad is not None and model[2].weight.grad.abs().sum() > 0
+
+
+def test_each_replica_draws_the_masks_of_its_own_samples(monkeypatch):
+    """The scatter gives replica i its share of the batch; it must draw those samples' masks, the
+    ones the whole model draws for them in one process. torch's own replicate() runs here, with
+    the broadcast and the scatter done on the CPU."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    def broadcast(tensors, devices, detach=False):
+        if not tensors:
+            return []
+        flat = _flatten_dense_tensors([t.detach() if detach else t for t in tensors])
+        return [list(tensors)] + [list(_unflatten_dense_tensors(flat, tensors)) for _ in devices[1:]]
+    monkeypatch.setattr(importlib.import_module("torch.nn.parallel.replicate"), "_broadcast_coalesced_reshape", broadcast)
+    monkeypatch.setattr(nn.DataParallel, "scatter",
+                        lambda self, inputs, kwargs, device_ids: (((inputs[0][:2],), (inputs[0][2:],)), ({}, {})))
+    model = build_model("squeezenet1_1", "none").train()
+    images = torch.randn(5, 3, 64, 64)
+    keys = torch.tensor([sample_key(42, 1, i) for i in range(5)])
+    set_samples(model, keys)
+    whole = model(images)
+    dp = data_parallel.AutocastDataParallel(model)
+    dp.src_device_obj = torch.device("cpu")  # what DataParallel sets when it has GPUs
+    inputs, _ = dp.scatter((images,), {}, [0, 1])
+    replicas = dp.replicate(model, [0, 1])
+    assert dp.shares == [2, 3]
+    assert [r.replica.classifier[0].samples.tolist() for r in replicas] == [keys[:2].tolist(), keys[2:].tolist()]
+    assert torch.allclose(torch.cat([r(*args) for r, args in zip(replicas, inputs)]), whole, atol=1e-6)
 
 
 def test_each_gpu_draws_its_own_dropout_masks(monkeypatch):

@@ -28,7 +28,7 @@ def _batches(n, batch_size, world_size, epoch, seed=7, accumulate=1):
         loader, _ = make_loaders(data, list(range(n)), list(range(world_size)), batch_size, seed,
                                  workers=0, rank=rank, world_size=world_size, accumulate=accumulate)
         loader.sampler.set_epoch(epoch)
-        micro = [labels.tolist() for _, labels in loader]
+        micro = [labels.tolist() for _, labels, _ in loader]
         per_rank.append([sum(micro[i:i + accumulate], []) for i in range(0, len(micro), accumulate)])
     assert len({len(batches) for batches in per_rank}) == 1
     return [sorted(sum(step, [])) for step in zip(*per_rank)]

@@ -41,6 +41,7 @@ from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.devices import configure_numerics  # noqa: E402
+from src.dropout import set_samples, units  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
@@ -53,7 +54,7 @@ from src.transforms import image_transform, memory_format, normalize  # noqa: E4
 
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
-MODES = ("single-jpeg", "single", "dp", "ddp", "fsdp", "accelerate", "freeze")
+MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -104,16 +105,22 @@ def fresh_process() -> ProcessPoolExecutor:
     return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_as_a_run)
 
 
-def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
-    """Images/s of the model alone on uint8 batches already on the device."""
+def bare_step(args, device: torch.device, batch: int, train: bool, torch_dropout: bool = False) -> float:
+    """Images/s of the model alone on uint8 batches already on the device; torch_dropout: with
+    torch's own dropout instead of the runs' per-sample draws (what those cost: VGG16's classifier
+    draws two masks of 4096 per image)."""
     torch.manual_seed(0)
     model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    if torch_dropout:
+        for layer in units(model):
+            layer.__class__ = layer.__class__.__mro__[1]  # nn.Dropout, torchvision's StochasticDepth
     # The runs' own optimizer (fused on a GPU), with the default flags (plain SGD with momentum).
     optimizer = make_optimizer(model, script_args("", []), device)
     images = torch.randint(0, 256, (batch, 3, args.image_size, args.image_size), dtype=torch.uint8,
                            device=device)
     labels = torch.randint(0, 2, (batch,), device=device)
     model.train(train)
+    set_samples(model, torch.arange(batch, device=device))  # the dropout keys of the batch's samples
     amp = amp_dtype(args)
 
     def step():
@@ -180,7 +187,7 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
     depth = (loader.prefetch_factor or 0) * workers
     counted = -(-max_batches // max(workers, 1)) * max(workers, 1)
     arrivals = []  # (time, images) of each batch as it arrives
-    for images, _ in loader:
+    for images, *_ in loader:  # training batches also carry labels and dropout keys
         arrivals.append((time.perf_counter(), len(images)))
         if len(arrivals) > depth + counted:
             break
@@ -222,6 +229,8 @@ def _commands(args) -> dict:
         "dp": ([sys.executable, "train_dp.py"], torch.cuda.device_count() or 1, args.batch_size * p),
         "ddp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_ddp.py"], p,
                 args.batch_size),
+        "ddp-sync-bn": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_ddp.py"], p,
+                        args.batch_size),
         "fsdp": (["torchrun", "--standalone", f"--nproc_per_node={p}", "train_fsdp.py"], p,
                  args.batch_size),
         "accelerate": (accelerate + ["train_accelerate.py"], p, args.batch_size),
@@ -241,6 +250,8 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
         flags += ["--cache", str(cache_dir)]
     if name == "freeze":  # its first run computes the backbone's outputs into the cache folder
         flags.append("--freeze")
+    if name == "ddp-sync-bn":  # batch norm over both processes' samples (a model without any: as ddp)
+        flags.append("--sync-bn")
     if args.channels_last:
         flags.append("--channels-last")
     if name != "accelerate" and args.amp != "no":
@@ -302,6 +313,12 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
                    / rows["bare forward"]["train_images_per_s"])
         result.append((f"the feature-cache build runs at {ceiling:.2f} of the bare forward ceiling "
                        "(target >= 0.90)", ceiling >= 0.90))
+    cost = rows["bare step, torch's dropout"]["train_images_per_s"] / rows["bare step"]["train_images_per_s"]
+    result.append((f"per-sample dropout: the bare step takes {cost:.2f}x its time with torch's dropout "
+                   "(target <= 1.05)", cost <= 1.05))
+    if "ddp" in rows and "ddp-sync-bn" in rows:
+        cost = rows["ddp"]["train_images_per_s"] / rows["ddp-sync-bn"]["train_images_per_s"]
+        result.append((f"--sync-bn: DDP trains at {1 / cost:.2f} of its speed without it (a figure, no target)", True))
     for size in sorted({args.image_size, 224}):
         gain = (rows[f"decode draft {size} px"]["train_images_per_s"]
                 / rows[f"decode full {size} px"]["train_images_per_s"])
@@ -414,6 +431,7 @@ def main() -> None:
     with fresh_process() as pool:
         train, val = (pool.submit(bare_step, args, device, batch, training).result()
                       for training in (True, False))
+        torch_dropout = pool.submit(bare_step, args, device, batch, True, True).result()
         # Timed around src.freeze's own build call rather than read from the --freeze run, whose
         # start-up (imports, cache checks, model) has no clock around the build alone.
         features = (pool.submit(feature_build, args, data_dir, cache_dir, args.out_dir / "features", batch,
@@ -422,6 +440,8 @@ def main() -> None:
                          "train_images_per_s": train, "val_images_per_s": val}
     # The bare step's forward (eval mode, no gradients), as its own row: the feature build's ceiling.
     rows["bare forward"] = {"row": "bare forward", "processes": 1, "train_images_per_s": val}
+    rows["bare step, torch's dropout"] = {"row": "bare step, torch's dropout", "processes": 1,
+                                          "train_images_per_s": torch_dropout}
     if features is not None:
         images, seconds = features
         rows["feature cache build"] = {"row": "feature cache build", "processes": 1,

@@ -39,6 +39,9 @@ modules: every forward run compiled calls each of them once.
 TF32_LOG=path: torch.backends.cuda.matmul.allow_tf32 ("RANK WHEN VALUE"), right after accelerate's
 Accelerator() is made (WHEN accelerator) and at the first optimizer step (step).
 
+PER_PROCESS_DROPOUT=1: the model's dropout layers draw as torch's do, from the process's generator
+(a control: the per-sample masks are what makes the modes agree).
+
 FLOAT64=1: the model's weights and inputs are float64: the agreement tests of batch norm models
 compare the modes there, where the order of float sums cannot flip a max-pool's choice (in float32
 a near tie flipped by a last-bit difference sends a gradient elsewhere, and a fast-learning ResNet
@@ -424,3 +427,8 @@ if os.environ.get("FLOAT64") == "1":
         to_model = transforms.model_inputs
         transforms.model_inputs = lambda *args, **kwargs: to_model(*args, **kwargs).double()
     _after_import("src.transforms", _float64_inputs)
+
+if os.environ.get("PER_PROCESS_DROPOUT") == "1":
+    def _per_process_dropout(dropout):
+        dropout.per_sample = lambda model: model
+    _after_import("src.dropout", _per_process_dropout)
