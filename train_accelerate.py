@@ -39,8 +39,7 @@ def train_epoch(accelerator, model, loader: LoaderPass, device, args, optimizer,
     for inputs, labels, samples in loader.batches(sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         set_samples(model, samples.to(device, non_blocking=True))  # each sample's dropout masks
-        # Skips the gradient all-reduce and the optimizer step but on a step's last micro-batch.
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model):  # all-reduce and step on a step's last micro-batch only
             logits = model(inputs)  # the prepared model applies the mixed-precision setting
             loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
             accelerator.backward(loss)  # divides by --accumulate, scales for fp16
@@ -94,14 +93,15 @@ def main() -> None:
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     info = run_info(args, global_batch, data.digest)
-    history = resume(args, info, model, optimizer, ema, accelerator.scaler, schedule)
+    history = resume(args, info, model, optimizer, accelerator.scaler, schedule, ema)
     optimizer = accelerator.prepare(optimizer)
     if args.log_dir:
         accelerator.init_trackers("train_accelerate")  # on the main process only
     progress = Progress(args, optimizer, steps, args.batch_size * processes, device, accelerator.log)
 
-    accelerator.print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
-                      f"mixed precision {accelerator.mixed_precision})")
+    if accelerator.is_main_process:
+        print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
+              f"mixed precision {accelerator.mixed_precision})")
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
         evaluated, start = load_evaluated(args, info, model), time.time()
         net = torch.compile(model) if args.compile else model
@@ -128,11 +128,12 @@ def main() -> None:
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             if accelerator.is_main_process:
-                is_best = save_epoch(args, history, model, optimizer, ema, accelerator.scaler, schedule, info)
+                is_best = save_epoch(args, history, model, optimizer, accelerator.scaler, schedule, info, ema)
                 print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
             progress.epoch_end(history[-1])  # accelerator.log writes on the main process only
             accelerator.wait_for_everyone()
-    accelerator.print(done_line(history, args, time.time() - since))  # on the main process only
+    if accelerator.is_main_process:
+        print(done_line(history, args, time.time() - since))
     progress.run_end()
     del model, optimizer
     accelerator.free_memory()  # measured: releasing the model first avoids gloo aborts at exit

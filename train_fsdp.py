@@ -89,7 +89,7 @@ def main() -> None:
     info = run_info(args, global_batch, data.digest)
     # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
     history = resume(args, info, full_state.WholeModel(model), full_state.WholeOptimizer(model, optimizer),
-                     ema, scaler, schedule)
+                     scaler, schedule, ema)
     progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
 
     if rank == 0:
@@ -121,7 +121,7 @@ def main() -> None:
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             whole = full_state.gather_state(model, optimizer, ema)  # every rank sends its shards to rank 0
             if rank == 0:
-                is_best = save_epoch(args, history, *whole, scaler, schedule, info)
+                is_best = save_epoch(args, history, whole.model, whole.optimizer, scaler, schedule, info, whole.average)
                 progress.epoch_end(history[-1])
                 print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
     if rank == 0:

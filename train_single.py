@@ -71,7 +71,7 @@ def main() -> None:
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
-    history = resume(args, info, model, optimizer, ema, scaler, schedule)
+    history = resume(args, info, model, optimizer, scaler, schedule, ema)
     progress = Progress(args, optimizer, steps, args.batch_size, device)
 
     print(run_header(args, data, device))
@@ -99,7 +99,7 @@ def main() -> None:
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
-            is_best = save_epoch(args, history, model, optimizer, ema, scaler, schedule, info)
+            is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info, ema)
             progress.epoch_end(history[-1])
             print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
     print(done_line(history, args, time.time() - since))

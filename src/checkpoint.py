@@ -92,8 +92,8 @@ def run_context(args) -> dict:
                       for key, value in vars(args).items() if key != "local_rank"}}
 
 
-def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, average, scaler, schedule,
-               info: dict) -> bool:
+def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler, schedule,
+               info: dict, average=None) -> bool:
     """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far.
 
     `average`: the weight average (src.ema.WeightAverage, or FSDP's gathered one); best.pth holds
@@ -102,7 +102,7 @@ def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, ave
     paths = output_paths(args)
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
-    averaged = average.state_dict()  # None without --ema-decay
+    averaged = average.state_dict() if average is not None else None  # None without --ema-decay
     if is_best:
         digest = atomic_torch_save(averaged["model"] if weights == "average" else model.state_dict(), paths["best"])
         atomic_write_text(paths["info"], json.dumps(
@@ -221,7 +221,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
                 state[key] = torch.empty_like(param).copy_(value)
 
 
-def resume(args, info: dict, model: torch.nn.Module, optimizer, average, scaler, schedule) -> list[dict]:
+def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None) -> list[dict]:
     """With --resume (or in a worker that torchrun restarted), load last.pth into model,
     optimizer, the weight average, scaler and schedule; returns the history so far ([] without).
 
@@ -250,7 +250,8 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, average, scaler,
             raise UserError(f"{state['from']} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
-        average.load(getattr(model, "_orig_mod", model), state["average"])
+        if average is not None:
+            average.load(getattr(model, "_orig_mod", model), state["average"])
         load_optimizer(optimizer, state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:

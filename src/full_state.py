@@ -3,6 +3,8 @@
 loaded into them by its resume() and by --evaluate (src/evaluation.py). A train_single.py or
 train_ddp.py last.pth resumes under FSDP, and an FSDP one anywhere else.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
@@ -32,8 +34,14 @@ def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     return [name[param] for group in optimizer.param_groups for param in group["params"]]
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 average: WeightAverage) -> tuple[Gathered, Gathered, Gathered]:
+class Whole(NamedTuple):
+    """The whole state_dicts that save_epoch writes: the model's, the optimizer's, the average's."""
+    model: Gathered
+    optimizer: Gathered
+    average: Gathered
+
+
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer, average: WeightAverage) -> Whole:
     """The model's, the optimizer's and the weight average's state_dict as one process holds them
     (train_single.py's last.pth: whole tensors, the optimizer's numbered by parameter), on rank 0;
     empty elsewhere. The average (--ema-decay) is gathered from each rank's averaged shards.
@@ -50,12 +58,12 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer,
             averaged = {"model": get_model_state_dict(model, options=options), "updates": average.updates}
     by_name = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
     if not by_name:
-        return Gathered(model_state), Gathered({}), Gathered(averaged)
+        return Whole(Gathered(model_state), Gathered({}), Gathered(averaged))
     number = {name: i for i, name in enumerate(_names(model, optimizer))}
-    return Gathered(model_state), Gathered({
+    return Whole(Gathered(model_state), Gathered({
         "state": {number[name]: state for name, state in by_name["state"].items()},
         "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
-                         for group in by_name["param_groups"]]}), Gathered(averaged)
+                         for group in by_name["param_groups"]]}), Gathered(averaged))
 
 
 class WholeModel:

@@ -10,6 +10,7 @@ import torchvision
 from accelerate import init_empty_weights
 from conftest import fails_in_process, in_process
 
+from src.dropout import set_samples
 from src.errors import UserError
 from src.models import (
     MIN_IMAGE_SIZE,
@@ -88,6 +89,7 @@ def test_every_listed_model_trains_a_step(arch):
     model = build(arch, arch in ON_META)
     device = "meta" if arch in ON_META else "cpu"
     images, labels = torch.randn(2, 3, size, size, device=device), torch.tensor([0, 1], device=device)
+    set_samples(model, torch.tensor([11, 12], device=device))  # the batch's dropout keys
     logits = model(images)
     # A plain tensor, not googlenet's or inception_v3's named tuple with auxiliary logits.
     assert isinstance(logits, torch.Tensor) and tuple(logits.shape) == (2, 2), type(logits)
@@ -95,6 +97,11 @@ def test_every_listed_model_trains_a_step(arch):
     name, head = head_of(model)
     assert (head.out_features if isinstance(head, nn.Linear) else head.out_channels) == 2, name
     assert all(p.grad is not None for p in head.parameters()), name
+    if device == "cpu":  # every random draw of a training forward is per sample: none from the process's generator
+        torch.manual_seed(1)
+        with torch.no_grad():
+            again = model(images)
+        assert torch.allclose(again, logits.detach(), rtol=1e-4, atol=1e-5), arch
 
 
 @pytest.mark.parametrize("arch", sorted(set(MIN_IMAGE_SIZE) | set(ONLY_IMAGE_SIZE)))
@@ -132,6 +139,7 @@ def test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads(ar
         assert not [key for key in state if key.lower().startswith("aux")]
         assert all(torch.equal(value, imagenet[key]) for key, value in state.items()
                    if not key.startswith("fc."))
+        set_samples(model, torch.arange(2))
         logits = model.train()(images)
         assert isinstance(logits, torch.Tensor) and tuple(logits.shape) == (2, 2), weights
         torch.save(state, tmp_path / "best.pth")

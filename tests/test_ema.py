@@ -90,7 +90,7 @@ def test_best_pth_holds_the_average_when_it_validates_better(tmp_path):
     picked = []
     for record in (_record(1, 0.8, 0.5, 0.7, 0.6), _record(2, 0.8, 0.5, 0.9, 0.3), _record(3, 0.85, 0.4, 0.8, 0.4)):
         history.append({**record, "train_loss": 0, "train_acc": 0})
-        is_best = save_epoch(args, history, model, optimizer, average, None, schedule, {"arch": "x"})
+        is_best = save_epoch(args, history, model, optimizer, None, schedule, {"arch": "x"}, average)
         info = json.loads((tmp_path / "best.json").read_text())
         picked.append((is_best, info["epoch"], info["weights"]))
     assert picked == [(True, 1, "weights"), (True, 2, "average"), (False, 2, "average")]

@@ -94,7 +94,7 @@ def test_channels_last_reaches_the_model_through_the_loop(script):
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 2) for i in range(8)]
     for flag in ([], ["--channels-last"]):
         args = parse_args("", ["--batch-size", "4", *flag])
-        loader, _ = make_loaders(dataset, list(range(8)), [0], 4, 0, 0)
+        _, loader = make_loaders(dataset, list(range(8)), list(range(8)), 4, 0, 0)
         device = torch.device("cpu")
         progress = Progress(args, torch.optim.SGD(model.parameters(), lr=0.1), 2, 4, device)
         script.evaluate(model, progress.pass_over(loader, "val"), device, args)

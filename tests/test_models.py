@@ -5,6 +5,7 @@ import torch.nn as nn
 import torchvision
 from conftest import in_process, outputs
 
+from src.dropout import set_samples
 from src.errors import UserError
 from src.models import build_model, head_of, model_kwargs
 
@@ -16,6 +17,7 @@ def test_random_init_model_loads_into_torchvision_two_class_model(arch, tmp_path
     torch.save(model.state_dict(), tmp_path / "w.pth")
     fresh = torchvision.models.get_model(arch, num_classes=2)
     fresh.load_state_dict(torch.load(tmp_path / "w.pth", weights_only=True))
+    set_samples(model, torch.arange(1))  # a training forward draws each sample's dropout masks
     assert model(torch.zeros(1, 3, 64, 64)).shape == (1, 2)
 
 

@@ -54,7 +54,7 @@ def test_trains_learns_and_writes_every_output(learned):
     info = json.loads((out / "best.json").read_text())
     assert info["arch"] == "resnet18" and info["image_size"] == 32
     assert info["epoch"] == best_record(records, "val_acc")["epoch"]
-    assert set(weights(out, "last.pth")) == {"model", "optimizer", "scaler", "schedule", "epoch",
+    assert set(weights(out, "last.pth")) == {"model", "optimizer", "scaler", "schedule", "average", "epoch",
                                              "history", "info"}
 
 
@@ -78,7 +78,8 @@ def test_the_plot_holds_both_curves_of_every_epoch(learned):
 FLAGS = ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--image-size", "--arch", "--weights",
          "--dropout", "--val-fraction", "--seed", "--workers", "--checkpoint", "--plot", "--resume", "--cache",
          "--channels-last", "--compile", "--deterministic", "--augment", "--optimizer", "--weight-decay",
-         "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--best-by",
+         "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--sync-bn",
+         "--ema-decay", "--best-by",
          "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile", "--evaluate"]
 
 
