@@ -1,7 +1,12 @@
 """The per-epoch history: its records, the best epoch by --best-by, and history.json's text."""
 import json
 
+from src.divergence import check_finite_loss
 from src.metrics import summarize
+
+# The fields of a record (epoch_record), which --resume checks a last.pth's history for.
+RECORD_KEYS = ("epoch", "train_loss", "train_acc", "train_samples", "val_loss", "val_acc", "val_log_loss",
+               "val_samples", "lr", "train_seconds", "data_wait_seconds", "val_seconds", "seconds")
 
 
 def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
@@ -9,8 +14,11 @@ def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_
     """One history.json record (`epoch` counts from 0, the record's from 1).
 
     data_wait_seconds: the part of train_seconds that rank 0 spent waiting for its data loader;
-    lr: the learning rate after the epoch's last step (the next step's).
+    lr: the learning rate after the epoch's last step (the next step's). A loss that is not finite
+    stops the run here, on every rank, before anything of the epoch is saved (src.divergence).
     """
+    check_finite_loss(train_sums, f"epoch {epoch + 1}", "training")
+    check_finite_loss(val_sums, f"epoch {epoch + 1}", "validation")
     train, val = summarize(train_sums), summarize(val_sums)
     return {"epoch": epoch + 1,
             "train_loss": train["loss"], "train_acc": train["acc"], "train_samples": train["samples"],

@@ -79,7 +79,7 @@ FLAGS = ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--imag
          "--dropout", "--val-fraction", "--seed", "--workers", "--checkpoint", "--plot", "--resume", "--cache",
          "--channels-last", "--compile", "--deterministic", "--augment", "--optimizer", "--weight-decay",
          "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--best-by",
-         "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile", "--evaluate"]
+         "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile", "--evaluate", "--overwrite"]
 
 
 def help_entries(text: str) -> list[str]:
