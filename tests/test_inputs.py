@@ -7,12 +7,14 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from argparse import Namespace
 
 import pandas as pd
 import pytest
 import torch
-from conftest import TINY, fails_in_process, in_process, outputs, write_checkpoint
+from conftest import ROOT, TINY, fails, fails_in_process, in_process, outputs, write_checkpoint
 
 import train_single
 from src.cli import parse_args
@@ -142,21 +144,23 @@ def test_a_zipped_train_folder_and_a_folder_of_one_class(tiny_data, tmp_path, mo
     assert not (tmp_path / "out" / "best.pth").exists()
 
 
-def test_workers_far_above_the_cpus_are_capped_in_one_line(untrained, tiny_data, tmp_path, monkeypatch, capsys):
-    """--workers 100000 started 700+ processes and took 16 GB before it was killed."""
+def test_workers_above_the_cpus_are_capped_in_one_line(untrained, tiny_data, tmp_path, monkeypatch, capsys):
+    """--workers 100000 started 700+ processes and took 16 GB before it was killed. (The runs here
+    ask for one worker more than the CPUs: uncapped, they would still end.)"""
+    cpus = available_cpus()
     args = parse_args("", ["--workers", "100000"])
-    assert args.workers == available_cpus()
-    assert capsys.readouterr().err == (f"--workers 100000 is more than the {available_cpus()} CPU(s) this process may "
-                                       f"use: using {available_cpus()}\n")
+    assert args.workers == cpus
+    assert capsys.readouterr().err == (f"--workers 100000 is more than the {cpus} CPU(s) this process may "
+                                       f"use: using {cpus}\n")
     seen = []
     import src.inference as inference
     predict_files = inference.predict_files
     monkeypatch.setattr(inference, "predict_files", lambda *a, **k: seen.append(a[5]) or predict_files(*a, **k))
-    code, out, err = in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(untrained), "--output",
-                                               str(tmp_path / "p.csv"), "--workers", "100000"], monkeypatch, capsys)
     cpus = len(os.sched_getaffinity(0))
-    assert code == 0 and err.startswith(f"--workers 100000 is more than the {cpus} CPU(s)"), err
-    assert seen == [cpus]
+    code, out, err = in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(untrained), "--output",
+                                               str(tmp_path / "p.csv"), "--workers", str(cpus + 1)], monkeypatch, capsys)
+    assert code == 0 and err.startswith(f"--workers {cpus + 1} is more than the {cpus} CPU(s)"), err
+    assert seen == [cpus], "the loader got the capped count"
 
 
 # A hand-edited best.json: each bad field, and the line that names it.
@@ -172,12 +176,20 @@ BAD_FIELDS = [
     ({"image_size": "32"}, "image_size '32' must be a whole number"),
     ({"image_size": 32.5}, "image_size 32.5 must be a whole number"),
     ({"image_size": True}, "image_size True must be a whole number"),
-    ({"image_size": 60000}, "image_size 60000 must be a whole number from 32 to 2048"),
+    ({"image_size": 2049}, "image_size 2049 must be a whole number from 32 to 2048"),
     ({"arch": "nosuchnet"}, "arch 'nosuchnet' is not a torchvision classification model"),
     ({"arch": "fasterrcnn_resnet50_fpn"}, "arch 'fasterrcnn_resnet50_fpn' is not a torchvision classification model"),
     ({"arch": "vit_b_16"}, "image_size 32: --arch vit_b_16 takes --image-size 224 only"),
     ({"num_classes": 3}, "num_classes 3 must be 2"),
 ]
+
+
+def test_an_image_size_above_the_range_is_refused_as_a_flag(capsys):
+    """--image-size has best.json's range: no run writes a best.json that predict refuses."""
+    with pytest.raises(SystemExit) as exit:
+        parse_args("", ["--image-size", "2049"])
+    assert exit.value.code == 2 and "argument --image-size: must be at most 2048, got 2049" in capsys.readouterr().err
+    assert parse_args("", ["--image-size", "2048"]).image_size == 2048
 
 
 @pytest.mark.parametrize("fields, message", BAD_FIELDS)
@@ -192,6 +204,23 @@ def test_a_hand_edited_best_json_is_refused_field_by_field_at_start(fields, mess
         line = fails_in_process(main, argv, monkeypatch, capsys, f"{checkpoint.with_suffix('.json')}: {message}")
         assert line.endswith("fix it, or retrain to have it written again")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"], "nothing written"
+
+
+def test_a_huge_image_size_is_refused_before_it_fills_the_memory(untrained, tiny_data, tmp_path):
+    """image_size 60000 was killed by the OOM killer at about 20 GB. Here predict runs with its
+    address space capped at 3 GB above what it has after its imports, so that without the check it
+    fails (MemoryError) instead of taking the machine's memory."""
+    checkpoint = write_checkpoint(tmp_path / "model", torch.load(untrained, weights_only=True), image_size=60000)
+    cap = 3 * 2**30
+
+    def limited():
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (cap + 4 * 2**30, cap + 4 * 2**30))  # the imports take about 3.5 GB
+    result = subprocess.run([sys.executable, "-m", "src.tools.predict", str(tiny_data / "test"), "--checkpoint",
+                             str(checkpoint), "--output", str(tmp_path / "p.csv"), "--workers", "0"],
+                            cwd=ROOT, capture_output=True, text=True, preexec_fn=limited, timeout=300)
+    fails(result, "image_size 60000 must be a whole number from 32 to 2048 (as --image-size")
+    assert not (tmp_path / "p.csv").exists()
 
 
 def test_a_best_json_that_is_not_an_object(untrained, tiny_data, tmp_path, monkeypatch, capsys):

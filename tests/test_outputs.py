@@ -22,10 +22,9 @@ from conftest import ROOT, TINY, fails_in_process, history, in_process, outputs
 
 import train_dp
 import train_single
-from src import run_lock
 from src.checkpoint import check_writable
 from src.cli import parse_args
-from src.tools import export, predict, synthetic
+from src.tools import export, predict, prepare, synthetic
 
 
 def _train_fails(argv, monkeypatch, capsys, message, main=train_single.main) -> str:
@@ -191,6 +190,7 @@ def _holder(folder: Path, fork: bool = False) -> tuple[subprocess.Popen, int | N
 
 
 def _lock_is_free(folder: Path) -> bool:
+    from src import run_lock
     try:
         run_lock.hold(folder)
         return True
@@ -246,6 +246,7 @@ def test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told(tiny_data,
     """A run at val acc 0.90 was silently replaced by a --lr 0 run. The line says what the folder
     holds and both ways on; --resume, --overwrite and torchrun's restarted workers (which resume
     on their own) pass; --overwrite replaces the files."""
+    from src.run_lock import release
     out = tmp_path / "out"
     out.mkdir()
     (out / "best.pth").write_bytes(b"an earlier run's model")
@@ -259,11 +260,21 @@ def test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told(tiny_data,
     for flags, restarts in ((["--overwrite"], "0"), (["--resume"], "0"), ([], "1")):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
         check_writable(parse_args("", [*TINY, *argv, *flags]))
-        run_lock.release()
+        release()
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     code, _, err = in_process(train_single.main, [*TINY, *argv, "--overwrite"], monkeypatch, capsys)
     assert code == 0, err
     assert [r["epoch"] for r in history(out)] == [1] and "features.0.weight" in torch.load(out / "best.pth")
+
+
+def test_prepare_refuses_a_train_csv_that_is_not_a_regular_file(tiny_data, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    shutil.copy(tiny_data / "train" / "cat.0.jpg", data / "train")
+    os.mkfifo(data / "train.csv")
+    fails_in_process(prepare.main, [str(data)], monkeypatch, capsys,
+                     f"DATA_DIR's train.csv {data / 'train.csv'} is a named pipe (FIFO), not a regular file")
+    assert stat.S_ISFIFO(os.lstat(data / "train.csv").st_mode)
 
 
 def test_synthetic_writes_only_where_it_may(tmp_path, tmpfs, monkeypatch, capsys):
