@@ -167,6 +167,24 @@ def test_export_removes_a_killed_exports_folder_and_says_a_full_disk(untrained, 
     assert list(disk.iterdir()) == [], "neither the killed export's folder nor this one's is left"
 
 
+def test_predict_onto_a_full_disk_stops_before_the_pass(untrained, tiny_data, tmpfs, monkeypatch, capsys):
+    """Predict onto a full disk ran the whole pass, then failed: the folder's room for the CSV is
+    tried at start (a pass here would fail the test)."""
+    import src.inference
+    disk = tmpfs("disk", "size=64k")
+    with open(disk / "filler", "wb", buffering=0) as filler:  # the disk full to its last byte
+        try:
+            while True:
+                filler.write(bytes(4096))
+        except OSError:
+            pass
+    monkeypatch.setattr(src.inference, "predict_files", lambda *args, **kwargs: pytest.fail("the pass ran"))
+    fails_in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(untrained), "--output",
+                                    str(disk / "p.csv"), "--workers", "0"], monkeypatch, capsys,
+                     f"--output {disk / 'p.csv'}: no room for it (No space left on device; about ")
+    assert [p.name for p in disk.iterdir()] == ["filler"]
+
+
 def _holder(folder: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
     """Another process that holds the lock of folder (src.run_lock.hold) until its input closes;
     with fork, it first starts a child that outlives it, as a DataLoader worker outlives a killed

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from src.atomic import atomic_write_text, check_can_write
+from src.atomic import atomic_write_text, check_can_write, check_room
 from src.cli import AMP_DTYPES, OneLineParser, at_least, cap_workers
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
@@ -76,8 +76,8 @@ def to_stdout(args) -> bool:
 
 def check_output(args, files: list[Path]) -> None:
     """Before any work: --output can be written, is a regular file or nothing yet (not a device,
-    a pipe, a link, a folder), and is none of the files this command reads (the checkpoint, its
-    best.json, the ONNX file, an image to predict)."""
+    a pipe, a link, a folder), is none of the files this command reads (the checkpoint, its
+    best.json, the ONNX file, an image to predict), and its folder has room for the CSV."""
     if to_stdout(args):
         return
     check_can_write(args.output, "--output")
@@ -90,6 +90,9 @@ def check_output(args, files: list[Path]) -> None:
                    ("its best.json", args.onnx.with_suffix(".json"))]
     check_outputs([("--output", args.output)], inputs=inputs, advice="name a new file or a regular one "
                   "(for standard output: --output -)")
+    # A row is the name, p(dog) (12 characters at most), the label and the separators; quotes or
+    # a formula's ' take a few more. Checked now, not after the pass over every image.
+    check_room(args.output, 100 + sum(len(os.fsencode(file)) + 32 for file in files), "--output")
 
 
 class Predictions(NamedTuple):
