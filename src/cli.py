@@ -35,7 +35,7 @@ def at_least(minimum: int):
 IMAGE_SIZES = (32, 2048)
 
 
-def at_most(maximum: int, minimum: int):
+def between(minimum: int, maximum: int):
     """An int in [minimum, maximum]."""
     low = at_least(minimum)
 
@@ -97,7 +97,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
              "times --accumulate)")
     add("--lr", type=_non_negative, default=0.001, help="learning rate (the peak of --lr-schedule)")
     add("--momentum", type=_non_negative, default=0.9, help="SGD momentum")
-    add("--image-size", type=at_most(IMAGE_SIZES[1], IMAGE_SIZES[0]), default=224,
+    add("--image-size", type=between(*IMAGE_SIZES), default=224,
         help="images are resized to this square")
     add("--arch", default="vgg16", help="torchvision classification model; its last layer gets 2 outputs")
     add("--weights", default="default",
