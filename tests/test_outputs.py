@@ -8,6 +8,7 @@ Every refusal ends in one line before any work: the tests check that nothing was
 import csv
 import io
 import os
+import re
 import shutil
 import socket
 import stat
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, fails_in_process, history, in_process, outputs
+from conftest import ROOT, TINY, fails_in_process, history, in_process, outputs, run
 
 import train_dp
 import train_single
@@ -238,6 +239,22 @@ def test_a_second_run_in_a_folder_stops_naming_the_first(main, tiny_data, untrai
     finally:
         process.kill()
         process.wait()
+
+
+def test_under_torchrun_rank_0_takes_the_lock_and_says_it_once(tiny_data, tmp_path):
+    """Every mode locks the folder on rank 0 (check_writable); under torchrun the other rank waits,
+    silent, until torchrun stops it."""
+    process, _ = _holder(tmp_path)
+    try:
+        result = run(["torchrun", "--standalone", "--nproc_per_node=2", "train_ddp.py", *TINY, "--data-dir",
+                      str(tiny_data), *outputs(tmp_path)], timeout=300)
+    finally:
+        process.kill()
+        process.wait()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count(f"--checkpoint folder {tmp_path} is in use by another run (pid {process.pid} ") == 1
+    codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
+    assert codes == {"0": "2", "1": "-15"}, result.stderr[-3000:]
 
 
 def test_the_lock_goes_with_the_process_however_it_ends(tmp_path):
