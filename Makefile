@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SYNTHETIC := data/synthetic
 DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 32 \
-              --batch-size 25 --lr 0.01 --epochs 3
+              --batch-size 25 --lr 0.01 --epochs 3 --overwrite
 
 .PHONY: install demo test lint test-gpu
 install: $(VENV)/.installed

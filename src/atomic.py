@@ -90,6 +90,21 @@ def probe_folder(folder: Path) -> None:
         pass
 
 
+def check_room(path: Path, size: int, flag: str) -> None:
+    """Fail before the work, not after it, when the folder of `path` has no room for `size` bytes:
+    they are written to a temporary file there and flushed to disk (where a file system allocates
+    late, the write alone would succeed), then removed."""
+    path = Path(path)
+    try:
+        with tempfile.TemporaryFile(dir=path.parent) as file:
+            file.write(bytes(size))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        raise UserError(f"{flag} {path}: no room for it ({error.strerror or one_line(error)}; about "
+                        f"{size / 1e6:.1f} MB needed): make room or write elsewhere") from None
+
+
 def check_can_write(path: Path, flag: str) -> None:
     """Fail before the work, not after it, when `path` cannot be written (probe_folder)."""
     path = Path(path)

@@ -17,10 +17,13 @@ import torch
 
 from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
+from src.divergence import check_finite_weights
 from src.errors import UserError, one_line
-from src.history import best_choice, history_text
+from src.history import RECORD_KEYS, best_choice, history_text
+from src.outputs import check_outputs
 from src.plot import plot_history
 from src.ranks import from_rank, from_rank_0, gather, is_first, is_node_first, restarted
+from src.run_lock import hold
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 # What must match for --resume to continue the same run. --accumulate is not among them: the
@@ -37,6 +40,12 @@ def flag_of(key: str) -> str:
     """The command-line flag that sets a key of best.json / last.pth's info."""
     return FLAGS.get(key, "--" + key.replace("_", "-"))
 
+
+# How a message names each output of output_paths: the flag that places it.
+OUTPUT_FLAGS = {"best": "--checkpoint", "info": "--checkpoint (its .json)", "last": "--checkpoint (last.pth beside it)",
+                "history": "--checkpoint (history.json beside it)", "plot": "--plot"}
+
+
 def output_paths(args) -> dict[str, Path]:
     folder = Path(args.checkpoint).parent
     return {"best": Path(args.checkpoint), "info": Path(args.checkpoint).with_suffix(".json"),
@@ -46,9 +55,12 @@ def output_paths(args) -> dict[str, Path]:
 def check_writable(args) -> None:
     """Fail before training, not after the first epoch, when an output cannot be written.
 
-    Tries it (src.atomic.probe_folder on each folder) and removes the temporary files that a
-    killed run of these outputs left behind. Rank 0 tries; every rank gets its verdict. Under
-    --evaluate, which writes nothing, it does nothing (a save in progress in the folder is left alone).
+    Refuses outputs that are not regular files, or that are inputs or other outputs of the run
+    (src.outputs), tries each folder (src.atomic.probe_folder), locks the --checkpoint folder for
+    the run's life (src.run_lock), refuses to start over another run's files there without
+    --resume or --overwrite, and removes the temporary files that a killed run of these outputs
+    left behind. Rank 0 checks; every rank gets its verdict. Under --evaluate, which writes
+    nothing, it does nothing (a save in progress in the folder is left alone).
     """
     if args.evaluate:
         return
@@ -56,14 +68,42 @@ def check_writable(args) -> None:
 
 
 def _try_outputs(args) -> None:
-    for name, path in output_paths(args).items():
+    paths = output_paths(args)
+    data = Path(args.data_dir)
+    weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
+    check_outputs([(OUTPUT_FLAGS[name], path) for name, path in paths.items()],
+                  folders=[("--log-dir", Path(args.log_dir))] if args.log_dir else [],
+                  inputs=[("--data-dir's train.csv", data / "train.csv"), *weights],
+                  input_folders=[("--data-dir's train/", data / "train")]
+                  + ([("--cache", Path(args.cache))] if args.cache else []))
+    for name, path in paths.items():
         flag = "--plot" if name == "plot" else "--checkpoint"
         try:
             probe_folder(path.parent)
         except OSError as error:
             raise UserError(f"{flag}: cannot write to folder {path.parent} ({error.strerror})") from None
+    hold(paths["best"].parent)  # before the clean-up below: another run's temporary files are not stale
+    _check_overwrite(args, paths)
+    for path in paths.values():
         for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
             stale.unlink(missing_ok=True)
+
+
+def _check_overwrite(args, paths: dict[str, Path]) -> None:
+    """A new run does not replace an earlier run's files without being told: --resume continues
+    that run, --overwrite replaces it. (torchrun's restarted workers resume on their own.)"""
+    if args.resume or args.overwrite or restarted():
+        return
+    held = [paths[name] for name in ("best", "info", "last", "history") if os.path.lexists(paths[name])]
+    if not held:
+        return
+    try:
+        epochs = f" of {len(json.loads(paths['history'].read_text()))} epoch(s)"
+    except (OSError, ValueError, TypeError):
+        epochs = ""
+    names = ", ".join(path.name for path in held) + (epochs if paths["history"] in held else "")
+    raise UserError(f"{paths['best'].parent} holds the files of an earlier run ({names}): pass --resume to "
+                    "continue that run, --overwrite to replace it, or another --checkpoint")
 
 
 def run_info(args, global_batch: int, data: str) -> dict:
@@ -221,6 +261,17 @@ def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
                 state[key] = torch.empty_like(param).copy_(value)
 
 
+def _check_history(state: dict) -> None:
+    """last.pth's history: a record with every field for each epoch it has finished."""
+    history, epoch = state["history"], state["epoch"]
+    if not isinstance(history, list) or not isinstance(epoch, int) or len(history) != epoch:
+        raise ValueError(f"its history is not a list of its {epoch} epochs' records")
+    for record in history:
+        missing = [key for key in RECORD_KEYS if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise ValueError(f"a record of its history lacks {', '.join(missing)}")
+
+
 def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None) -> list[dict]:
     """With --resume (or in a worker that torchrun restarted), load last.pth into model,
     optimizer, the weight average, scaler and schedule; returns the history so far ([] without).
@@ -239,6 +290,9 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         return []
     try:
         saved = state["info"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"its info is a {type(saved).__name__}, not a dict")
+        _check_history(state)
         for key in RESUME_KEYS + (("epochs",) if args.lr_schedule != "constant" else ()):
             if saved.get(key) != info[key]:
                 flag = flag_of(key)
@@ -249,6 +303,7 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         if state["epoch"] > args.epochs:
             raise UserError(f"{state['from']} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
+        check_finite_weights(state["model"], state["from"], "delete it to start over, with a lower --lr")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
         if average is not None:
             average.load(getattr(model, "_orig_mod", model), state["average"])
@@ -256,7 +311,7 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as error:  # an older or foreign last.pth
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # an older or foreign last.pth
         raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
                         "delete it to start over") from None
     if source != 0:

@@ -1,5 +1,6 @@
 """The command-line flags shared by all five training scripts."""
 import argparse
+import math
 import os
 import sys
 from datetime import timedelta
@@ -28,10 +29,38 @@ def at_least(minimum: int):
     return parse
 
 
+# --image-size's range. The top: a 2048 px image is 12.6 MB as uint8 and 50 MB as float32 at the
+# model's input (5 GB for predict's batch of 100), four times the largest size torchvision's
+# weights were trained at (518 px, ViT-H/14); best.json's image_size is held to the same range.
+IMAGE_SIZES = (32, 2048)
+
+
+def between(minimum: int, maximum: int):
+    """An int in [minimum, maximum]."""
+    low = at_least(minimum)
+
+    def parse(text: str) -> int:
+        value = low(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def _finite(text: str) -> float:
+    """float(text), refusing nan and infinities: comparisons with nan are all false, so a range
+    check alone lets it through (--lr nan trained NaN weights)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
 def _fraction(low_open: bool, high_open: bool):
     """A float in [0, 1], each end included unless it is open."""
     def parse(text: str) -> float:
-        value = float(text)
+        value = _finite(text)
         if value < 0 or value > 1 or (low_open and value == 0) or (high_open and value == 1):
             ends = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
             raise argparse.ArgumentTypeError(f"must be in {ends}, got {value}")
@@ -44,14 +73,14 @@ _open_fraction = _fraction(True, True)
 
 
 def _non_negative(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    value = _finite(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
@@ -68,7 +97,8 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
              "times --accumulate)")
     add("--lr", type=_non_negative, default=0.001, help="learning rate (the peak of --lr-schedule)")
     add("--momentum", type=_non_negative, default=0.9, help="SGD momentum")
-    add("--image-size", type=at_least(32), default=224, help="images are resized to this square")
+    add("--image-size", type=between(*IMAGE_SIZES), default=224,
+        help="images are resized to this square")
     add("--arch", default="vgg16", help="torchvision classification model; its last layer gets 2 outputs")
     add("--weights", default="default",
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
@@ -93,6 +123,9 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
     add("--compile", action="store_true", help="torch.compile the model (the first steps compile it)")
     add("--deterministic", action="store_true",
         help="IEEE float32 (no TF32) and deterministic kernels on GPUs, to compare runs exactly")
+    add("--overwrite", action="store_true",
+        help="replace the files of an earlier run beside --checkpoint (without it or --resume, a run "
+             "refuses to start over them)")
     recipe = parser.add_argument_group("recipe (defaults: plain SGD, the blog post's)")
     add = recipe.add_argument
     add("--augment", action="store_true",
@@ -148,8 +181,10 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
     if args.warmup_epochs and args.warmup_epochs >= args.epochs:
         parser.error(f"argument --warmup-epochs: {args.warmup_epochs} is not less than --epochs "
                      f"{args.epochs}, so the learning rate would never reach --lr")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
     if args.evaluate:
-        for flag in ("resume", "cache", "log_dir", "profile"):
+        for flag in ("resume", "overwrite", "cache", "log_dir", "profile"):
             if getattr(args, flag):
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that
@@ -161,9 +196,11 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         check_image_size(args.arch, args.image_size)
     except UserError as error:
         parser.error(str(error))
+    from src.devices import available_cpus
     if args.workers is None:
         from src.loaders import default_workers
         args.workers = default_workers()
+    args.workers = cap_workers(args.workers, available_cpus())
     return args
 
 
@@ -171,6 +208,18 @@ def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
     """--dist-timeout, for a command that may run under a launcher (src.process_group)."""
     parser.add_argument("--dist-timeout", metavar="MINUTES", type=at_least(1), default=60,
                         help=f"how long a process waits for the others ({waits_for}) before it fails")
+
+
+def cap_workers(workers: int, cpus: int, flag: str = "--workers") -> int:
+    """`workers`, or the `cpus` of this node if there are fewer, saying so in one line (rank 0):
+    more loader workers than CPUs only add processes that wait for a CPU (--workers 100000 started
+    700 processes and took 16 GB before it was killed)."""
+    if workers <= cpus:
+        return workers
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{flag} {workers} is more than the {cpus} CPU(s) this process may use: using {cpus}",
+              file=sys.stderr)
+    return cpus
 
 
 def dist_timeout(args: argparse.Namespace) -> timedelta:

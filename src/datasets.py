@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from src.errors import UserError
-from src.image_files import natural_key
+from src.image_files import broken_link, natural_key
+from src.terminal import shown
 
 CLASSES = ("cat", "dog")
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp"}
@@ -54,12 +55,17 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
     """
     train_dir = Path(train_dir)
     if not train_dir.is_dir():
+        archive = train_dir.with_name(train_dir.name + ".zip")
+        if archive.is_file():
+            raise UserError(f"{train_dir} is not a folder, but {archive} is there: unzip it first "
+                            f"(unzip -q {archive} -d {train_dir.parent})")
         raise UserError(f"{train_dir} is not a folder: put Kaggle's train/ images there, "
                         "or make a synthetic set with `python -m src.tools.synthetic DATA_DIR`")
     candidates = []
     for path in train_dir.rglob("*"):
         relative = path.relative_to(train_dir)
-        if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES:
+        # A link to nothing or a loop of links is a file that cannot be read: counted with those below.
+        if (path.is_file() or broken_link(path)) and path.suffix.lower() in IMAGE_SUFFIXES:
             label = _label_of(relative)
             if label is not None:
                 candidates.append((relative.as_posix(), label))
@@ -85,9 +91,11 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
 
 
 def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
-    """Read and check a `filename,label` CSV; labels may be 0/1 or cat/dog."""
+    """Read and check a `filename,label` CSV; labels may be 0/1 or cat/dog. Bytes that are not
+    UTF-8 are read as the file names on disk hold them (prepare writes such names back as they were)."""
     try:
-        frame = pd.read_csv(csv_file, dtype=str, keep_default_na=False)
+        frame = pd.read_csv(csv_file, dtype=str, keep_default_na=False, encoding="utf-8",
+                            encoding_errors="surrogateescape")
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read {csv_file} ({error}): expected a CSV with columns "
                         "filename,label") from None
@@ -125,8 +133,18 @@ def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
         return read_labels_csv(csv_file, data_dir / "train")
     frame, rejected = scan_train_dir(data_dir / "train", show_progress)
     if rejected and show_progress:
-        print(f"left out {len(rejected)} unreadable image(s), first {rejected[0]}")
+        print(f"left out {len(rejected)} unreadable image(s), first {shown(rejected[0])}")
     return frame
+
+
+def check_both_classes(frame: pd.DataFrame, data_dir: Path) -> None:
+    """Refuse a label table of one class: a model trained on it learns nothing (every image of
+    the class is right: validation accuracy 1.0)."""
+    counts = frame["label"].value_counts()
+    if len(counts) < 2:
+        only = CLASSES[int(counts.index[0])]
+        raise UserError(f"{data_dir} holds {only}s only ({int(counts.iloc[0])} images, no "
+                        f"{CLASSES[1 - CLASSES.index(only)]}): training needs both classes")
 
 
 class DogCatDataset(Dataset):

@@ -4,6 +4,8 @@ import sys
 import time
 from typing import Callable
 
+from src.terminal import shown
+
 
 class UserError(Exception):
     """A problem the user can fix (a flag, a file, the data); the message says what to do.
@@ -17,10 +19,17 @@ class UserError(Exception):
 
 
 def one_line(error: BaseException) -> str:
-    """The user's message, also when a DataLoader worker re-raised it with its traceback attached."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    last = lines[-1] if lines else type(error).__name__
-    return last.split("UserError: ", 1)[-1]
+    """The user's message, also when a DataLoader worker re-raised it with its traceback attached
+    (then it follows the last "UserError: "); another error's last line. On one line, printable:
+    control characters and bytes that are not UTF-8 (in the file names it quotes) are escaped
+    (src.terminal.shown), so a name cannot split it, hide it or fail to print."""
+    text = str(error)
+    if "UserError: " in text:
+        return shown(text.rsplit("UserError: ", 1)[-1].strip())
+    if isinstance(error, UserError) and text.strip():
+        return shown(text.strip())
+    lines = [line for line in text.split("\n") if line.strip()]
+    return shown(lines[-1].strip() if lines else type(error).__name__)
 
 
 def before_a_silent_exit() -> None:

@@ -1,10 +1,14 @@
 """The per-epoch history: its records, the best epoch by --best-by, and history.json's text."""
 import json
 
+from src.divergence import check_finite_loss
 from src.metrics import summarize
 
 # The validation fields of the weight average (--ema-decay), beside the weights' own.
 AVERAGE = {"val_loss": "val_loss_ema", "val_acc": "val_acc_ema", "val_log_loss": "val_log_loss_ema"}
+# The fields of a record (epoch_record), which --resume checks a last.pth's history for.
+RECORD_KEYS = ("epoch", "train_loss", "train_acc", "train_samples", "val_loss", "val_acc", "val_log_loss",
+               "val_samples", "lr", "train_seconds", "data_wait_seconds", "val_seconds", "seconds")
 
 
 def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
@@ -14,7 +18,11 @@ def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_
     data_wait_seconds: the part of train_seconds that rank 0 spent waiting for its data loader;
     lr: the learning rate after the epoch's last step (the next step's); average_sums: the
     validation sums of the weight average (--ema-decay), None without one; val_seconds covers both.
+    A loss that is not finite stops the run here, on every rank, before anything of the epoch is
+    saved (src.divergence).
     """
+    check_finite_loss(train_sums, f"epoch {epoch + 1}", "training")
+    check_finite_loss(val_sums, f"epoch {epoch + 1}", "validation")
     train, val = summarize(train_sums), summarize(val_sums)
     record = {"epoch": epoch + 1,
               "train_loss": train["loss"], "train_acc": train["acc"], "train_samples": train["samples"],
@@ -23,6 +31,7 @@ def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_
               "data_wait_seconds": round(data_wait_seconds, 3), "val_seconds": round(val_seconds, 3),
               "seconds": round(train_seconds + val_seconds, 3)}
     if average_sums is not None:
+        check_finite_loss(average_sums, f"epoch {epoch + 1}", "the weight average's validation")
         average = summarize(average_sums)
         record.update({AVERAGE["val_loss"]: average["loss"], AVERAGE["val_acc"]: average["acc"],
                        AVERAGE["val_log_loss"]: average["log_loss"]})

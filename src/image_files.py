@@ -6,6 +6,8 @@ image_transform(size) (tests/test_predict.py checks it on JPEG, PNG, grayscale, 
 palette and oversized images): a draft decode, RGB, then Pillow's bilinear resize to a square,
 which is what torchvision's Resize does with a Pillow image.
 """
+import errno
+import os
 import re
 import warnings
 from pathlib import Path
@@ -24,14 +26,21 @@ def natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", name)]
 
 
+def broken_link(path: Path) -> bool:
+    """Whether path is a symbolic link to nothing, or a loop of links."""
+    return path.is_symlink() and not path.exists()
+
+
 def find_images(paths: list[Path]) -> tuple[list[Path], int]:
     """The image files among `paths` (files, and folders searched recursively), each once, in the
     order given, a folder's files in natural order of their path in it; and how many other files
-    there were. A path that does not exist, or no image at all, is a UserError."""
+    there were. A path that does not exist, or no image at all, is a UserError. A link to nothing,
+    or a loop of links, named as an image is listed too: it cannot be decoded, and is left out
+    with the reason (try_decode) rather than dropped without a word."""
     images, seen, others = [], set(), 0
     for path in paths:
         if path.is_dir():
-            found = sorted((p for p in path.rglob("*") if p.is_file()),
+            found = sorted((p for p in path.rglob("*") if p.is_file() or broken_link(p)),
                            key=lambda p: natural_key(p.relative_to(path).as_posix()))
         elif path.is_file():
             found = [path]
@@ -40,8 +49,8 @@ def find_images(paths: list[Path]) -> tuple[list[Path], int]:
         for file in found:
             if file.suffix.lower() not in IMAGE_SUFFIXES:
                 others += 1
-            elif file.resolve() not in seen:
-                seen.add(file.resolve())
+            elif os.path.realpath(file) not in seen:  # realpath: Path.resolve raises on a loop of links
+                seen.add(os.path.realpath(file))
                 images.append(file)
     if not images:
         names = " ".join(str(path) for path in paths)
@@ -66,4 +75,7 @@ def try_decode(path: Path, size: int) -> tuple[np.ndarray | None, str]:
     try:
         return decode(path, size), ""
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        if isinstance(error, OSError) and broken_link(Path(path)):
+            return None, ("a loop of symbolic links" if error.errno == errno.ELOOP
+                          else f"a symbolic link to {os.readlink(path)}, which does not exist")
         return None, str(error).splitlines()[0] if str(error) else type(error).__name__

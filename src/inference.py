@@ -3,6 +3,7 @@ files, computed as training computes them (the same decode, uint8 batches normal
 device, --amp, --channels-last) and shared out over the processes of a launcher."""
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -11,12 +12,15 @@ import torchvision
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from src.datasets import DogCatTestDataset
+from src.cli import IMAGE_SIZES
+from src.datasets import CLASSES, DogCatTestDataset
+from src.divergence import ADVICE, check_finite_weights
 from src.errors import UserError
 from src.image_files import try_decode
 from src.loaders import ShardSampler
 from src.metrics import EPS
-from src.models import model_kwargs
+from src.models import check_image_size, classification_models, model_kwargs
+from src.safe_csv import csv_text
 from src.transforms import normalize
 
 
@@ -29,20 +33,63 @@ def sha256_of(path: Path) -> str:
 
 
 def read_info(checkpoint: Path) -> dict:
-    """best.json beside best.pth, checked to describe this very best.pth (its sha256)."""
+    """best.json beside best.pth, checked field by field (check_info) and to describe this very
+    best.pth (its sha256)."""
     info_path = Path(checkpoint).with_suffix(".json")
     if not Path(checkpoint).is_file():
         raise UserError(f"checkpoint {checkpoint} not found: train first, or pass --checkpoint")
     try:
         info = json.loads(info_path.read_text())
-        info["arch"], info["num_classes"]  # KeyError (TypeError: not a JSON object) if it is not best.json
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         raise UserError(f"{info_path} is missing or unreadable: the training scripts write it "
                         "beside best.pth; retrain, or write it by hand") from None
+    check_info(info, info_path)
     if "sha256" in info and sha256_of(checkpoint) != info["sha256"]:
         raise UserError(f"{checkpoint} is not the file that {info_path} describes (a run stopped "
                         "between writing them?): rerun the training with --resume to rewrite both")
     return info
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _info_problem(info: dict) -> str | None:
+    """What is wrong with the first bad field of a best.json, or None."""
+    if not isinstance(info, dict):
+        return "is not a JSON object"
+    arch = info.get("arch")
+    if not isinstance(arch, str) or arch not in classification_models():
+        return f"arch {arch!r} is not a torchvision classification model"
+    if info.get("classes") != list(CLASSES):
+        return (f"classes {info.get('classes')!r} must be {list(CLASSES)!r}, the order of the model's "
+                "outputs in training")
+    if info.get("num_classes") != len(CLASSES) or isinstance(info.get("num_classes"), bool):
+        return f"num_classes {info.get('num_classes')!r} must be {len(CLASSES)}"
+    for key in ("mean", "std"):
+        value = info.get(key)
+        if not isinstance(value, list) or len(value) != 3 or not all(_number(v) for v in value):
+            return f"{key} {value!r} must be three finite numbers (red, green, blue)"
+    if not all(v > 0 for v in info["std"]):
+        return f"std {info['std']!r} must be above 0 (the images are divided by it)"
+    size, (low, high) = info.get("image_size"), IMAGE_SIZES
+    if not isinstance(size, int) or isinstance(size, bool) or not low <= size <= high:
+        return (f"image_size {size!r} must be a whole number from {low} to {high} (as --image-size: "
+                f"above it one image alone takes tens of MB)")
+    try:
+        check_image_size(arch, size)
+    except UserError as error:
+        return f"image_size {size}: {error}"
+    return None
+
+
+def check_info(info, path: Path) -> None:
+    """Refuse a best.json (hand-edited, or another program's) whose fields predict, export and
+    --evaluate could not use, in one line naming the first bad field, before any work: a wrong
+    class list or normalisation gave wrong rows or none at all, a huge image size the OOM killer."""
+    problem = _info_problem(info)
+    if problem is not None:
+        raise UserError(f"{path}: {problem}; fix it, or retrain to have it written again")
 
 
 def load_state(model: torch.nn.Module, state: dict, path: Path, what: str) -> torch.nn.Module:
@@ -67,6 +114,8 @@ def load_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, dict]:
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     except Exception:  # pickle errors: many types
         state = None
+    if isinstance(state, dict):
+        check_finite_weights(state, checkpoint, f"retrain ({ADVICE})")
     what = f"a {num_classes}-class {arch} state_dict, as {Path(checkpoint).with_suffix('.json')} says"
     return load_state(model, state, checkpoint, what).eval(), info
 
@@ -148,5 +197,4 @@ def check_complete(files: list[Path], broken: dict[int, str]) -> None:
 def submission_text(ids: list[int], p_dog) -> str:
     """submission.csv: `id,label` with label = p(dog) clipped to [EPS, 1 - EPS] (see src/metrics.py):
     Kaggle's log loss punishes a confident mistake without bound. p_dog: a tensor or an array."""
-    rows = [f"{i},{min(max(float(p), EPS), 1 - EPS):.6f}" for i, p in zip(ids, p_dog)]
-    return "id,label\n" + "\n".join(rows) + "\n"
+    return csv_text(["id", "label"], ([i, f"{min(max(float(p), EPS), 1 - EPS):.6f}"] for i, p in zip(ids, p_dog)))

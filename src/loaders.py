@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from src.augment import augment, crop_params
 from src.cache import cached
-from src.datasets import DogCatDataset, load_labels
+from src.datasets import DogCatDataset, check_both_classes, load_labels
 from src.devices import available_cpus, check_shared_memory
 from src.dropout import sample_key
 from src.errors import UserError
@@ -157,11 +157,17 @@ def labelled_data(args) -> Data:
     """
     data_dir, show = Path(args.data_dir), is_first()
     table = from_rank_0(lambda: load_labels(data_dir, show))
+    if not getattr(args, "evaluate", False):  # validating on one class is a fair question; training on it is not
+        try:
+            check_both_classes(table, data_dir)
+        except UserError as error:  # every rank has the table: rank 0 says it
+            raise UserError(str(error), quiet=not show) from None
     dataset = labelled_images(data_dir, args.image_size, show, table)
     if args.cache:
         dataset = cached(dataset, args.image_size, Path(args.cache), args.workers, show)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
-    digest = hashlib.sha256(table.to_csv(index=False).encode()).hexdigest()
+    # surrogateescape: names that are not UTF-8 (read from disk that way) hash as their bytes
+    digest = hashlib.sha256(table.to_csv(index=False).encode("utf-8", "surrogateescape")).hexdigest()
     return Data(dataset, train_idx, val_idx, digest)
 
 

@@ -532,3 +532,37 @@ def restore_numerics(monkeypatch):
 
 class Asked(Exception):
     """Raised by a stand-in that stops a script where a test has seen what it asked for."""
+
+
+# The refusals of bad input (test_outputs, test_inputs, test_diverged): a model to predict and
+# export with that needs no training run, and a small dataset to copy and spoil.
+TINY = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", "32", "--workers", "0", "--batch-size", "8"]
+
+
+def write_checkpoint(folder: Path, state: dict, **fields) -> Path:
+    """best.pth holding `state` and its best.json as training writes them (squeezenet1_1 at 32 px,
+    ImageNet's normalisation), with `fields` changed (a field set to None is left out)."""
+    from src.inference import sha256_of
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(state, folder / "best.pth")
+    info = {"arch": "squeezenet1_1", "image_size": 32, "num_classes": 2, "classes": ["cat", "dog"],
+            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "epoch": 1,
+            "sha256": sha256_of(folder / "best.pth"), **fields}
+    (folder / "best.json").write_text(json.dumps({k: v for k, v in info.items() if v is not None}))
+    return folder / "best.pth"
+
+
+@pytest.fixture(scope="session")
+def untrained(tmp_path_factory) -> Path:
+    """best.pth of an untrained 2-class SqueezeNet 1.1 (seeded) with its best.json: what predict and
+    export need, without a training run."""
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.squeezenet1_1(num_classes=2)
+    return write_checkpoint(tmp_path_factory.mktemp("untrained"), model.state_dict())
+
+
+@pytest.fixture(scope="session")
+def tiny_data(request) -> Path:
+    """40 labelled images and 6 test images of about 40 px (copy it before changing it)."""
+    return shared_dataset(request, "tiny", n_train=40, n_test=6, size=40, seed=5)

@@ -85,6 +85,7 @@ def test_a_small_dev_shm_is_one_line_before_training(tmpfs, exact_data, tmp_path
     check_shared_memory(0, 50 * 3 * 224 * 224, small_shm)
     check_shared_memory(1, 50 * 3 * 224 * 224, small_shm)
     monkeypatch.setattr("src.devices.SHM", small_shm)
+    monkeypatch.setattr("src.devices.available_cpus", lambda: 4)  # --workers 4 is not capped to this machine's CPUs
     line = fails_in_process(train_single.main, ["--data-dir", str(exact_data), *EXACT, "--image-size", "224",
                                                 "--batch-size", "50", "--workers", "4", *outputs(tmp_path)],
                             monkeypatch, capsys, "--shm-size=8g")

@@ -149,7 +149,8 @@ def test_predict_errors(small_data, tmp_path, monkeypatch, capsys):
     predict_fails("not found", "--data-dir", str(small_data), "--checkpoint", str(tmp_path / "none.pth"))
     import torchvision
     torch.save(torchvision.models.squeezenet1_1(num_classes=2).state_dict(), tmp_path / "best.pth")
-    (tmp_path / "best.json").write_text('{"arch": "resnet18", "num_classes": 2, "image_size": 32}')
+    (tmp_path / "best.json").write_text('{"arch": "resnet18", "num_classes": 2, "image_size": 32, "classes": ["cat", '
+                                        '"dog"], "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}')
     predict_fails("best.pth is not a 2-class resnet18 state_dict", "--data-dir", str(small_data),
                   "--checkpoint", str(tmp_path / "best.pth"))
     predict_fails("predict.py: error: argument --batch-size: must be at least 1", "--batch-size", "0")

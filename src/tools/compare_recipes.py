@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None):
     add("--workers", type=at_least(0), default=None,
         help="data loader workers of each run (default: the scripts' default)")
     args = parser.parse_args(argv)
-    if not args.lr > 0:  # also refuses nan
+    if not 0 < args.lr < float("inf"):  # also refuses nan
         parser.error(f"argument --lr: must be > 0, got {args.lr}")
     return args
 

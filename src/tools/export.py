@@ -22,11 +22,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from src.atomic import check_can_write
+from src.atomic import cannot_write, check_can_write
 from src.cli import OneLineParser, at_least
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
 from src.inference import load_checkpoint, sha256_of
+from src.outputs import check_outputs
+from src.terminal import shown
 from src.tools.onnx_model import metadata, open_session
 from src.tools.rounding import rounding_bound
 from src.transforms import normalize
@@ -118,24 +120,41 @@ def opset_of(path: Path) -> int:
     return {entry.domain or "ai.onnx": entry.version for entry in model.opset_import}["ai.onnx"]
 
 
+def check_output(checkpoint: Path, output: Path, image_paths: list[Path]) -> None:
+    """Before the export: OUTPUT (and the .data file of large weights beside it) can be written,
+    is a regular file or nothing yet, and is none of the files the export reads; the temporary
+    folders of exports that were killed are removed."""
+    check_can_write(output, "OUTPUT")
+    check_outputs([("OUTPUT", output), ("OUTPUT's weights file", Path(f"{output}.data"))],
+                  inputs=[("CHECKPOINT", checkpoint), ("its best.json", checkpoint.with_suffix(".json")),
+                          *(("an image it checks on", file) for file in find_images(image_paths)[0])])
+    for stale in output.parent.glob(f".{output.name}.*.tmp"):  # an export killed before its clean-up
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def export(checkpoint: Path, output: Path, image_paths: list[Path], count: int) -> None:
     start = time.time()
     model, info = load_checkpoint(checkpoint)
     if "sha256" not in info:  # a best.json written by hand
         info["sha256"] = sha256_of(checkpoint)
     files, images = check_images(image_paths, info["image_size"], count)
-    check_can_write(output, "OUTPUT")
+    check_output(checkpoint, output, image_paths)
     wrapper = Deployable(model, info["mean"], info["std"]).eval()
     program = export_program(wrapper, torch.from_numpy(images), info)
-    folder = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
+    try:
+        folder = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
+    except OSError as error:
+        raise UserError(cannot_write(output, error)) from None
     try:
         program.save(str(folder / output.name))  # one file; a .data file beside it above 1.5 GB of weights
         line = checked(folder / output.name, wrapper, images, files, info)
         put_in_place(folder, output)
+    except OSError as error:  # a full disk: the old file stays
+        raise UserError(cannot_write(output, error)) from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     size = info["image_size"]
-    print(f"exported {checkpoint} ({info['arch']}, epoch {info.get('epoch')}) to {output}: "
+    print(f"exported {shown(checkpoint)} ({info['arch']}, epoch {info.get('epoch')}) to {shown(output)}: "
           f"{output.stat().st_size / 1e6:.1f} MB, opset {opset_of(output)}, input images uint8 "
           f"[batch, 3, {size}, {size}], output probabilities float32 [batch, {len(info['classes'])}] "
           f"({', '.join(info['classes'])}), normalisation inside ({time.time() - start:.1f} s)")

@@ -10,12 +10,14 @@ case) are images; other files are skipped and counted, and an image that cannot 
 named in one line and left out. The CSV has a row `path,p_dog,label` for every other image, in
 the order of the paths given (a folder's files in natural order), and the same rows whatever the
 number of processes. The architecture, image size and normalisation come from best.json, which
-every training script writes beside best.pth.
+every training script writes beside best.pth. `--output -` writes the CSV to standard output (and
+what predict says to standard error). The CSV is safe to open in a spreadsheet: a name that a
+spreadsheet would take for a formula (starting with = + - @, a tab or a carriage return), or one
+starting with ', is written with a ' in front; drop one leading ' to read it back (src/safe_csv.py).
 """
-import csv
-import io
 import json
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,10 +25,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from src.atomic import atomic_write_text, check_can_write
-from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least
+from src.atomic import atomic_write_text, check_can_write, check_room
+from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least, cap_workers
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
+from src.outputs import check_outputs
+from src.safe_csv import csv_text
+from src.terminal import shown
 
 SHOWN = 10  # rows of the table printed
 
@@ -41,7 +46,8 @@ def parse_args(argv: list[str] | None = None):
                              "whose best.json the ONNX file must come from)")
     parser.add_argument("--onnx", type=Path, default=None, help="run this export of best.pth with onnxruntime")
     parser.add_argument("--output", type=Path, default=None,
-                        help="the CSV (default: predictions.csv, without PATH submission.csv)")
+                        help="the CSV (default: predictions.csv, without PATH submission.csv); - for "
+                             "standard output")
     parser.add_argument("--batch-size", type=at_least(1), default=100)
     parser.add_argument("--workers", type=at_least(0), default=None,
                         help="image decoding processes (--onnx: threads); default: this machine's CPUs "
@@ -59,7 +65,35 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--onnx runs in one process (onnxruntime uses every core itself): drop the launcher")
     if args.output is None:
         args.output = Path("predictions.csv" if args.paths else "submission.csv")
+    if args.workers is not None:
+        args.workers = cap_workers(args.workers, len(os.sched_getaffinity(0)))
     return args
+
+
+def to_stdout(args) -> bool:
+    """--output -: the CSV goes to standard output, what predict says to standard error."""
+    return str(args.output) == "-"
+
+
+def check_output(args, files: list[Path]) -> None:
+    """Before any work: --output can be written, is a regular file or nothing yet (not a device,
+    a pipe, a link, a folder), is none of the files this command reads (the checkpoint, its
+    best.json, the ONNX file, an image to predict), and its folder has room for the CSV."""
+    if to_stdout(args):
+        return
+    check_can_write(args.output, "--output")
+    checkpoint = args.checkpoint or (None if args.onnx else Path("model/best.pth"))
+    inputs = [("an image to predict", file) for file in files]
+    if checkpoint is not None:
+        inputs += [("--checkpoint", checkpoint), ("its best.json", checkpoint.with_suffix(".json"))]
+    if args.onnx:
+        inputs += [("--onnx", args.onnx), ("its weights", Path(f"{args.onnx}.data")),
+                   ("its best.json", args.onnx.with_suffix(".json"))]
+    check_outputs([("--output", args.output)], inputs=inputs, advice="name a new file or a regular one "
+                  "(for standard output: --output -)")
+    # A row is the name, p(dog) (12 characters at most), the label and the separators; quotes or
+    # a formula's ' take a few more. Checked now, not after the pass over every image.
+    check_room(args.output, 100 + sum(len(os.fsencode(file)) + 32 for file in files), "--output")
 
 
 class Predictions(NamedTuple):
@@ -71,35 +105,54 @@ class Predictions(NamedTuple):
 
 
 def predictions_text(result: Predictions) -> str:
-    """The CSV: `path,p_dog,label` for each file that could be decoded."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")  # quotes names with commas, quotes or newlines
-    writer.writerow(["path", "p_dog", "label"])
+    """The CSV: `path,p_dog,label` for each file that could be decoded (src.safe_csv: names quoted
+    where they must be, and kept from being read as formulas)."""
     dog = result.classes.index("dog")
-    for file, p in zip(result.files, result.probabilities):
-        if not np.isnan(p).any():
-            writer.writerow([str(file), f"{p[dog]:.6g}", result.classes[int(p.argmax())]])
-    return out.getvalue()
+    return csv_text(["path", "p_dog", "label"],
+                    ([str(file), f"{p[dog]:.6g}", result.classes[int(p.argmax())]]
+                     for i, (file, p) in enumerate(zip(result.files, result.probabilities)) if i not in result.broken))
+
+
+def check_finite(result: Predictions) -> None:
+    """Refuse probabilities that are not numbers (finite weights whose outputs overflow, as in
+    fp16): no CSV with such rows, and no image silently missing from it."""
+    bad = [i for i, p in enumerate(result.probabilities) if i not in result.broken and not np.isfinite(p).all()]
+    if bad:
+        raise UserError(f"the model's probabilities are not finite for {len(bad)} of {len(result.files)} "
+                        f"images, first {result.files[bad[0]]}: its outputs overflow (retrain with a lower "
+                        "--lr, or predict without --amp fp16); nothing written")
+
+
+def write_output(args, text: str) -> None:
+    """The CSV into --output (whole or not at all), or onto standard output for `-`."""
+    if not to_stdout(args):
+        atomic_write_text(args.output, text)
+        return
+    sys.stdout.flush()
+    # surrogateescape: names that are not UTF-8 are written back as the bytes they were on disk
+    sys.stdout.buffer.write(text.encode("utf-8", "surrogateescape"))
+    sys.stdout.buffer.flush()
 
 
 def report(result: Predictions, others: int, output: Path) -> str:
     """What predict prints: the files that cannot be decoded, one line each, a short table, the
     counts and the speed."""
     files, classes = result.files, result.classes
-    lines = [f"left out {files[i]}: cannot decode it ({why})" for i, why in sorted(result.broken.items())]
-    done = [(file, p) for file, p in zip(files, result.probabilities) if not np.isnan(p).any()]
-    width = min(60, max(len(str(file)) for file, _ in done)) if done else 4
+    lines = [f"left out {shown(files[i])}: cannot decode it ({shown(why)})" for i, why in sorted(result.broken.items())]
+    done = [(shown(file), p) for i, (file, p) in enumerate(zip(files, result.probabilities)) if i not in result.broken]
+    width = min(60, max(len(name) for name, _ in done)) if done else 4
     dog = classes.index("dog")
     lines.append(f"{'path':<{width}}  p(dog)  label")
     for file, p in done[:SHOWN]:
-        name = str(file) if len(str(file)) <= width else "..." + str(file)[3 - width:]
+        name = file if len(file) <= width else "..." + file[3 - width:]
         lines.append(f"{name:<{width}}  {p[dog]:.4f}  {classes[int(p.argmax())]}")
     if len(done) > SHOWN:
         lines.append(f"... {len(done) - SHOWN} more rows")
     counts = ", ".join(f"{sum(int(p.argmax()) == c for _, p in done)} {name}" for c, name in enumerate(classes))
     lines.append(f"predicted {len(done)} images ({counts}) in {result.seconds:.1f} s "
                  f"({len(done) / max(result.seconds, 1e-9):.1f} images/s); skipped {others} file(s) that "
-                 f"are not images; left out {len(result.broken)} that cannot be decoded; wrote {output}")
+                 f"are not images; left out {len(result.broken)} that cannot be decoded; wrote "
+                 + ("standard output" if str(output) == "-" else shown(output)))
     return "\n".join(lines)
 
 
@@ -155,7 +208,7 @@ def predict_torch(args, files: list[Path] | None) -> Predictions | None:
         try:
             if files is None:
                 files = kaggle_test_files(args.data_dir / "test")[1]
-            from_rank_0(lambda: check_can_write(args.output, "--output"))
+            from_rank_0(lambda: check_output(args, files))
             model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
         except UserError as error:  # every rank finds it: the first says it
             raise UserError(str(error), quiet=error.quiet or not is_first()) from None
@@ -178,21 +231,24 @@ def main() -> None:
     except UserError as error:  # under torchrun every rank finds it: the first says it
         raise UserError(str(error), quiet=os.environ.get("RANK", "0") != "0") from None
     if args.onnx:
-        check_can_write(args.output, "--output")
+        check_output(args, files)
         result = predict_onnx(args, files)
     else:
         result = predict_torch(args, files)
         if result is None:  # a rank other than 0
             return
+    check_finite(result)
+    said = sys.stderr if to_stdout(args) else sys.stdout
     if args.paths:
-        atomic_write_text(args.output, predictions_text(result))
-        print(report(result, others, args.output))
+        write_output(args, predictions_text(result))
+        print(report(result, others, args.output), file=said)
     else:  # Kaggle's test/N.jpg: a submission needs every image
         from src.inference import check_complete, submission_text
         check_complete(result.files, result.broken)
         ids = [int(file.stem) for file in result.files]
-        atomic_write_text(args.output, submission_text(ids, result.probabilities[:, result.classes.index("dog")]))
-        print(f"wrote {len(ids)} predictions to {args.output}")
+        write_output(args, submission_text(ids, result.probabilities[:, result.classes.index("dog")]))
+        print(f"wrote {len(ids)} predictions to " + ("standard output" if to_stdout(args) else shown(args.output)),
+              file=said)
 
 
 if __name__ == "__main__":

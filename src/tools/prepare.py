@@ -7,6 +7,9 @@ train/Dog/, any case, as in Microsoft's PetImages), opens every image, leaves ou
 ones that are empty, truncated or not images, and writes train.csv (filename,label; 0 = cat,
 1 = dog). Safe to run again: it rescans and rewrites the same file. With --cache it also builds
 the pixel cache that the training scripts' --cache DIR --image-size N would build on their start.
+train.csv is written as src/safe_csv.py writes every CSV (names quoted where a comma, quote or
+line break would split them; its names start with cat., dog. or the class folder's name, so none
+is taken for a spreadsheet formula).
 """
 from pathlib import Path
 
@@ -16,6 +19,9 @@ from src.cli import OneLineParser, at_least
 from src.datasets import scan_train_dir
 from src.errors import UserError, exit_on_error
 from src.loaders import default_workers, labelled_images
+from src.outputs import check_outputs
+from src.safe_csv import csv_text
+from src.terminal import shown
 
 
 def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[str]]:
@@ -23,8 +29,9 @@ def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found")
+    check_outputs([("DATA_DIR's train.csv", data_dir / "train.csv")])
     frame, rejected = scan_train_dir(data_dir / "train", show_progress)
-    atomic_write_text(data_dir / "train.csv", frame.to_csv(index=False))
+    atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))
     dogs = int(frame["label"].sum())
     return len(frame) - dogs, dogs, rejected
 
@@ -37,8 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     cats, dogs, rejected = prepare(args.data_dir)
     for name in rejected:
-        print(f"left out (unreadable): {name}")
-    print(f"wrote {args.data_dir / 'train.csv'}: {cats} cats, {dogs} dogs, "
+        print(f"left out (unreadable): {shown(name)}")
+    print(f"wrote {shown(args.data_dir / 'train.csv')}: {cats} cats, {dogs} dogs, "
           f"{len(rejected)} left out as unreadable")
     if args.cache:
         dataset = labelled_images(args.data_dir, args.image_size)

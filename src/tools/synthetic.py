@@ -25,15 +25,26 @@ Writes OUT_DIR/train/{cat,dog}.N.jpg, OUT_DIR/test/N.jpg (ids from 1, as on Kagg
 OUT_DIR/sample_submission.csv, and the true test labels in the hidden OUT_DIR/.test_labels.csv.
 The same seed (and --hard or not) gives byte-identical files; without --hard, the same files as
 before --hard existed.
+
+It writes the hidden file OUT_DIR/.synthetic first, and refuses a folder that holds any of what it
+writes (train/, test/, train.csv, the CSVs) without that mark: a dataset of yours. A folder with
+the mark it rewrites, removing what it wrote there before (and a train.csv made from that).
 """
-import argparse
 import csv
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from src.cli import OneLineParser
+from src.errors import UserError, exit_on_error
+from src.terminal import shown
+
 TEST_LABELS = ".test_labels.csv"
+MARK = ".synthetic"  # says that this program wrote the folder, and may write it again
+WRITES = ("train", "test", "train.csv", "sample_submission.csv", TEST_LABELS)
 
 
 def synthetic_image(rng: np.random.Generator, label: int, size: int) -> Image.Image:
@@ -115,11 +126,44 @@ def hard_image(rng: np.random.Generator, label: int, size: int) -> Image.Image:
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
 
 
+def claim_folder(out_dir: Path) -> None:
+    """Make out_dir ours: refuse a path that is not a folder, or a folder holding a dataset that
+    this program did not write; mark it, and remove what an earlier run of this program wrote."""
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a folder: name a new folder for the synthetic set")
+    if out_dir.is_dir() and not (out_dir / MARK).is_file():
+        found = [name for name in WRITES if os.path.lexists(out_dir / name)]
+        if found:
+            raise UserError(f"{out_dir} holds {', '.join(found)}, which src.tools.synthetic did not write "
+                            "(a dataset of yours?): name a new or empty folder for the synthetic set")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / MARK).write_text("written by python -m src.tools.synthetic, which may rewrite this folder\n")
+        for name in WRITES:  # our own files of an earlier run, and the train.csv prepare made of them
+            if (out_dir / name).is_dir() and not (out_dir / name).is_symlink():
+                shutil.rmtree(out_dir / name)
+            elif os.path.lexists(out_dir / name):
+                (out_dir / name).unlink()
+    except OSError as error:
+        raise UserError(f"cannot write the synthetic set to {out_dir} ({error.strerror or error}): "
+                        "name a folder where files can be written") from None
+
+
 def write_dataset(out_dir: Path, n_train: int = 1000, n_test: int = 200, size: int = 96,
                   seed: int = 0, hard: bool = False) -> None:
+    """The set in out_dir (claim_folder first); a full disk is one line naming the folder."""
+    out_dir = Path(out_dir)
+    claim_folder(out_dir)
+    try:
+        _write(out_dir, n_train, n_test, size, seed, hard)
+    except OSError as error:  # a full disk, a quota
+        raise UserError(f"cannot write the synthetic set to {out_dir} ({error.strerror or error}): make room "
+                        "or write elsewhere; rerunning the same command rewrites it") from None
+
+
+def _write(out_dir: Path, n_train: int, n_test: int, size: int, seed: int, hard: bool) -> None:
     rng = np.random.default_rng(seed)
     draw = hard_image if hard else synthetic_image
-    out_dir = Path(out_dir)
     (out_dir / "train").mkdir(parents=True, exist_ok=True)
     (out_dir / "test").mkdir(parents=True, exist_ok=True)
 
@@ -147,7 +191,7 @@ def write_dataset(out_dir: Path, n_train: int = 1000, n_test: int = 200, size: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write train/, test/ and the CSVs into")
     parser.add_argument("--train", type=int, default=1000, help="labelled images, half cats, half dogs")
     parser.add_argument("--test", type=int, default=200, help="unlabelled test images")
@@ -163,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("need --train >= 2, --test >= 0 and --size >= 16")
     write_dataset(args.out_dir, args.train, args.test, args.size, args.seed, args.hard)
     kind = "hard synthetic" if args.hard else "synthetic"
-    print(f"wrote {args.train} training and {args.test} test images ({kind}) to {args.out_dir}")
+    print(f"wrote {args.train} training and {args.test} test images ({kind}) to {shown(args.out_dir)}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)

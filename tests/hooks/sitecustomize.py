@@ -52,6 +52,8 @@ an fp16 overflow, whatever the gradients, on every rank alike: an fp16 GradScale
 (it halves its scale; fused optimizers get found_inf and must leave their state as it was); a
 disabled one (float32, bf16), or accelerate's optimizer without a scaler, does not step. So runs
 in any precision and mode skip the same steps.
+NAN_AT_STEP=n (with NAN_RANK=r: that rank only): after its n-th optimizer step, the process's
+weights are all NaN, as in a run that diverged.
 AS_ON_GPU=1: src.devices.gpu_choices makes the CPU take the GPU's branch (fused optimizers); here
 accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler as on CUDA
 (accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
@@ -382,6 +384,23 @@ def overflowing(scaler_class, steps: set):
     return _unscale_grads_, disabled_step
 
 
+def poisoning(optimizer_class, n: int):
+    """optimizer_class.step that, after the n-th step, sets every weight it steps to NaN (NAN_AT_STEP)."""
+    step, count = optimizer_class.step, [0]
+
+    def poisoned(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        count[0] += 1
+        if count[0] == n:
+            import torch
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        param.fill_(float("nan"))
+        return result
+    return poisoned
+
+
 def fp16_as_on_cuda(accelerator_class):
     """An Accelerator that, with fp16 on the CPU, autocasts and makes its GradScaler as accelerate
     does on CUDA (AS_ON_GPU)."""
@@ -411,6 +430,11 @@ if os.environ.get("OVERFLOW_AT"):
             return step(self, closure)
         AcceleratedOptimizer.step = skipping
     _after_import("accelerate", _skip_without_a_scaler)
+
+if os.environ.get("NAN_AT_STEP") and os.environ.get("NAN_RANK", RANK) == RANK:
+    import torch
+    for _optimizer in (torch.optim.SGD, torch.optim.AdamW):
+        _optimizer.step = poisoning(_optimizer, int(os.environ["NAN_AT_STEP"]))
 
 if os.environ.get("AS_ON_GPU") == "1":
     def _fp16_as_on_cuda(accelerate):
