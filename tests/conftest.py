@@ -565,4 +565,4 @@ def untrained(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(request) -> Path:
     """40 labelled images and 6 test images of about 40 px (copy it before changing it)."""
-    return shared_dataset(request, "tiny", n_train=40, n_test=6, size=40, seed=5)
+    return shared_dataset(request, "tiny40", n_train=40, n_test=6, size=40, seed=5)

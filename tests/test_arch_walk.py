@@ -143,7 +143,9 @@ def test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads(ar
         logits = model.train()(images)
         assert isinstance(logits, torch.Tensor) and tuple(logits.shape) == (2, 2), weights
         torch.save(state, tmp_path / "best.pth")
-        (tmp_path / "best.json").write_text(json.dumps({"arch": arch, "num_classes": 2}))
+        (tmp_path / "best.json").write_text(json.dumps({"arch": arch, "num_classes": 2, "classes": ["cat", "dog"],
+                                                         "image_size": walk_size(arch), "mean": [0.485, 0.456, 0.406],
+                                                         "std": [0.229, 0.224, 0.225]}))
         rebuilt = torchvision.models.get_model(arch, num_classes=2, **model_kwargs(arch))
         rebuilt.load_state_dict(torch.load(tmp_path / "best.pth", weights_only=True))
         loaded, _ = load_checkpoint(tmp_path / "best.pth")

@@ -24,6 +24,7 @@ import train_single
 from src.atomic import atomic_torch_save
 from src.checkpoint import resume, run_info
 from src.cli import parse_args
+from src.history import RECORD_KEYS
 from src.recipe import lr_factor, make_optimizer, make_schedule, optimizer_step
 
 # The GPU's choices on the CPU. AS_ON_GPU=1 makes src.devices.gpu_choices take the CUDA branch
@@ -45,6 +46,10 @@ def _nan_empty_like(empty_like):
         tensor = empty_like(*args, **kwargs)
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
     return poisoned
+
+
+# A history record with every field, as --resume wants it (src.history.RECORD_KEYS).
+RECORD = {key: 1 for key in RECORD_KEYS}
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +220,12 @@ def test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw(tmp_path, m
     optimizer.step()
     schedule = make_schedule(optimizer, args, 1)
     atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": {},
-                       "schedule": schedule.state_dict(), "epoch": 1, "history": [{"epoch": 1}], "info": info},
+                       "schedule": schedule.state_dict(), "epoch": 1, "history": [RECORD], "info": info},
                       tmp_path / "last.pth")
     monkeypatch.setenv("AS_ON_GPU", "1")
     gpu_model = nn.Linear(4, 2).to("meta")
     fused = make_optimizer(gpu_model, args, torch.device("meta"))
-    assert resume(args, info, gpu_model, fused, None, make_schedule(fused, args, 1)) == [{"epoch": 1}]
+    assert resume(args, info, gpu_model, fused, None, make_schedule(fused, args, 1)) == [RECORD]
     assert [group["fused"] for group in fused.param_groups] == [True, True]
     assert {state["step"].device.type for state in fused.state.values()} == {"meta"}
 
