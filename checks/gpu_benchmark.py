@@ -202,7 +202,7 @@ def main() -> int:
     if not torch.cuda.is_available() and not args.dry_run:
         print("gpu_benchmark: no CUDA GPU is visible here (--dry-run runs it tiny on the CPU)")
         return 0
-    from src.tools.commands import hardware
+    from src.devices import hardware
     shape = DRY_RUN if args.dry_run else FULL
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

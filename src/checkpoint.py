@@ -17,6 +17,7 @@ import torch
 
 from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
+from src.devices import hardware
 from src.divergence import check_finite_weights
 from src.errors import UserError, one_line
 from src.history import RECORD_KEYS, best_choice, history_text
@@ -122,8 +123,6 @@ def run_context(args) -> dict:
     """What the report shows and --resume does not compare (a last.pth resumes in another mode):
     the mode (the script's name: train_ddp.py is "ddp"), the processes, when, rank 0's machine
     and every flag."""
-    from src.tools.commands import hardware
-
     return {"mode": Path(sys.argv[0]).stem.removeprefix("train_"),
             "processes": int(os.environ.get("WORLD_SIZE", 1)),
             "started": datetime.now().isoformat(timespec="seconds"),

@@ -1,7 +1,8 @@
-"""The machine a run trains on: its device, the numerics there, and the host limits that would
-otherwise fail late (too few GPUs, a small /dev/shm, no bfloat16, a container's CPU quota)."""
+"""The machine a run trains on: its device, the numerics there, what it is (hardware()), and the
+host limits that would otherwise fail late (too few GPUs, a small /dev/shm, no bfloat16, a container's CPU quota)."""
 import math
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -158,3 +159,23 @@ def check_shared_memory(workers: int, batch_bytes: int, shm: Path | None = None)
 def shared_memory_need(workers: int, batch_bytes: int, processes: int = 1) -> int:
     """Bytes of /dev/shm that `processes` processes with `workers` loader workers each may hold."""
     return processes * 2 * workers * 2 * batch_bytes  # prefetch_factor 2 per worker, and room for the batch in use
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which decides float rounding and speed on a CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware() -> str:
+    """One line naming the machine and the versions a measurement was made with."""
+    cpus = len(os.sched_getaffinity(0))
+    gpus = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+            if torch.cuda.is_available() else "no GPU")
+    return (f"{cpu_model()}, {cpus} CPU cores, {gpus}; torch {torch.__version__}, "
+            f"Python {platform.python_version()}")

@@ -137,13 +137,19 @@ VGG = ["--arch", "vgg11", "--weights", "none", "--image-size", "32", "--lr", "0.
 
 def test_vgg_with_torchvision_dropout_trains_the_same_model_in_two_processes(runs):
     """VGG11 (dropout 0.5 after each of its two hidden Linear layers, torchvision's default):
-    two DDP processes of B end where train_single.py at 2 x B ends, within the tolerance of `far`
-    (the same run at a global batch of B)."""
+    two DDP processes of B end where train_single.py at 2 x B ends. The yardstick here is how far
+    the reference moved from its initial weights in its one epoch (the seeded initialisation,
+    rebuilt in this process as the script builds it), not `far`, which would take another VGG
+    run of 1.5 GB of checkpoints (measured for this run: 0.19 moved, 0.38 far, 2026-12-05)."""
     reference = runs("single", *VGG, "--batch-size", str(2 * B))[0]
-    far = distance(last_model(runs("single", *VGG, "--batch-size", str(B))[0]), last_model(reference))
+    torch.manual_seed(42)  # --seed's default, as train_single.py seeds it before building the model
+    start = {key: value.to(torch.float32) for key, value in build_model("vgg11", "none").state_dict().items()}
+    moved = distance(last_model(reference), start)
+    assert 0 < moved < distance(start, {key: torch.zeros_like(value) for key, value in start.items()}) / 100, \
+        "the rebuilt initialisation is the run's"
     out, result = runs("ddp", *VGG, "--batch-size", str(B))
     assert "on 2 x cpu" in result.stdout
-    assert_same_run(out, reference, far)
+    assert_same_run(out, reference, moved)
 
 
 def test_per_process_masks_would_end_outside_the_tolerance(runs, far):

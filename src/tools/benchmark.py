@@ -40,7 +40,10 @@ from src.cache import cached  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
-from src.devices import configure_numerics  # noqa: E402
+from src.devices import (
+    configure_numerics,  # noqa: E402
+    hardware,
+)
 from src.dropout import set_samples, units  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
@@ -48,7 +51,7 @@ from src.loaders import default_workers, labelled_images, make_loaders, split_in
 from src.models import build_model  # noqa: E402
 from src.profiling import FIGURES  # noqa: E402
 from src.recipe import make_optimizer  # noqa: E402
-from src.tools.commands import hardware, run_script  # noqa: E402
+from src.tools.commands import run_script  # noqa: E402
 from src.tools.synthetic import write_dataset  # noqa: E402
 from src.transforms import image_transform, memory_format, normalize  # noqa: E402
 

@@ -1,11 +1,8 @@
-"""What the tools share: running a training script as a user would, and naming the machine."""
+"""What the tools share: running a training script as a user would."""
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
 
 from src.errors import UserError
 
@@ -23,23 +20,3 @@ def run_script(name: str, command: list[str], out: Path, env: dict | None = None
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["no output"])[-1].split("\r")[-1].strip()
         raise UserError(f"the {name} run failed ({tail}); its output is in {out / 'log.txt'}")
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), which decides float rounding and speed on a CPU."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware() -> str:
-    """One line naming the machine and the versions a measurement was made with."""
-    cpus = len(os.sched_getaffinity(0))
-    gpus = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-            if torch.cuda.is_available() else "no GPU")
-    return (f"{cpu_model()}, {cpus} CPU cores, {gpus}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}")

@@ -37,8 +37,9 @@ from datetime import date
 from pathlib import Path
 
 from src.cli import OneLineParser, at_least
+from src.devices import hardware
 from src.errors import UserError, exit_on_error
-from src.tools.commands import hardware, run_script
+from src.tools.commands import run_script
 
 WARMUP_SHARE = 0.1  # of all epochs: one epoch in ten, and a fraction of one in a 1-epoch run
 

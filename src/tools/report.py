@@ -43,14 +43,13 @@ from src.atomic import atomic_write_text, check_can_write
 from src.checkpoint import RESUME_KEYS, flag_of
 from src.cli import OneLineParser, at_least
 from src.datasets import CLASSES
-from src.devices import training_device
+from src.devices import hardware, training_device
 from src.errors import UserError, exit_on_error
 from src.history import best_record
 from src.inference import load_checkpoint, predict_files, read_info
 from src.loaders import default_workers, labelled_data
 from src.metrics import EPS, batch_sums, summarize
 from src.plot import plt
-from src.tools.commands import hardware
 
 GALLERY = 24  # validation images in each gallery: the highest loss, the most uncertain
 PREDICTED = 48  # of --predictions, the most uncertain first
