@@ -10,8 +10,15 @@ there unchanged (they must pass: a test that fails anyway proves nothing; --no-b
 this). Then, for each entry, the one change is made in the copy, its tests run there with this
 repository's .venv (one pytest process, stopping at the first failure, only the tests named), and
 the file is put back. The report is a table: each mutation, its tests, and "caught" (pytest
-reported a failed test), "survived" (they passed) or "error" (they could not run: a test name that
-does not exist, a mutation that breaks the import); exit code 0 when every one was caught.
+reported a failed test of behaviour), "survived" (they passed) or "error" (they could not run: a
+test name that does not exist, a mutation that breaks the import); exit code 0 when every one was
+caught.
+
+A check that reads source text only is no catch: tests/test_mutations.py finds each entry's text
+in its file, so it fails on any edit of a listed line, right or wrong. Its tests are left out of
+an entry's run, and an entry whose only failing tests are such checks, or that names no other, is
+reported "survived (text only)". (An entry of this runner itself is the exception: those tests
+run its code.)
 
 An entry is ("path", "original", "replacement", ["tests/test_x.py::test_name", ...]): the original
 text must occur exactly once in the file (several lines if one is not enough to be unique);
@@ -38,6 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
 GPU = "gpu:"  # the prefix of a check of make test-gpu among an entry's tests
+# The test files that read source text only, and the one file whose entries they test by running
+# it: for any other entry their failure says the text changed, not that the behaviour did.
+TEXT_ONLY = {"tests/test_mutations.py": "checks/mutations.py"}
 
 MUTATIONS = [
     # Issue 27's seven rows.
@@ -183,6 +193,15 @@ MUTATIONS = [
     # would occur here too).
     ("checks/mutations.py", "if count " "!= 1:", "if count > 1:",
      ["tests/test_mutations.py::test_an_entry_that_does_not_apply_is_refused_before_anything_runs"]),
+    # Only a test of behaviour catches (the text check that an entry's line exists does not).
+    ("checks/mutations.py", "    return file in TEXT_ONLY and " "TEXT_ONLY[file] != path", "    return False",
+     ["tests/test_mutations.py::test_only_a_test_of_behaviour_catches_a_mutation",
+      "tests/test_mutations.py::test_a_mutation_caught_only_by_the_text_check_is_reported_survived"]),
+    ("checks/mutations.py", "split([test for test in tests " "if not text_only(test, path)])", "split(tests)",
+     ["tests/test_mutations.py::test_a_mutation_caught_only_by_the_text_check_is_reported_survived"]),
+    ("checks/mutations.py", 'if line.startswith(("FAILED ", ' '"ERROR ")) and " " in line]',
+     'if line.startswith("FAILED ") and " " in line]',
+     ["tests/test_mutations.py::test_the_runner_reads_which_tests_failed_from_pytest"]),
     # Issue 25: the GPU path (fused optimizers, seeds, DataParallel, timeouts, caches, make test-gpu).
     ('src/recipe.py', '    optimizer.register_step_pre_hook(zero_momentum)\n', '',
      ['tests/test_gpu_on_cpu_fused_optimizers.py::test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does', 'tests/test_gpu_on_cpu_fused_optimizers.py::test_fused_optimizers_survive_a_skipped_first_step', 'tests/test_gpu_on_cpu_fused_optimizers.py::test_fused_sgd_takes_a_backbone_unfrozen_after_its_head_trained', 'tests/test_gpu_on_cpu_selftest.py::test_make_test_gpus_fused_optimizer_check_bites']),
@@ -676,6 +695,31 @@ def has_gpu() -> bool:
     return probe.stdout.strip() == "True"
 
 
+def text_only(test: str, path: str) -> bool:
+    """Whether the pytest name `test` is a check of source text alone for an entry of `path`."""
+    file = test.split("::")[0]
+    return file in TEXT_ONLY and TEXT_ONLY[file] != path
+
+
+def failed_tests(output: str) -> list[str]:
+    """The tests pytest's short summary (-rfE) names as failed or in error, in its order."""
+    return [line.split(" ", 1)[1].split(" - ")[0] for line in output.splitlines()
+            if line.startswith(("FAILED ", "ERROR ")) and " " in line]
+
+
+def verdict(path: str, tests: list[str], outcome: str, failed: list[str]) -> str:
+    """The report's word for an entry of `path` naming `tests`, which ended `outcome` ("passed",
+    "failed", "error" or "no GPU") with the tests `failed` failing: caught only by a test of
+    behaviour; "SURVIVED (text only)" when none of those failed, or the entry names none."""
+    if outcome == "failed" and not failed:
+        return "ERROR"  # a failure that pytest's summary did not name
+    if outcome == "failed" and any(not text_only(test, path) for test in failed):
+        return "caught"
+    if outcome in ("failed", "passed"):
+        return "SURVIVED (text only)" if outcome == "failed" or all(text_only(t, path) for t in tests) else "SURVIVED"
+    return {"no GPU": "no GPU"}.get(outcome, "ERROR")
+
+
 def split(tests: list[str]) -> tuple[list[str], list[str]]:
     """An entry's pytest names, and the keys of its make test-gpu checks."""
     return ([test for test in tests if not test.startswith(GPU)],
@@ -695,11 +739,12 @@ def scratch_copy() -> Path:
     return folder
 
 
-def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float]:
-    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds); its output goes to log."""
+def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
+    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds, the tests that
+    failed); its output goes to log."""
     start = time.monotonic()
     basetemp = copy / ".pytest-tmp"  # its own: a session of the shared runs, not another session's folder
-    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "--basetemp", str(basetemp), *tests]
+    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "-rfE", "--basetemp", str(basetemp), *tests]
     try:
         result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
                                 env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
@@ -709,13 +754,14 @@ def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[
     log.write_text(" ".join(command) + "\n\n" + output)
     shutil.rmtree(basetemp, ignore_errors=True)
     # pytest's exit codes: 0 all passed, 1 some failed, 2 interrupted or errors in collection, 4 usage, 5 none collected.
-    return {0: "passed", 1: "failed"}.get(code, "error"), time.monotonic() - start
+    return {0: "passed", 1: "failed"}.get(code, "error"), time.monotonic() - start, failed_tests(output)
 
 
-def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tuple[str, float]:
-    """make test-gpu's checks `keys` in the copy: ("passed" | "failed" | "error", seconds), failed
-    when its report.json has one of them FAILED; its output goes to log."""
-    start = time.monotonic()
+def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
+    """make test-gpu's checks `keys` in the copy: ("passed" | "failed" | "error", seconds, the
+    checks that failed as "gpu:KEY"), failed when its report.json has one of them FAILED; its
+    output goes to log."""
+    start, failed = time.monotonic(), []
     out = copy / ".gpu-selftest"
     shutil.rmtree(out, ignore_errors=True)
     command = [str(PYTHON), "checks/gpu_selftest.py", "--only", ",".join(keys), "--out", str(out)]
@@ -724,29 +770,33 @@ def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tu
         output = result.stdout + result.stderr
         report = json.loads((out / "report.json").read_text())
         verdicts = {check["key"]: check["verdict"] for check in report["checks"]}
-        outcome = ("failed" if any(verdicts.get(key) == "FAILED" for key in keys)
+        failed = [GPU + key for key in keys if verdicts.get(key) == "FAILED"]
+        outcome = ("failed" if failed
                    else "passed" if all(verdicts.get(key) == "passed" for key in keys) else "error")
     except subprocess.TimeoutExpired as expired:
         output, outcome = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", "error"
     except (OSError, ValueError, KeyError) as error:
         output, outcome = f"{output}\nno report: {error}", "error"
     log.write_text(" ".join(command) + "\n\n" + output)
-    return outcome, time.monotonic() - start
+    return outcome, time.monotonic() - start, failed
 
 
-def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool) -> tuple[str, float]:
-    """An entry's tests, then (on a GPU) its make test-gpu checks: "failed" as soon as one fails;
-    "no GPU" when it names GPU checks only and there is none here."""
-    cpu_tests, keys = split(tests)
-    outcome, seconds = "passed", 0.0
+def run_entry(copy: Path, path: str, tests: list[str], log: Path, timeout: float,
+              gpu: bool) -> tuple[str, float, list[str]]:
+    """The tests of an entry of `path` but its checks of source text (text_only), then (on a GPU)
+    its make test-gpu checks: (outcome, seconds, what failed), "failed" as soon as one fails;
+    "no GPU" when it names GPU checks only and there is none here; "passed" with nothing run when
+    it names checks of source text only."""
+    cpu_tests, keys = split([test for test in tests if not text_only(test, path)])
+    outcome, seconds, failed = "passed", 0.0, []
     if cpu_tests:
-        outcome, seconds = run_tests(copy, cpu_tests, log, timeout)
+        outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout)
     if keys and outcome == "passed":
         if not gpu:
-            return ("no GPU" if not cpu_tests else outcome), seconds
-        outcome, more = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
+            return ("no GPU" if not cpu_tests else outcome), seconds, failed
+        outcome, more, failed = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
         seconds += more
-    return outcome, seconds
+    return outcome, seconds, failed
 
 
 def short(text: str, width: int = 60) -> str:
@@ -790,12 +840,13 @@ def main() -> int:
                                      else "; no GPU here: the make test-gpu checks are skipped"), flush=True)
     try:
         if not args.no_baseline:
-            tests, keys = split(sorted({test for entry in entries for test in entry[3]}))
+            tests, keys = split(sorted({test for path, _, _, named in entries for test in named
+                                        if not text_only(test, path)}))
             for kind, names, runner in (("tests", tests, run_tests), ("make test-gpu checks", keys if gpu else [],
                                                                        run_gpu_checks)):
                 if not names:
                     continue
-                outcome, seconds = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
+                outcome, seconds, _ = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
                 print(f"baseline: the {len(names)} named {kind} on the unchanged copy {outcome} in {seconds:.0f} s",
                       flush=True)
                 if outcome != "passed":
@@ -809,22 +860,22 @@ def main() -> int:
             kept = target.read_text()
             target.write_text(kept.replace(original, replacement, 1))
             try:
-                outcome, seconds = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu)
+                outcome, seconds, failed = run_entry(copy, path, tests, logs / f"{number:03}.log", args.timeout, gpu)
             finally:
                 target.write_text(kept)
-            verdict = {"failed": "caught", "passed": "SURVIVED", "no GPU": "no GPU"}.get(outcome, "ERROR")
+            said = verdict(path, tests, outcome, failed)
             rows.append((f"{path}: `{short(original)}` -> `{short(replacement)}`",
-                         ", ".join(test.split("::")[-1] for test in tests), verdict, seconds))
-            print(f"{number}/{len(entries)} {verdict:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
+                         ", ".join(test.split("::")[-1] for test in tests), said, seconds))
+            print(f"{number}/{len(entries)} {said:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(copy, ignore_errors=True)
 
     print("\n| # | mutation | tests | result | seconds |\n|---|---|---|---|---|")
-    for number, (mutation, tests, verdict, seconds) in enumerate(rows, 1):
-        print(f"| {number} | {mutation} | {tests} | {verdict} | {seconds:.0f} |")
-    caught = sum(verdict == "caught" for _, _, verdict, _ in rows)
-    skipped = sum(verdict == "no GPU" for _, _, verdict, _ in rows)
+    for number, (mutation, tests, said, seconds) in enumerate(rows, 1):
+        print(f"| {number} | {mutation} | {tests} | {said} | {seconds:.0f} |")
+    caught = sum(said == "caught" for _, _, said, _ in rows)
+    skipped = sum(said == "no GPU" for _, _, said, _ in rows)
     print(f"\n{caught} of {len(rows) - skipped} caught" + (f" ({skipped} for a GPU only, not run here)" if skipped else "")
           + "; " + (f"logs in {logs}" if args.keep else "rerun with --keep for the logs"))
     return 0 if caught + skipped == len(rows) else 1
