@@ -2,6 +2,7 @@
 
     .venv/bin/python checks/mutations.py              # every entry (half an hour or more on 2 cores)
     .venv/bin/python checks/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
+    .venv/bin/python checks/mutations.py -t two_ranks # the entries that name a test holding "two_ranks"
     .venv/bin/python checks/mutations.py --list       # the entries, without running anything
 
 The working tree (its tracked files and the untracked ones git does not ignore) is copied once into
@@ -658,6 +659,49 @@ MUTATIONS = [
      ['tests/test_outputs.py::test_synthetic_writes_only_where_it_may']),
     ('src/tools/synthetic.py', '    except OSError as error:  # a full disk, a quota\n', '    except ZeroDivisionError as error:  # a full disk, a quota\n',
      ['tests/test_outputs.py::test_synthetic_writes_only_where_it_may']),
+    # Issue 35: fresh breakages that passed the suite, and their kinds. Two real gloo ranks
+    # (tests/test_two_ranks.py): reductions and rank-dependent indices with uneven shares, what
+    # each rank prints, a torchrun restart.
+    ('src/sharding.py', '    most = math.ceil(loader.sampler.largest / loader.batch_size)',
+     '    most = math.ceil(len(loader.dataset) / loader.batch_size)',
+     ['tests/test_two_ranks.py::test_fsdp_validation_forwards_and_sums_with_uneven_shards',
+      'tests/test_fsdp.py::test_every_rank_runs_as_many_validation_forwards']),
+    ('src/sharding.py', '    for _ in range(most - len(loader)):', '    for _ in range(most - len(loader.sampler)):',
+     ['tests/test_two_ranks.py::test_fsdp_validation_forwards_and_sums_with_uneven_shards']),
+    ('src/process_group.py', 'return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size',
+     'return dist.PrefixStore("attempt0", store), rank, world_size',
+     ['tests/test_two_ranks.py::test_a_restarted_attempt_joins_a_store_holding_the_dead_attempts_keys']),
+    ('src/checkpoint.py', 'source = -max(held)[1]', 'source = -min(held)[1]',
+     ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
+    ('src/checkpoint.py', 'held = [(epoch, -rank) for rank, epoch in enumerate(epochs) if epoch is not None]',
+     'held = [(epoch, rank) for rank, epoch in enumerate(epochs) if epoch is not None]',
+     ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
+    ('src/inference.py', '    share[[i - sampler.start for i in broken]] = float("nan")',
+     '    share[[i for i in broken]] = float("nan")',
+     ['tests/test_two_ranks.py::test_a_broken_image_on_rank_1_leaves_its_own_row_out']),
+    ('train_fsdp.py', 'scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")',
+     'scaler = torch.amp.GradScaler(device.type, enabled=False)',
+     ['tests/test_two_ranks.py::test_fsdp_fp16_scales_the_loss_on_both_ranks']),
+    ('train_fsdp.py', '    if rank == 0:\n        print(run_header(', '    if True:\n        print(run_header(',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('train_fsdp.py', '    if rank == 0:\n        print(done_line(', '    if True:\n        print(done_line(',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('train_ddp.py', '    if rank == 0:\n        print(done_line(', '    if True:\n        print(done_line(',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('train_accelerate.py', '    if accelerator.is_main_process:\n        print(done_line(',
+     '    if True:\n        print(done_line(', ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/checkpoint.py', 'path, announce = output_paths(args)["last"], is_first()',
+     'path, announce = output_paths(args)["last"], True',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/stages.py', 'end, show = frozen_until(args), is_first()', 'end, show = frozen_until(args), True',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/progress.py', 'self.profiler = Profiler(args, device) if args.profile and self.show else None',
+     'self.profiler = Profiler(args, device) if args.profile else None',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/inference.py', 'leave=False, disable=rank != 0):', 'leave=False, disable=False):',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/cache.py', '        if show_progress:\n            print(f"reading', '        if True:\n            print(f"reading',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
 ]
 
 
@@ -808,6 +852,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", dest="match", default="",
                         help="only the entries whose path or original text holds this substring")
+    parser.add_argument("-t", dest="test", default="",
+                        help="only the entries that name a test whose name holds this substring")
     parser.add_argument("--list", action="store_true", help="list the selected entries and stop")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run of the named tests on the unchanged copy")
@@ -817,7 +863,7 @@ def main() -> int:
     args = parser.parse_args()
 
     entries = [entry for entry in MUTATIONS if (args.match in entry[0] or args.match in entry[1])
-               and (not args.gpu or split(entry[3])[1])]
+               and any(args.test in test for test in entry[3]) and (not args.gpu or split(entry[3])[1])]
     if not entries:
         print(f"no entry matches -k {args.match!r}", file=sys.stderr)
         return 2
