@@ -67,6 +67,7 @@ def test_augmentation_crops_and_flips_in_the_documented_proportions():
         moved = fits > 0
         share = place[moved] / fits[moved]  # uniform on [0, 1] where the crop can move
         assert place.min() >= 0 and (place <= fits).all()
+        assert (place == 0).any() and (place == fits)[moved].any(), "from edge to edge"
         assert abs(share.mean() - 0.5) < 6 / math.sqrt(12 * moved.sum()) + 1 / SIZE
 
 
