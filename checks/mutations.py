@@ -775,6 +775,17 @@ MUTATIONS = [
     ('src/loaders.py', 'perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()',
      'perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()',
      ['tests/test_random_draws.py::test_the_validation_split_holds_each_image_in_the_stated_share_across_seeds']),
+    ('train_ddp.py', "    dist.all_reduce(sums)  # every rank's samples", '    pass',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    ('train_fsdp.py', "    dist.all_reduce(sums)  # every rank's samples", '    pass',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    ('train_fsdp.py', "    dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard", '    pass',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks',
+      'tests/test_two_ranks.py::test_fsdp_validation_forwards_and_sums_with_uneven_shards']),
+    ('train_accelerate.py', 'sums = accelerator.reduce(sums, reduction="sum")', 'sums = sums',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    ('train_accelerate.py', 'batch_sums(*accelerator.gather_for_metrics((logits, labels)))', 'batch_sums(logits, labels)',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
 ]
 
 

@@ -1,13 +1,16 @@
-"""Two real gloo ranks, in this module's one launch (torch.multiprocessing's spawn, two processes
-that run the SCENARIOS below in turn, each in a process group of its own; what each rank printed
-is kept apart): what only rank 0 should say, said once, by train_ddp.py, train_fsdp.py,
-train_accelerate.py and predict; the reductions and rank-dependent indices with uneven shares
-(FSDP's validation forwards and sums, the shards' whole state, predict's rows, the newest
-last.pth of two nodes); a torchrun restart whose store still holds the dead attempt's keys.
+"""Two real gloo ranks, in this module's one launch (torch.multiprocessing's spawn: two processes
+that run the SCENARIOS below in turn, each in a process group of its own, each rank's prints kept
+apart and its renames logged): train_ddp.py (then --resume and --evaluate), train_fsdp.py,
+train_accelerate.py and predict say what only rank 0 should say, once, and write from rank 0
+alone, each file in its order and with the usual mode; the reductions and rank-dependent indices
+with uneven shares (each epoch's sample counts, FSDP's validation forwards and sums, the shards'
+whole state, predict's rows, the newest last.pth of two nodes); a torchrun restart whose store
+still holds the dead attempt's keys.
 
 A fake process group cannot show these: its collectives do nothing, and one process cannot print
 twice."""
 import contextlib
+import json
 import math
 import os
 import re
@@ -35,8 +38,8 @@ from src.process_group import end_process_group
 
 VAL_FRACTION = "0.225"  # tiny_data's 40 images: 31 train, 9 validation (4 on rank 0, 5 on rank 1)
 FLAGS = [*TINY, "--batch-size", "4", "--val-fraction", VAL_FRACTION, "--epochs", "2"]
-# Every message that a run can print once, in one run: --resume with no last.pth yet, --cache's
-# build, a frozen first epoch (SqueezeNet's last layer is not its output layer), --profile's table.
+# Most messages a run can print, in one run: --resume with no last.pth yet, a frozen first epoch
+# (SqueezeNet's last layer is not its output layer), --profile's table; and --cache's.
 CHATTY = ["--resume", "--freeze-epochs", "1", "--profile"]
 PREDICTED = 7  # predict's folder: 7 images (the 4th broken: rank 1's first), and a text file
 BROKEN = 3
@@ -341,6 +344,17 @@ def test_a_broken_image_on_rank_1_leaves_its_own_row_out(launch, tmp_path, monke
     assert np.all(np.abs(rows["p_dog"].to_numpy() - p) <= bound + FORMATTED)
     assert np.ptp(p) > 0.1, "the images' p(dog) differ: a row in another's place shows"
     assert f"left out {files[BROKEN]}: cannot decode it" in printed(launch, "predict", 0)[0]
+
+
+@pytest.mark.parametrize("script", ["ddp", "fsdp", "accelerate"])
+def test_each_epoch_counts_the_samples_of_both_ranks(script, launch):
+    """31 training images in global batches of 8: 3 steps of 4 images per rank, 24 an epoch; the 9
+    validation images in shares of 4 and 5 (accelerate pads the shorter share and drops the
+    padding again): the reduced sums count every sample once, and their loss is the mean over them."""
+    result(launch, script, 0)
+    records = json.loads((launch / script / "history.json").read_text())
+    assert [(r["train_samples"], r["val_samples"]) for r in records] == [(24, 9), (24, 9)]
+    assert all(0 < r["val_loss"] < 5 and 0 <= r["val_acc"] <= 1 for r in records)
 
 
 def test_fsdp_fp16_scales_the_loss_on_both_ranks(launch):
