@@ -2,6 +2,7 @@
 
     .venv/bin/python checks/mutations.py              # every entry (half an hour or more on 2 cores)
     .venv/bin/python checks/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
+    .venv/bin/python checks/mutations.py -t two_ranks # the entries that name a test holding "two_ranks"
     .venv/bin/python checks/mutations.py --list       # the entries, without running anything
 
 The working tree (its tracked files and the untracked ones git does not ignore) is copied once into
@@ -10,8 +11,15 @@ there unchanged (they must pass: a test that fails anyway proves nothing; --no-b
 this). Then, for each entry, the one change is made in the copy, its tests run there with this
 repository's .venv (one pytest process, stopping at the first failure, only the tests named), and
 the file is put back. The report is a table: each mutation, its tests, and "caught" (pytest
-reported a failed test), "survived" (they passed) or "error" (they could not run: a test name that
-does not exist, a mutation that breaks the import); exit code 0 when every one was caught.
+reported a failed test of behaviour), "survived" (they passed) or "error" (they could not run: a
+test name that does not exist, a mutation that breaks the import); exit code 0 when every one was
+caught.
+
+A check that reads source text only is no catch: tests/test_mutations.py finds each entry's text
+in its file, so it fails on any edit of a listed line, right or wrong. Its tests are left out of
+an entry's run, and an entry whose only failing tests are such checks, or that names no other, is
+reported "survived (text only)". (An entry of this runner itself is the exception: those tests
+run its code.)
 
 An entry is ("path", "original", "replacement", ["tests/test_x.py::test_name", ...]): the original
 text must occur exactly once in the file (several lines if one is not enough to be unique);
@@ -38,6 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
 GPU = "gpu:"  # the prefix of a check of make test-gpu among an entry's tests
+# The test files that read source text only, and the one file whose entries they test by running
+# it: for any other entry their failure says the text changed, not that the behaviour did.
+TEXT_ONLY = {"tests/test_mutations.py": "checks/mutations.py"}
 
 MUTATIONS = [
     # Issue 27's seven rows.
@@ -183,6 +194,15 @@ MUTATIONS = [
     # would occur here too).
     ("checks/mutations.py", "if count " "!= 1:", "if count > 1:",
      ["tests/test_mutations.py::test_an_entry_that_does_not_apply_is_refused_before_anything_runs"]),
+    # Only a test of behaviour catches (the text check that an entry's line exists does not).
+    ("checks/mutations.py", "    return file in TEXT_ONLY and " "TEXT_ONLY[file] != path", "    return False",
+     ["tests/test_mutations.py::test_only_a_test_of_behaviour_catches_a_mutation",
+      "tests/test_mutations.py::test_a_mutation_caught_only_by_the_text_check_is_reported_survived"]),
+    ("checks/mutations.py", "split([test for test in tests " "if not text_only(test, path)])", "split(tests)",
+     ["tests/test_mutations.py::test_a_mutation_caught_only_by_the_text_check_is_reported_survived"]),
+    ("checks/mutations.py", 'if line.startswith(("FAILED ", ' '"ERROR ")) and " " in line]',
+     'if line.startswith("FAILED ") and " " in line]',
+     ["tests/test_mutations.py::test_the_runner_reads_which_tests_failed_from_pytest"]),
     # Issue 25: the GPU path (fused optimizers, seeds, DataParallel, timeouts, caches, make test-gpu).
     ('src/recipe.py', '    optimizer.register_step_pre_hook(zero_momentum)\n', '',
      ['tests/test_gpu_on_cpu_fused_optimizers.py::test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does', 'tests/test_gpu_on_cpu_fused_optimizers.py::test_fused_optimizers_survive_a_skipped_first_step', 'tests/test_gpu_on_cpu_fused_optimizers.py::test_fused_sgd_takes_a_backbone_unfrozen_after_its_head_trained', 'tests/test_gpu_on_cpu_selftest.py::test_make_test_gpus_fused_optimizer_check_bites']),
@@ -639,6 +659,133 @@ MUTATIONS = [
      ['tests/test_outputs.py::test_synthetic_writes_only_where_it_may']),
     ('src/tools/synthetic.py', '    except OSError as error:  # a full disk, a quota\n', '    except ZeroDivisionError as error:  # a full disk, a quota\n',
      ['tests/test_outputs.py::test_synthetic_writes_only_where_it_may']),
+    # Issue 35: fresh breakages that passed the suite, and their kinds. Two real gloo ranks
+    # (tests/test_two_ranks.py): reductions and rank-dependent indices with uneven shares, what
+    # each rank prints, a torchrun restart.
+    ('src/sharding.py', '    most = math.ceil(loader.sampler.largest / loader.batch_size)',
+     '    most = math.ceil(len(loader.dataset) / loader.batch_size)',
+     ['tests/test_two_ranks.py::test_fsdp_validation_forwards_and_sums_with_uneven_shards',
+      'tests/test_fsdp.py::test_every_rank_runs_as_many_validation_forwards']),
+    ('src/sharding.py', '    for _ in range(most - len(loader)):', '    for _ in range(most - len(loader.sampler)):',
+     ['tests/test_two_ranks.py::test_fsdp_validation_forwards_and_sums_with_uneven_shards']),
+    ('src/process_group.py', 'return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size',
+     'return dist.PrefixStore("attempt0", store), rank, world_size',
+     ['tests/test_two_ranks.py::test_a_restarted_attempt_joins_a_store_holding_the_dead_attempts_keys']),
+    ('src/checkpoint.py', 'source = -max(held)[1]', 'source = -min(held)[1]',
+     ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
+    ('src/checkpoint.py', 'held = [(epoch, -rank) for rank, epoch in enumerate(epochs) if epoch is not None]',
+     'held = [(epoch, rank) for rank, epoch in enumerate(epochs) if epoch is not None]',
+     ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
+    ('src/inference.py', '    share[[i - sampler.start for i in broken]] = float("nan")',
+     '    share[[i for i in broken]] = float("nan")',
+     ['tests/test_two_ranks.py::test_a_broken_image_on_rank_1_leaves_its_own_row_out']),
+    ('train_fsdp.py', 'scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")',
+     'scaler = torch.amp.GradScaler(device.type, enabled=False)',
+     ['tests/test_two_ranks.py::test_fsdp_fp16_scales_the_loss_on_both_ranks']),
+    ('train_fsdp.py', '    if rank == 0:\n        print(run_header(', '    if True:\n        print(run_header(',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('train_fsdp.py', '    if rank == 0:\n        print(done_line(', '    if True:\n        print(done_line(',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('train_ddp.py', '    if rank == 0:\n        print(done_line(', '    if True:\n        print(done_line(',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('train_accelerate.py', '    if accelerator.is_main_process:\n        print(done_line(',
+     '    if True:\n        print(done_line(', ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/checkpoint.py', 'path, announce = output_paths(args)["last"], is_first()',
+     'path, announce = output_paths(args)["last"], True',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/stages.py', 'end, show = frozen_until(args), is_first()', 'end, show = frozen_until(args), True',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/progress.py', 'self.profiler = Profiler(args, device) if args.profile and self.show else None',
+     'self.profiler = Profiler(args, device) if args.profile else None',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/inference.py', 'leave=False, disable=rank != 0):', 'leave=False, disable=False):',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/cache.py', '        if show_progress:\n            print(f"reading', '        if True:\n            print(f"reading',
+     ['tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/checkpoint.py', 'if state["epoch"] > args.epochs:', 'if state["epoch"] >= args.epochs:',
+     ['tests/test_resume_rules.py::test_a_run_resumes_up_to_and_beyond_the_epochs_it_finished',
+      'tests/test_two_ranks.py::test_rank_0_alone_speaks_and_says_each_thing_once']),
+    ('src/atomic.py', '        os.fchmod(fd, 0o666 & ~_UMASK)', '        pass',
+     ['tests/test_two_ranks.py::test_rank_0_alone_writes_each_file_in_its_order_with_the_usual_mode']),
+    ('src/run_lock.py', 'os.O_CLOEXEC, 0o666)', 'os.O_CLOEXEC, 0o600)',
+     ['tests/test_two_ranks.py::test_rank_0_alone_writes_each_file_in_its_order_with_the_usual_mode']),
+    # Issue 35's rows that one process shows, and their kinds.
+    ('train_fsdp.py', 'model.train(not frozen)', 'model.train(True)',
+     ['tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode']),
+    ('src/evaluation.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data")',
+     '("arch", "num_classes", "image_size", "seed", "data")',
+     ['tests/test_evaluate.py::test_evaluate_refuses_a_checkpoint_of_other_flags']),
+    ('src/evaluation.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data")',
+     '("arch", "num_classes", "image_size", "seed", "val_fraction")',
+     ['tests/test_evaluate.py::test_evaluate_refuses_a_checkpoint_of_other_images']),
+    ('src/tools/export.py', 'key=lambda name: name == output.name)', 'key=lambda name: name != output.name)',
+     ['tests/test_export.py::test_the_onnx_file_comes_after_its_weights_with_the_usual_mode']),
+    ('src/tools/export.py', '        os.chmod(folder / name, 0o666 & ~umask)', '        pass',
+     ['tests/test_export.py::test_the_onnx_file_comes_after_its_weights_with_the_usual_mode']),
+    ('src/tools/export.py', '        os.chmod(folder / name, 0o666 & ~umask)', '        os.chmod(folder / name, 0o644)',
+     ['tests/test_export.py::test_the_onnx_file_comes_after_its_weights_with_the_usual_mode']),
+    ('src/tools/onnx_model.py', 'if (images.type != "tensor(uint8)" or list(images.shape[1:]) != [3, size, size]',
+     'if (images.type != "tensor(uint8)"',
+     ['tests/test_export.py::test_an_onnx_file_whose_graph_is_not_its_metadata_is_refused']),
+    ('src/tools/onnx_model.py', '            or probabilities.shape[1:] != [len(classes)]):', '            ):',
+     ['tests/test_export.py::test_an_onnx_file_whose_graph_is_not_its_metadata_is_refused']),
+    ('src/tools/rounding.py', 'bound = 4 * LAMBDA * U', 'bound = 2 * LAMBDA * U',
+     ['tests/test_export.py::test_the_rounding_bound_is_the_hand_computed_formula']),
+    ('src/tools/rounding.py', 'p64 * (1 - p64) + 4 * U', 'p64 * (1 - p64) + 2 * U',
+     ['tests/test_export.py::test_the_rounding_bound_is_the_hand_computed_formula']),
+    ('src/tools/rounding.py', 'total += math.sqrt(module.embed_dim) + math.sqrt(module.head_dim)',
+     'total += math.sqrt(module.embed_dim)',
+     ['tests/test_export.py::test_the_rounding_bound_is_the_hand_computed_formula']),
+    ('src/image_files.py', '                seen.add(os.path.realpath(file))', '                seen.add(file)',
+     ['tests/test_predict.py::test_a_file_named_twice_is_listed_once']),
+    ('src/image_files.py', '                seen.add(os.path.realpath(file))', '                seen.add(os.path.abspath(file))',
+     ['tests/test_predict.py::test_a_file_named_twice_is_listed_once']),
+    ('src/image_files.py', '            elif os.path.realpath(file) not in seen:', '            elif os.path.abspath(file) not in seen:',
+     ['tests/test_predict.py::test_a_file_named_twice_is_listed_once']),
+    ('src/progress.py', 'steps_per_epoch + step // self.progress.args.accumulate', 'steps_per_epoch + step',
+     ['tests/test_watch.py::test_tensorboard_counts_optimizer_steps_under_accumulate']),
+    ('src/loaders.py', '    return max(1, available_cpus() // local_processes)', '    return max(1, available_cpus())',
+     ['tests/test_gpu_on_cpu_hosts.py::test_each_process_of_a_node_takes_its_share_of_the_cpus_as_workers']),
+    ('src/loaders.py', '    return max(1, available_cpus() // local_processes)', '    return available_cpus() // local_processes',
+     ['tests/test_gpu_on_cpu_hosts.py::test_each_process_of_a_node_takes_its_share_of_the_cpus_as_workers']),
+    ('src/cli.py', '    if workers <= cpus:', '    if workers < cpus:',
+     ['tests/test_gpu_on_cpu_hosts.py::test_the_workers_cap_is_said_by_rank_0_alone']),
+    ('src/cli.py', '    if os.environ.get("RANK", "0") == "0":', '    if True:',
+     ['tests/test_gpu_on_cpu_hosts.py::test_the_workers_cap_is_said_by_rank_0_alone']),
+    ('src/data_parallel.py', 'enabled=torch.is_autocast_enabled(self.device_type)', 'enabled=True',
+     ['tests/test_gpu_on_cpu_data_parallel.py::test_data_parallel_replicas_without_amp_run_in_float32']),
+    ('src/checkpoint.py', 'for key in RESUME_KEYS + (("epochs",) if args.lr_schedule != "constant" else ()):',
+     'for key in RESUME_KEYS:', ['tests/test_resume_rules.py::test_a_schedule_that_spans_the_run_keeps_its_epochs']),
+    ('src/ranks.py', 'return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0',
+     'return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) >= 0',
+     ['tests/test_resume_rules.py::test_a_restarted_worker_resumes_without_being_asked']),
+    # Random draws in the proportions documented (tests/test_random_draws.py).
+    ('src/augment.py', 'flip = bool(torch.rand(1, generator=generator).item() < 0.5)',
+     'flip = bool(torch.rand(1, generator=generator).item() < 0.4)',
+     ['tests/test_random_draws.py::test_augmentation_crops_and_flips_in_the_documented_proportions']),
+    ('src/augment.py', 'SCALE = (0.25, 1.0)', 'SCALE = (0.3, 1.0)',
+     ['tests/test_random_draws.py::test_augmentation_crops_and_flips_in_the_documented_proportions']),
+    ('src/augment.py', 'RATIO = (3 / 4, 4 / 3)', 'RATIO = (3 / 4, 5 / 4)',
+     ['tests/test_random_draws.py::test_augmentation_crops_and_flips_in_the_documented_proportions']),
+    ('src/augment.py', '            top = min(int(y * (size - height + 1)), size - height)',
+     '            top = min(int(y * (size - height)), size - height)',
+     ['tests/test_random_draws.py::test_augmentation_crops_and_flips_in_the_documented_proportions']),
+    ('src/augment.py', 'manual_seed(derive_seed(seed, epoch, index))', 'manual_seed(derive_seed(seed, 0, index))',
+     ['tests/test_random_draws.py::test_augmentation_draws_anew_each_epoch_and_for_each_seed']),
+    ('src/loaders.py', 'perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()',
+     'perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()',
+     ['tests/test_random_draws.py::test_the_validation_split_holds_each_image_in_the_stated_share_across_seeds']),
+    ('train_ddp.py', "    dist.all_reduce(sums)  # every rank's samples", '    pass',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    ('train_fsdp.py', "    dist.all_reduce(sums)  # every rank's samples", '    pass',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    ('train_fsdp.py', "    dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard", '    pass',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks',
+      'tests/test_two_ranks.py::test_fsdp_validation_forwards_and_sums_with_uneven_shards']),
+    ('train_accelerate.py', 'sums = accelerator.reduce(sums, reduction="sum")', 'sums = sums',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    ('train_accelerate.py', 'batch_sums(*accelerator.gather_for_metrics((logits, labels)))', 'batch_sums(logits, labels)',
+     ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
 ]
 
 
@@ -676,6 +823,31 @@ def has_gpu() -> bool:
     return probe.stdout.strip() == "True"
 
 
+def text_only(test: str, path: str) -> bool:
+    """Whether the pytest name `test` is a check of source text alone for an entry of `path`."""
+    file = test.split("::")[0]
+    return file in TEXT_ONLY and TEXT_ONLY[file] != path
+
+
+def failed_tests(output: str) -> list[str]:
+    """The tests pytest's short summary (-rfE) names as failed or in error, in its order."""
+    return [line.split(" ", 1)[1].split(" - ")[0] for line in output.splitlines()
+            if line.startswith(("FAILED ", "ERROR ")) and " " in line]
+
+
+def verdict(path: str, tests: list[str], outcome: str, failed: list[str]) -> str:
+    """The report's word for an entry of `path` naming `tests`, which ended `outcome` ("passed",
+    "failed", "error" or "no GPU") with the tests `failed` failing: caught only by a test of
+    behaviour; "SURVIVED (text only)" when none of those failed, or the entry names none."""
+    if outcome == "failed" and not failed:
+        return "ERROR"  # a failure that pytest's summary did not name
+    if outcome == "failed" and any(not text_only(test, path) for test in failed):
+        return "caught"
+    if outcome in ("failed", "passed"):
+        return "SURVIVED (text only)" if outcome == "failed" or all(text_only(t, path) for t in tests) else "SURVIVED"
+    return {"no GPU": "no GPU"}.get(outcome, "ERROR")
+
+
 def split(tests: list[str]) -> tuple[list[str], list[str]]:
     """An entry's pytest names, and the keys of its make test-gpu checks."""
     return ([test for test in tests if not test.startswith(GPU)],
@@ -695,11 +867,12 @@ def scratch_copy() -> Path:
     return folder
 
 
-def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float]:
-    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds); its output goes to log."""
+def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
+    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds, the tests that
+    failed); its output goes to log."""
     start = time.monotonic()
     basetemp = copy / ".pytest-tmp"  # its own: a session of the shared runs, not another session's folder
-    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "--basetemp", str(basetemp), *tests]
+    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "-rfE", "--basetemp", str(basetemp), *tests]
     try:
         result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
                                 env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
@@ -709,13 +882,14 @@ def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[
     log.write_text(" ".join(command) + "\n\n" + output)
     shutil.rmtree(basetemp, ignore_errors=True)
     # pytest's exit codes: 0 all passed, 1 some failed, 2 interrupted or errors in collection, 4 usage, 5 none collected.
-    return {0: "passed", 1: "failed"}.get(code, "error"), time.monotonic() - start
+    return {0: "passed", 1: "failed"}.get(code, "error"), time.monotonic() - start, failed_tests(output)
 
 
-def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tuple[str, float]:
-    """make test-gpu's checks `keys` in the copy: ("passed" | "failed" | "error", seconds), failed
-    when its report.json has one of them FAILED; its output goes to log."""
-    start = time.monotonic()
+def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
+    """make test-gpu's checks `keys` in the copy: ("passed" | "failed" | "error", seconds, the
+    checks that failed as "gpu:KEY"), failed when its report.json has one of them FAILED; its
+    output goes to log."""
+    start, failed = time.monotonic(), []
     out = copy / ".gpu-selftest"
     shutil.rmtree(out, ignore_errors=True)
     command = [str(PYTHON), "checks/gpu_selftest.py", "--only", ",".join(keys), "--out", str(out)]
@@ -724,29 +898,33 @@ def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tu
         output = result.stdout + result.stderr
         report = json.loads((out / "report.json").read_text())
         verdicts = {check["key"]: check["verdict"] for check in report["checks"]}
-        outcome = ("failed" if any(verdicts.get(key) == "FAILED" for key in keys)
+        failed = [GPU + key for key in keys if verdicts.get(key) == "FAILED"]
+        outcome = ("failed" if failed
                    else "passed" if all(verdicts.get(key) == "passed" for key in keys) else "error")
     except subprocess.TimeoutExpired as expired:
         output, outcome = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", "error"
     except (OSError, ValueError, KeyError) as error:
         output, outcome = f"{output}\nno report: {error}", "error"
     log.write_text(" ".join(command) + "\n\n" + output)
-    return outcome, time.monotonic() - start
+    return outcome, time.monotonic() - start, failed
 
 
-def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool) -> tuple[str, float]:
-    """An entry's tests, then (on a GPU) its make test-gpu checks: "failed" as soon as one fails;
-    "no GPU" when it names GPU checks only and there is none here."""
-    cpu_tests, keys = split(tests)
-    outcome, seconds = "passed", 0.0
+def run_entry(copy: Path, path: str, tests: list[str], log: Path, timeout: float,
+              gpu: bool) -> tuple[str, float, list[str]]:
+    """The tests of an entry of `path` but its checks of source text (text_only), then (on a GPU)
+    its make test-gpu checks: (outcome, seconds, what failed), "failed" as soon as one fails;
+    "no GPU" when it names GPU checks only and there is none here; "passed" with nothing run when
+    it names checks of source text only."""
+    cpu_tests, keys = split([test for test in tests if not text_only(test, path)])
+    outcome, seconds, failed = "passed", 0.0, []
     if cpu_tests:
-        outcome, seconds = run_tests(copy, cpu_tests, log, timeout)
+        outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout)
     if keys and outcome == "passed":
         if not gpu:
-            return ("no GPU" if not cpu_tests else outcome), seconds
-        outcome, more = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
+            return ("no GPU" if not cpu_tests else outcome), seconds, failed
+        outcome, more, failed = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
         seconds += more
-    return outcome, seconds
+    return outcome, seconds, failed
 
 
 def short(text: str, width: int = 60) -> str:
@@ -758,6 +936,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", dest="match", default="",
                         help="only the entries whose path or original text holds this substring")
+    parser.add_argument("-t", dest="test", default="",
+                        help="only the entries that name a test whose name holds this substring")
     parser.add_argument("--list", action="store_true", help="list the selected entries and stop")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the run of the named tests on the unchanged copy")
@@ -767,7 +947,7 @@ def main() -> int:
     args = parser.parse_args()
 
     entries = [entry for entry in MUTATIONS if (args.match in entry[0] or args.match in entry[1])
-               and (not args.gpu or split(entry[3])[1])]
+               and any(args.test in test for test in entry[3]) and (not args.gpu or split(entry[3])[1])]
     if not entries:
         print(f"no entry matches -k {args.match!r}", file=sys.stderr)
         return 2
@@ -790,12 +970,13 @@ def main() -> int:
                                      else "; no GPU here: the make test-gpu checks are skipped"), flush=True)
     try:
         if not args.no_baseline:
-            tests, keys = split(sorted({test for entry in entries for test in entry[3]}))
+            tests, keys = split(sorted({test for path, _, _, named in entries for test in named
+                                        if not text_only(test, path)}))
             for kind, names, runner in (("tests", tests, run_tests), ("make test-gpu checks", keys if gpu else [],
                                                                        run_gpu_checks)):
                 if not names:
                     continue
-                outcome, seconds = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
+                outcome, seconds, _ = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
                 print(f"baseline: the {len(names)} named {kind} on the unchanged copy {outcome} in {seconds:.0f} s",
                       flush=True)
                 if outcome != "passed":
@@ -809,22 +990,22 @@ def main() -> int:
             kept = target.read_text()
             target.write_text(kept.replace(original, replacement, 1))
             try:
-                outcome, seconds = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu)
+                outcome, seconds, failed = run_entry(copy, path, tests, logs / f"{number:03}.log", args.timeout, gpu)
             finally:
                 target.write_text(kept)
-            verdict = {"failed": "caught", "passed": "SURVIVED", "no GPU": "no GPU"}.get(outcome, "ERROR")
+            said = verdict(path, tests, outcome, failed)
             rows.append((f"{path}: `{short(original)}` -> `{short(replacement)}`",
-                         ", ".join(test.split("::")[-1] for test in tests), verdict, seconds))
-            print(f"{number}/{len(entries)} {verdict:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
+                         ", ".join(test.split("::")[-1] for test in tests), said, seconds))
+            print(f"{number}/{len(entries)} {said:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(copy, ignore_errors=True)
 
     print("\n| # | mutation | tests | result | seconds |\n|---|---|---|---|---|")
-    for number, (mutation, tests, verdict, seconds) in enumerate(rows, 1):
-        print(f"| {number} | {mutation} | {tests} | {verdict} | {seconds:.0f} |")
-    caught = sum(verdict == "caught" for _, _, verdict, _ in rows)
-    skipped = sum(verdict == "no GPU" for _, _, verdict, _ in rows)
+    for number, (mutation, tests, said, seconds) in enumerate(rows, 1):
+        print(f"| {number} | {mutation} | {tests} | {said} | {seconds:.0f} |")
+    caught = sum(said == "caught" for _, _, said, _ in rows)
+    skipped = sum(said == "no GPU" for _, _, said, _ in rows)
     print(f"\n{caught} of {len(rows) - skipped} caught" + (f" ({skipped} for a GPU only, not run here)" if skipped else "")
           + "; " + (f"logs in {logs}" if args.keep else "rerun with --keep for the logs"))
     return 0 if caught + skipped == len(rows) else 1

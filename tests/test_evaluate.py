@@ -107,6 +107,14 @@ def test_evaluate_refuses_a_checkpoint_of_other_flags(runs, single_out, monkeypa
     assert "pass the flags it was trained with" in line
     _fails(runs, single_out, monkeypatch, capsys, "was trained with --seed 42, not 7", "--seed", "7")
     _fails(runs, single_out, monkeypatch, capsys, "was trained with --image-size 64, not 32", "--image-size", "32")
+    # Another split of the same images, or other images: the validation set would hold training images.
+    _fails(runs, single_out, monkeypatch, capsys, "was trained with --val-fraction 0.5025, not 0.3",
+           "--val-fraction", "0.3")
+
+
+def test_evaluate_refuses_a_checkpoint_of_other_images(runs, single_out, small_data, monkeypatch, capsys):
+    argv = ["--data-dir", str(small_data), *evaluate_flags("single", single_out)]
+    fails_in_process(train_single.main, argv, monkeypatch, capsys, "was trained with --data-dir (its images) ")
 
 
 def test_evaluate_refuses_a_best_json_of_another_best_pth(runs, single_out, monkeypatch, capsys):

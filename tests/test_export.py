@@ -3,7 +3,10 @@ the normalisation inside), checked against onnxruntime at export time; onnxrunti
 probabilities on real decoded images match torch's within the float32 bound of src/tools/rounding.py;
 `predict --onnx` runs it without torch; an ONNX file of another model is refused."""
 import json
+import math
+import os
 import shutil
+import stat
 import sys
 
 import numpy as np
@@ -27,7 +30,7 @@ from src.datasets import open_rgb
 from src.inference import load_checkpoint
 from src.tools import export, predict
 from src.tools.onnx_model import FORMAT
-from src.tools.rounding import rounding_bound
+from src.tools.rounding import depth_sum, rounding_bound
 from src.transforms import image_transform, normalize
 
 
@@ -171,3 +174,80 @@ def test_export_bad_input(checkpoint, exact_data, tmp_path, monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "onnxscript", None)
     fails("the export needs onnxscript: pip install -r requirements-onnx.txt", checkpoint, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_the_onnx_file_comes_after_its_weights_with_the_usual_mode(exported, checkpoint, exact_data, tmp_path,
+                                                                   monkeypatch, capsys):
+    """An export whose weights go to a .data file beside it (torch's exporter does that above
+    1.5 GB; here the fixture's file saved that way), written privately (0600) as a saver in a
+    temporary folder may: the .data file is in place before the .onnx that names it (a reader never
+    finds an .onnx without its weights), and both get the mode a new file gets under the umask
+    (0640 under 027), not 0600."""
+    model = onnx.load(str(exported[0]))
+
+    class Program:
+        def save(self, path):
+            onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=f"{os.path.basename(path)}.data", size_threshold=1024)
+            for name in (path, f"{path}.data"):
+                os.chmod(name, 0o600)
+    monkeypatch.setattr(export, "export_program", lambda *args: Program())
+    out, replaced, rename = tmp_path / "out", [], os.replace
+
+    def replace(source, target, *args, **kwargs):
+        replaced.append((os.path.basename(target), sorted(p.name for p in out.iterdir() if not p.name.startswith("."))))
+        return rename(source, target, *args, **kwargs)
+    out.mkdir()
+    monkeypatch.setattr(os, "replace", replace)
+    umask = os.umask(0o027)
+    try:
+        code, _, err = in_process(export.main, [str(checkpoint), str(out / "m.onnx"), "--images",
+                                                str(exact_data / "train"), "--check", "3"], monkeypatch, capsys)
+    finally:
+        os.umask(umask)
+    assert code == 0, err
+    assert replaced == [("m.onnx.data", []), ("m.onnx", ["m.onnx.data"])]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {"m.onnx": 0o640, "m.onnx.data": 0o640}
+
+
+@pytest.mark.parametrize("field, value, graph", [("image_size", "32", "3, 32, 32]"),
+                                                 ("classes", '["cat", "dog", "fox"]', "3 classes")])
+def test_an_onnx_file_whose_graph_is_not_its_metadata_is_refused(field, value, graph, exported, mixed, tmp_path,
+                                                                 monkeypatch, capsys):
+    """An export's graph takes (batch, 3, 64, 64) images and gives 2 classes; metadata that says
+    32 px, or 3 classes, describes another graph: refused in one line before any image is decoded."""
+    model = onnx.load(str(exported[0]))
+    for prop in model.metadata_props:
+        if prop.key == field:
+            prop.value = value
+    onnx.save(model, str(tmp_path / "other.onnx"))
+    line = fails_in_process(predict.main, ["--onnx", str(tmp_path / "other.onnx"), str(mixed), "--output",
+                                           str(tmp_path / "p.csv")], monkeypatch, capsys,
+                            "does not match its metadata")
+    assert graph in line and "export it again" in line
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_the_rounding_bound_is_the_hand_computed_formula():
+    """|p_a - p_b| <= 4 LAMBDA u S M p (1 - p) + 4 u per image and class, computed here from its
+    pieces for a model of a grouped convolution and two Linear layers: S = sum of sqrt(fan-in),
+    M = max_j (|W| |a| + |b|)_j of the last layer in float64. Equal to the last digits: a bound
+    twice or half as wide fails."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, groups=2), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(24, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    x = torch.randn(3, 4, 4, 4)
+    p, bound = rounding_bound(model, x)
+    with torch.no_grad():
+        a = model[:-1](x).double().numpy()
+    weight, bias = model[-1].weight.detach().double().numpy(), model[-1].bias.detach().double().numpy()
+    m = (np.abs(a) @ np.abs(weight).T + np.abs(bias)).max(axis=1, keepdims=True)
+    s = math.sqrt(2 * 3 * 3) + math.sqrt(24) + math.sqrt(5)  # fan-ins: 4 / 2 groups x 3 x 3, 24, 5
+    q = p.double().numpy()
+    u = 2.0 ** -24
+    want = 4 * 3.0 * u * s * m * q * (1 - q) + 4 * u
+    np.testing.assert_allclose(bound.numpy(), want, rtol=1e-9, atol=0)
+    assert torch.equal(p, model(x).softmax(dim=1))
+    # A vision transformer's attention counts its in-projection and its query-key products.
+    attention = torch.nn.MultiheadAttention(8, num_heads=2)
+    assert depth_sum(attention) == pytest.approx(math.sqrt(8) + math.sqrt(4) + math.sqrt(8))  # + out_proj

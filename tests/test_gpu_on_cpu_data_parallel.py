@@ -39,6 +39,23 @@ def test_data_parallel_replicas_autocast_to_the_dtype_asked_for():
     assert seen == {"plain": torch.float16, "ours": torch.bfloat16}
 
 
+def test_data_parallel_replicas_without_amp_run_in_float32():
+    """Without --amp the caller does not autocast, and parallel_apply enters autocast disabled in
+    each replica's thread (whose default dtype is float16, as on CUDA): the replica stays float32."""
+    model = nn.Linear(4, 4)
+    replica = data_parallel.AutocastReplica(copy.deepcopy(model), "cpu")  # made outside autocast
+    seen = {}
+
+    def replica_thread():
+        torch.set_autocast_dtype("cpu", torch.float16)
+        with torch.amp.autocast("cpu", enabled=False):  # parallel_apply: enabled as in the caller
+            seen["ours"] = replica(torch.ones(2, 4)).dtype
+    thread = threading.Thread(target=replica_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"ours": torch.float32}
+
+
 def test_data_parallel_wraps_every_replica(monkeypatch):
     monkeypatch.setattr(nn.DataParallel, "replicate",
                         lambda self, module, device_ids: [copy.deepcopy(module) for _ in device_ids])

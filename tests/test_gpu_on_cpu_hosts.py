@@ -30,7 +30,7 @@ import train_single
 from src.cli import parse_args
 from src.devices import available_cpus, check_gpus, check_shared_memory, training_device
 from src.errors import UserError
-from src.loaders import labelled_images
+from src.loaders import default_workers, labelled_images
 from src.tools import predict
 from src.tools.synthetic import write_dataset
 
@@ -106,6 +106,31 @@ def test_the_shared_memory_check_counts_every_process_of_the_node(monkeypatch):
     assert error.value.quiet  # rank 0 says it
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     check_shared_memory(1, 15 * 2**20, Path("/"))  # one process: 60 MB
+
+
+@pytest.mark.parametrize("cpus, processes, workers", [(7, 2, 3), (8, 2, 4), (8, 1, 8), (1, 2, 1), (3, 4, 1)])
+def test_each_process_of_a_node_takes_its_share_of_the_cpus_as_workers(cpus, processes, workers, monkeypatch):
+    """--workers' default: the node's CPUs over its processes (torchrun's LOCAL_WORLD_SIZE),
+    rounded down, at least 1: the processes of a node together start no more workers than it has
+    CPUs. The training scripts' flag and predict's default."""
+    monkeypatch.setattr("src.devices.available_cpus", lambda: cpus)
+    monkeypatch.setattr("src.loaders.available_cpus", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    assert parse_args("", []).workers == workers
+    assert default_workers() == workers
+
+
+@pytest.mark.parametrize("rank, said", [("0", True), ("1", False)])
+def test_the_workers_cap_is_said_by_rank_0_alone(rank, said, monkeypatch, capsys):
+    """--workers above the CPUs is capped on every rank; rank 0 alone says so (one line), with
+    --workers at the CPUs nothing is said."""
+    monkeypatch.setattr("src.devices.available_cpus", lambda: 3)
+    monkeypatch.setenv("RANK", rank)
+    assert parse_args("", ["--workers", "3"]).workers == 3
+    assert capsys.readouterr().err == ""
+    assert parse_args("", ["--workers", "4"]).workers == 3
+    assert capsys.readouterr().err == ("--workers 4 is more than the 3 CPU(s) this process may use: using 3\n"
+                                       if said else "")
 
 
 def test_default_workers_follow_a_containers_cpu_quota(tmp_path):

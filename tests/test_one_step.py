@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import fails_in_process
+from torch.distributed.tensor import DTensor
 
 from src.cli import parse_args
 from src.data_parallel import AutocastDataParallel
@@ -27,7 +28,7 @@ from src.progress import Progress
 from src.recipe import make_optimizer, make_schedule
 
 N, LR = 8, 0.1
-SCRIPTS = ["single", "dp", "ddp", "accelerate"]
+SCRIPTS = ["single", "dp", "ddp", "fsdp", "accelerate"]
 # ImageNet's statistics, as torchvision documents them (src/transforms.py holds the same numbers).
 MEAN, STD = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
 
@@ -77,6 +78,20 @@ def script_step(script: str, model: nn.Module, *argv: str, frozen: bool = False,
                         schedule, frozen)
         finally:
             dist.destroy_process_group()
+    elif script == "fsdp":  # a world of one: the script's own steps on the sharded model
+        from src.sharding import shard_model
+        plain = copy.deepcopy(model)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            shard_model(model, device)  # before the optimizer, as the script does
+            optimizer = make_optimizer(model, args, device)
+            schedule = make_schedule(optimizer, args, 1)
+            train_epoch(model, progress.pass_over(loader, "test", 0), device, args, optimizer, scaler, schedule, frozen)
+            plain.load_state_dict({key: value.full_tensor() if isinstance(value, DTensor) else value
+                                   for key, value in model.state_dict().items()})
+        finally:
+            dist.destroy_process_group()
+        model = plain
     else:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
@@ -185,7 +200,7 @@ def test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode(scr
 @pytest.mark.parametrize("script, amp, dtype", [
     *[(script, "bf16", torch.bfloat16) for script in SCRIPTS],
     # accelerate does not autocast to float16 on a CPU: train_accelerate.py refuses it (below).
-    *[(script, "fp16", torch.float16) for script in ("single", "dp", "ddp")]])
+    *[(script, "fp16", torch.float16) for script in ("single", "dp", "ddp", "fsdp")]])
 def test_amp_runs_the_forward_in_its_dtype_and_keeps_float32_weights(script, amp, dtype):
     """Whatever the CPU does inside a kernel, autocast hands the convolution and the head their
     inputs and takes their outputs in --amp's dtype (accelerate: its --mixed_precision); the

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +85,24 @@ def test_find_images_counts_other_files_and_refuses_an_empty_folder(mixed, tmp_p
     (tmp_path / "notes.txt").write_text("text")
     with pytest.raises(Exception, match="no images in .* \\(1 other file"):
         find_images([tmp_path])
+
+
+def test_a_file_named_twice_is_listed_once(exact_data, tmp_path, monkeypatch):
+    """The same image as an absolute and a relative path, through a link to it, and inside a link
+    to its folder, in either order: predicted once, under the name it was first given."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    shutil.copy(exact_data / "train" / "cat.1.jpg", folder / "a.jpg")
+    shutil.copy(exact_data / "train" / "dog.1.jpg", folder / "b.jpg")
+    (tmp_path / "link.jpg").symlink_to(folder / "a.jpg")
+    (tmp_path / "folder").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    relative = Path("images") / "a.jpg"
+    assert find_images([folder / "a.jpg", relative, tmp_path / "link.jpg", tmp_path / "folder"]) == \
+        ([folder / "a.jpg", tmp_path / "folder" / "b.jpg"], 0)
+    assert find_images([tmp_path / "link.jpg", tmp_path / "folder", relative]) == \
+        ([tmp_path / "link.jpg", tmp_path / "folder" / "b.jpg"], 0)
+    assert find_images([tmp_path / "folder", folder])[0] == [tmp_path / "folder" / "a.jpg", tmp_path / "folder" / "b.jpg"]
 
 
 def test_two_processes_under_torchrun_write_the_one_process_csv(mixed, checkpoint, one_process, module_tmp):

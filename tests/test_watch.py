@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import history, mode_run
+from conftest import history, mode_run, recipe_run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from src.profiling import CATEGORIES
@@ -46,6 +46,21 @@ def test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only(mode, run
     assert all(s.value > 0 for s in events.Scalars("step/images_per_s"))
     assert all(0.3 < s.value < 1.5 for s in events.Scalars("step/loss"))
     assert tags == {f"epoch/{f}" for f in records[0] if f != "epoch"} | {"step/loss", "step/lr", "step/images_per_s"}
+
+
+def test_tensorboard_counts_optimizer_steps_under_accumulate(runs):
+    """FSDP's full-recipe run of test_fsdp.py: 2 micro-batches a step, 5 optimizer steps an epoch
+    (10 micro-batches), --log-every 10: one step report an epoch, after its last step, at optimizer
+    steps 5 and 10 (not micro-batches 10 and 20), each with the learning rate that step left,
+    which history.json records at the epoch's end."""
+    out, _ = recipe_run(runs, "fsdp", "--log-dir", "{run}/tensorboard", "--profile", env={"COPY_LAST": "{run}/copies"})
+    _, events = _events(out.parent / "tensorboard")
+    records = history(out)
+    assert [s.step for s in events.Scalars("step/loss")] == [5, 10]
+    lrs = events.Scalars("step/lr")
+    assert [s.step for s in lrs] == [5, 10]
+    assert [s.value for s in lrs] == pytest.approx([r["lr"] for r in records], rel=1e-6)
+    assert [s.step for s in events.Scalars("epoch/lr")] == [1, 2]
 
 
 def _shown(stderr: str, epoch: int) -> dict[int, tuple[float, float | None]]:
