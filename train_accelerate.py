@@ -4,6 +4,7 @@ Launch with `accelerate launch train_accelerate.py` (after `accelerate config`),
 `accelerate launch --num_processes 4 --mixed_precision bf16 train_accelerate.py`.
 """
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -102,8 +103,7 @@ def main() -> None:
     progress = Progress(args, optimizer, steps, args.batch_size * processes, device, accelerator.log)
     # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
     # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
-    progress.stops = Stops(args, history, lambda partial: save_step(
-        args, history, model, optimizer, ema, accelerator.scaler, schedule, info, partial))
+    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, accelerator.scaler, schedule, info))
 
     accelerator.print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
                       f"mixed precision {accelerator.mixed_precision})")
@@ -139,7 +139,7 @@ def main() -> None:
             accelerator.wait_for_everyone()
     accelerator.print(done_line(history, args, time.time() - since))  # on the main process only
     progress.run_end()
-    del model, optimizer
+    del model, optimizer, progress.stops  # (the step checkpoints hold them too)
     accelerator.free_memory()  # measured: releasing the model first avoids gloo aborts at exit
     accelerator.end_training()  # closes the trackers and the process group
 

@@ -1,5 +1,6 @@
 """Fine-tune VGG16 (or another torchvision classifier) on Dogs vs. Cats with nn.DataParallel over all GPUs."""
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +79,7 @@ def main() -> None:
     progress = Progress(args, optimizer, steps, args.batch_size, device)
     # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
     # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
-    progress.stops = Stops(args, history, lambda partial: save_step(
-        args, history, model, optimizer, ema, scaler, schedule, info, partial))
+    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, scaler, schedule, info))
 
     print(run_header(args, data, device))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written

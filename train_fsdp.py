@@ -4,6 +4,7 @@ each process holds 1/W of the weights, gradients and optimizer state.
 Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
 """
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -94,8 +95,7 @@ def main() -> None:
     progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
     # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
     # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
-    progress.stops = Stops(args, history, lambda partial: save_step(
-        args, history, model, optimizer, ema, scaler, schedule, info, partial))
+    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, scaler, schedule, info))
 
     if rank == 0:
         print(run_header(args, data, device, world_size))

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from src import heartbeat
 from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
 from src.errors import UserError, one_line
-from src import heartbeat
 from src.history import History, best_choice, history_text
 from src.plot import plot_history
 from src.ranks import from_rank, from_rank_0, gather, is_first, is_node_first, restarted

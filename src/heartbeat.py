@@ -5,8 +5,9 @@ instead of a timeout traceback that names no one (docs/reliability.md).
 
 Every rank of a process group keeps where its main thread is (`at()`: the phase, the epoch, the
 micro-batch; a Python assignment, no device work) and a daemon thread writes it, with the time,
-into the store of the launcher's rendezvous every BEAT seconds: a rank that is stopped or dead stops
-writing, a rank stuck in its main thread keeps writing the same place. When this rank's own place
+into the store of the launcher's rendezvous when it changed (looking every LOOK seconds) and at
+least every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its main
+thread keeps writing the same place. When this rank's own place
 has not changed for nearly --dist-timeout (it waits in a collective), the thread reads every rank's
 beat: the ranks whose beat is stale, or whose place is behind this rank's, are the ones that did
 not arrive. The lowest rank among the others says so in one line and they end with exit code 1,
@@ -20,7 +21,8 @@ import sys
 import threading
 import time
 
-BEAT = 2.0  # seconds between two writes of a rank's place
+BEAT = 2.0  # seconds between two writes of a rank's place, at most
+LOOK = 0.25  # seconds: the thread looks at the place this often, and writes it when it changed
 STALE = 3 * BEAT + 1  # a rank not heard from for this long has stopped answering
 EXIT_HUNG = 1
 # The order of the phases inside an epoch, for "behind": every rank goes through them in turn.
@@ -49,7 +51,7 @@ def described(place: tuple) -> dict:
     """A place as a beat holds it: its order among the places of a run and its words."""
     phase, epoch, index, step, loading = place
     if phase == "starting":
-        where = "starting"
+        where = "its start, before training"
     elif phase == "training" and index < END:
         where = f"epoch {epoch + 1} step {step + 1} ({'loading its data' if loading else 'training'})"
     else:
@@ -85,15 +87,19 @@ def margin(timeout_s: float) -> float:
 
 
 def _run(store, rank: int, world_size: int, timeout_s: float) -> None:
+    written, when = None, 0.0
     try:
         while not _stop.is_set():
-            store.set(f"beat/{rank}", json.dumps({**described(_place), "time": time.time()}))
+            place = _place
+            if place is not written or time.monotonic() - when >= BEAT:
+                store.set(f"beat/{rank}", json.dumps({**described(place), "time": time.time()}))
+                written, when = place, time.monotonic()
             if time.monotonic() - _changed > timeout_s - margin(timeout_s):
                 line, printer = judge(read_beats(store, world_size), rank, time.time(), timeout_s)
                 if line is not None:
                     _end(line if printer else None)
                     return
-            _stop.wait(BEAT)
+            _stop.wait(LOOK)
     except Exception:  # the store went away (the launcher ended): nothing left to watch
         return
 
@@ -135,7 +141,7 @@ def _end(line: str | None) -> None:
     """Print the line (on the rank that says it) and end the process, unless NCCL is to dump its
     flight recorder at its own timeout."""
     if line is not None:
-        print(line, file=sys.stderr, flush=True)
+        print(f"\n{line}", file=sys.stderr, flush=True)  # on a line of its own: a progress bar may be drawn
     if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") not in ("", "0"):
         return
     if line is None:

@@ -22,8 +22,8 @@ from src.datasets import DogCatDataset, load_labels
 from src.devices import available_cpus, check_shared_memory
 from src.dropout import sample_key
 from src.errors import UserError
-from src.stopping import end_workers_at_exit, ignore_stop_signals
 from src.ranks import from_rank_0, is_first
+from src.stopping import end_workers_at_exit, ignore_stop_signals
 from src.transforms import image_transform
 
 
@@ -51,7 +51,8 @@ class EpochSampler(Sampler[tuple[int, int]]):
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.start = epoch, 0
+        if epoch != self.epoch:  # accelerate's loader sets the same epoch again as it begins the pass
+            self.epoch, self.start = epoch, 0
 
     def start_at(self, steps: int) -> None:
         """Leave out this epoch's first `steps` optimizer steps: each took global_batch / world_size

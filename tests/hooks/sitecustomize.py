@@ -158,6 +158,7 @@ if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
     def _stop():
         with open(os.environ["STOP_LOG"], "w") as log:
             log.write(f"{os.getpid()} {time.time()}\n")
+        time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
 
