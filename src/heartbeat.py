@@ -4,16 +4,15 @@ without torchrun noticing, stopped with SIGSTOP, stuck in a disk read), the othe
 instead of a timeout traceback that names no one (docs/reliability.md).
 
 Every rank of a process group keeps where its main thread is (`at()`: the phase, the epoch, the
-micro-batch; a Python assignment, no device work) and a daemon thread writes it, with the time,
-into the store of the launcher's rendezvous when it changed (looking every LOOK seconds) and at
-least every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its main
-thread keeps writing the same place. When this rank's own place
-has not changed for nearly --dist-timeout (it waits in a collective), the thread reads every rank's
-beat: the ranks whose beat is stale, or whose place is behind this rank's, are the ones that did
-not arrive. The lowest rank among the others says so in one line and they end with exit code 1,
-before the collective's own timeout (gloo's raises a traceback; NCCL's watchdog aborts the process).
-With TORCH_NCCL_DUMP_ON_TIMEOUT=1 the line is printed and the process left to NCCL's timeout, which
-then dumps its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE).
+micro-batch; a Python assignment, no device work), and a daemon thread writes it with the time into
+the store of the launcher's rendezvous when it changed (looking every LOOK seconds) and at least
+every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its main thread
+keeps writing the same place. When this rank's own place has not changed for nearly --dist-timeout
+(it waits in a collective), the thread reads every rank's beat: the ranks whose beat is stale, or
+whose place is behind this rank's, did not arrive. The lowest rank among the others says so in one
+line, and they end with exit code 1 before the collective's own timeout (gloo's raises a traceback;
+NCCL's watchdog aborts the process). With TORCH_NCCL_DUMP_ON_TIMEOUT=1 the line is printed and the
+process left to NCCL's timeout, which dumps its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE).
 """
 import json
 import os

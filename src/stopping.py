@@ -109,13 +109,14 @@ class Stops:
         self.agreed = 0  # the signal that the ranks agreed to stop on
         self.on_gpu = self.distributed and dist.get_backend() == "nccl"
         self.host = torch.zeros(1, pin_memory=True) if self.on_gpu else None
-        catch_signals()
 
     def begin(self, loader_pass, sums: torch.Tensor) -> int:
         """At the start of an epoch's training pass: stop if asked since the previous epoch (its
         files are saved); in a resumed epoch skip the finished steps and take back their sums and
         times. Returns the micro-batches already done in this epoch."""
-        if self.passes and self.agree_now():
+        if not self.passes:
+            catch_signals()  # from the first step on (before it, and in --evaluate, Ctrl-C ends the run at once)
+        elif self.agree_now():
             self.stopped(f"after epoch {loader_pass.epoch} of {self.args.epochs}: "
                          f"{last_path(self.args)} holds it")
         self.passes += 1

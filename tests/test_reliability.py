@@ -103,6 +103,9 @@ def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(exact_data, straigh
     assert f"resumed from {tmp_path}/last.pth in epoch 2 of 2 after its step 2: going on" in result.stdout
     _interrupted(result, tmp_path, 1, 2)  # and the stale temporary file is gone
 
+    # The epoch's seconds so far go on: 1000 s of training and 500 s of waiting, as if it had been slow.
+    state["partial"].update(train_seconds=1000.0, data_wait_seconds=500.0)
+    torch.save(state, tmp_path / "last.pth")
     (tmp_path / ".unrelated.tmp").write_bytes(b"not ours")
     result = python("train_single.py", *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -111,6 +114,8 @@ def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(exact_data, straigh
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".unrelated.tmp"]
     same_end(tmp_path, straight)
     assert_same_best(tmp_path, straight)
+    epoch_2 = history(tmp_path)[1]
+    assert 1000 < epoch_2["train_seconds"] < 1000 + 60 and 500 < epoch_2["data_wait_seconds"] < epoch_2["train_seconds"] - 499
 
 
 def test_killed_worker_is_restarted_and_the_job_finishes_the_same(exact_data, straight_ddp, tmp_path):

@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--stops", type=int, default=3, help="how many times to stop the run")
     parser.add_argument("--seed", type=int, default=0, help="seeds the steps, ranks and means of the stops")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs of the run")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="epochs of the run (default: 3, or enough for 3 optimizer steps a stop)")
     parser.add_argument("--batch-size", type=int, default=5, help="images per process and step")
     parser.add_argument("--save-every-steps", type=int, default=3, help="the run's --save-every-steps")
     parser.add_argument("--data-dir", default=None,
@@ -98,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--launch-timeout", type=float, default=600, help="seconds one launch may take")
     args = parser.parse_args(argv)
     for name in ("stops", "epochs", "batch_size", "save_every_steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
@@ -180,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
         write_dataset(data, n_train=201, n_test=0, size=64, seed=2)
     train_images = round(len(list((data / "train").iterdir())) * (1 - 0.5025))
     steps = train_images // (args.batch_size * PROCESSES)
-    total = args.epochs * steps
-    flags = ["--data-dir", str(data), *FLAGS, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+    epochs = args.epochs or max(3, -(-(3 * args.stops + 2) // steps))  # a signal's stop takes up to 3 steps
+    total = epochs * steps
+    flags = ["--data-dir", str(data), *FLAGS, "--epochs", str(epochs), "--batch-size", str(args.batch_size)]
     events = plan(random.Random(args.seed), args.stops, total)
     print(f"chaos: {args.stops} stops of a {total}-step run (2 processes, --save-every-steps "
           f"{args.save_every_steps}), seed {args.seed}, in {work}", flush=True)
