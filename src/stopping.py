@@ -39,7 +39,6 @@ import torch.distributed as dist
 from src.errors import STOP_SIGNALS, Stopped
 from src.ranks import gather, is_first
 
-SIGNALS = STOP_SIGNALS
 _requested = 0  # the number of the first stop signal, 0 while none came
 _ending_workers = False
 
@@ -60,7 +59,7 @@ def catch_signals() -> None:
     handlers back when the run ends)."""
     global _requested
     _requested = 0
-    for number in SIGNALS:
+    for number in STOP_SIGNALS:
         signal.signal(number, _note)
 
 
@@ -68,7 +67,7 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:
     """A DataLoader worker's worker_init_fn: the stop signals are its main process's to act on
     (Ctrl-C in a terminal reaches the workers too, torchrun signals a worker's process group,
     SLURM every process of the job step), and the steps before the stop need the workers."""
-    for number in SIGNALS:
+    for number in STOP_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
 
 
@@ -101,7 +100,7 @@ class Stops:
     writes last.pth at a step (src.checkpoint.save_step; called on every rank)."""
 
     def __init__(self, args, history: list[dict], save: Callable[[dict], None]):
-        self.args, self.history, self.save = args, history, save
+        self.args, self.save = args, save
         self.resumed = getattr(history, "partial", None)
         self.passes = 0  # training passes begun in this process
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
