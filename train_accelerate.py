@@ -4,6 +4,7 @@ Launch with `accelerate launch train_accelerate.py` (after `accelerate config`),
 `accelerate launch --num_processes 4 --mixed_precision bf16 train_accelerate.py`.
 """
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
 from src.accelerate_checks import check_accelerator, check_launch
 from src.batch_norm import sync_batch_norm
-from src.checkpoint import check_writable, resume, run_info, save_epoch
+from src.checkpoint import check_writable, resume, run_info, save_epoch, save_step
 from src.cli import dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.dropout import set_samples
@@ -28,6 +29,7 @@ from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
 from src.stages import epoch_stages
+from src.stopping import Stops
 from src.transforms import memory_format, model_inputs
 
 
@@ -98,6 +100,9 @@ def main() -> None:
     if args.log_dir:
         accelerator.init_trackers("train_accelerate")  # on the main process only
     progress = Progress(args, optimizer, steps, args.batch_size * processes, device, accelerator.log)
+    # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
+    # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
+    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, accelerator.scaler, schedule, info))
 
     if accelerator.is_main_process:
         print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
@@ -124,7 +129,7 @@ def main() -> None:
             val_sums = evaluate(accelerator, net, progress.pass_over(val_loader, f"{desc} val"), device, args)
             average_sums = ema.validate(lambda: evaluate(accelerator, net, progress.pass_over(val_loader, f"{desc} average"), device, args))
             history.append(epoch_record(
-                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
+                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start + train_pass.resumed_seconds,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             if accelerator.is_main_process:
@@ -135,7 +140,7 @@ def main() -> None:
     if accelerator.is_main_process:
         print(done_line(history, args, time.time() - since))
     progress.run_end()
-    del model, optimizer
+    del model, optimizer, progress.stops  # (the step checkpoints hold them too)
     accelerator.free_memory()  # measured: releasing the model first avoids gloo aborts at exit
     accelerator.end_training()  # closes the trackers and the process group
 

@@ -1,10 +1,11 @@
 """Fine-tune VGG16 (or another torchvision classifier) on Dogs vs. Cats with nn.DataParallel over all GPUs."""
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from src.checkpoint import check_writable, resume, run_info, save_epoch
+from src.checkpoint import check_writable, resume, run_info, save_epoch, save_step
 from src.cli import amp_dtype, parse_args
 from src.data_parallel import AutocastDataParallel, check_data_parallel
 from src.devices import training_device
@@ -20,6 +21,7 @@ from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.stages import epoch_stages
+from src.stopping import Stops
 from src.transforms import memory_format, model_inputs
 
 
@@ -75,6 +77,9 @@ def main() -> None:
     info = run_info(args, global_batch, data.digest)
     history = resume(args, info, model, optimizer, scaler, schedule, ema)
     progress = Progress(args, optimizer, steps, args.batch_size, device)
+    # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
+    # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
+    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, scaler, schedule, info))
 
     print(run_header(args, data, device))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
@@ -99,7 +104,7 @@ def main() -> None:
             val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
             average_sums = ema.validate(lambda: evaluate(net, progress.pass_over(val_loader, f"{desc} average"), device, args))
             history.append(epoch_record(
-                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
+                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start + train_pass.resumed_seconds,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info, ema)

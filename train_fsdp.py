@@ -4,6 +4,7 @@ each process holds 1/W of the weights, gradients and optimizer state.
 Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
 """
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from src import full_state, sharding
 from src.batch_norm import sync_batch_norm
-from src.checkpoint import check_writable, resume, run_info, save_epoch
+from src.checkpoint import check_writable, resume, run_info, save_epoch, save_step
 from src.cli import amp_dtype, parse_args
 from src.dropout import set_samples
 from src.ema import WeightAverage
@@ -26,6 +27,7 @@ from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.stages import epoch_stages
+from src.stopping import Stops
 from src.transforms import memory_format, model_inputs
 
 
@@ -91,6 +93,9 @@ def main() -> None:
     history = resume(args, info, full_state.WholeModel(model), full_state.WholeOptimizer(model, optimizer),
                      scaler, schedule, ema)
     progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
+    # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
+    # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
+    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, scaler, schedule, info))
 
     if rank == 0:
         print(run_header(args, data, device, world_size))
@@ -116,7 +121,7 @@ def main() -> None:
             val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
             average_sums = ema.validate(lambda: evaluate(net, progress.pass_over(val_loader, f"{desc} average"), device, args))
             history.append(epoch_record(
-                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start,
+                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start + train_pass.resumed_seconds,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
             whole = full_state.gather_state(model, optimizer, ema)  # every rank sends its shards to rank 0

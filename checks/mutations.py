@@ -141,7 +141,7 @@ MUTATIONS = [
      ["tests/test_gpu_on_cpu_host_syncs.py::test_channels_last_reaches_the_model_through_the_loop"]),
     ("train_single.py", "net = torch.compile(stage.net) if args.compile else stage.net", "net = stage.net",
      ["tests/test_performance.py::test_channels_last_and_compile_take_effect_and_change_nothing"]),
-    ("src/loaders.py", "self.epoch = epoch", "pass",
+    ("src/loaders.py", "self.epoch, self.start = epoch, 0", "self.start = 0",
      ["tests/test_loaders.py::test_ddp_global_batches_equal_single_process_batches"]),
     ("src/metrics.py", ".clamp(EPS, 1 - EPS)", "",
      ["tests/test_modes.py::test_val_log_loss_is_kaggles_metric_clipped",
@@ -756,8 +756,8 @@ MUTATIONS = [
      ['tests/test_gpu_on_cpu_data_parallel.py::test_data_parallel_replicas_without_amp_run_in_float32']),
     ('src/checkpoint.py', 'for key in RESUME_KEYS + (("epochs",) if args.lr_schedule != "constant" else ()):',
      'for key in RESUME_KEYS:', ['tests/test_resume_rules.py::test_a_schedule_that_spans_the_run_keeps_its_epochs']),
-    ('src/ranks.py', 'return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0',
-     'return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) >= 0',
+    ('src/ranks.py', 'return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0',
+     'return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) >= 0',
      ['tests/test_resume_rules.py::test_a_restarted_worker_resumes_without_being_asked']),
     # Random draws in the proportions documented (tests/test_random_draws.py).
     ('src/augment.py', 'flip = bool(torch.rand(1, generator=generator).item() < 0.5)',
@@ -786,6 +786,51 @@ MUTATIONS = [
      ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
     ('train_accelerate.py', 'batch_sums(*accelerator.gather_for_metrics((logits, labels)))', 'batch_sums(logits, labels)',
      ['tests/test_two_ranks.py::test_each_epoch_counts_the_samples_of_both_ranks']),
+    # Stop at any step and lose nothing: step checkpoints, stops on signals, the hung-rank line.
+    ('src/loaders.py', '[self.rank::self.world_size][self.start:]', '[self.rank::self.world_size]',
+     ['tests/test_loaders.py::test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images',
+      'tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
+    ('src/loaders.py', '        if epoch != self.epoch:  # accelerate', '        if True:  # accelerate',
+     ['tests/test_loaders.py::test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images',
+      'tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end']),
+    ('src/stopping.py', 'epoch_sampler(loader_pass.loader).start_at(partial["step"])',
+     'epoch_sampler(loader_pass.loader).start_at(0)',
+     ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
+    ('src/stopping.py', 'sums += partial["sums"].to(sums.device)', 'sums += 0',
+     ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
+    ('src/checkpoint.py', '        sums = rows[rank].clone()', '        sums = rows.sum(dim=0) if rank == 0 else 0 * rows[0]',
+     ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
+    ('src/stopping.py', 'partial["sums"], partial["train_seconds"], partial["data_wait_seconds"])',
+     'partial["sums"], 0.0, 0.0)', ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
+    ('src/stopping.py', 'if stop or (every and done % every == 0 and step < steps):', 'if stop:',
+     ['tests/test_stopping.py::test_step_checkpoints_hold_the_steps_and_change_nothing']),
+    ('src/stopping.py', '        signal.signal(number, _note)', '        signal.getsignal(number)',
+     ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
+    ('src/stopping.py', 'work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)',
+     'work = dist.all_reduce(tensor.zero_(), op=dist.ReduceOp.MAX, async_op=True)',
+     ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
+    ('src/stopping.py', 'dist.all_reduce(tensor, op=dist.ReduceOp.MAX)\n', 'dist.all_reduce(tensor.zero_(), op=dist.ReduceOp.MAX)\n',
+     ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
+    ('src/loaders.py', 'worker_init_fn=ignore_stop_signals)', 'worker_init_fn=None)',
+     ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
+    ('src/errors.py', '        sys.exit(EXIT_STOPPED)', '        sys.exit(0)',
+     ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
+    ('src/ranks.py', '            or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0)', ')',
+     ['tests/test_stopping.py::test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job',
+      'tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end']),
+    ('src/heartbeat.py', '        elif now - beat["time"] > STALE:', '        elif False:',
+     ['tests/test_hung_rank.py::test_the_line_names_the_ranks_that_did_not_arrive_and_the_lowest_other_rank_says_it',
+      'tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout']),
+    ('src/heartbeat.py', '        elif beat["order"] < mine["order"]:', '        elif False:',
+     ['tests/test_hung_rank.py::test_the_line_names_the_ranks_that_did_not_arrive_and_the_lowest_other_rank_says_it']),
+    ('src/process_group.py', '    heartbeat.start(store, rank, world_size, timeout.total_seconds())', '    pass',
+     ['tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout']),
+    ('src/tools/chaos.py', '                os.kill(os.getppid(), signal.SIGTERM if event["means"] == "sigterm" else signal.SIGINT)',
+     '                pass', ['tests/test_chaos.py::test_two_stops_end_bit_for_bit_where_the_straight_run_does']),
+    ('docs/slurm/train.sbatch', '    kill -TERM "$srun_pid"', '    :',
+     ['tests/test_slurm.py::test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued']),
+    ('docs/slurm/train.sbatch', '    scontrol requeue "$SLURM_JOB_ID"', '    :',
+     ['tests/test_slurm.py::test_a_requeue_follows_a_stopped_process_only']),
 ]
 
 
@@ -947,7 +992,8 @@ def main() -> int:
     args = parser.parse_args()
 
     entries = [entry for entry in MUTATIONS if (args.match in entry[0] or args.match in entry[1])
-               and any(args.test in test for test in entry[3]) and (not args.gpu or split(entry[3])[1])]
+               and (not args.test or any(args.test in test for test in entry[3]))
+               and (not args.gpu or split(entry[3])[1])]
     if not entries:
         print(f"no entry matches -k {args.match!r}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 - best.pth   plain state_dict of the unwrapped model at its best validation score (--best-by)
 - best.json  what predict needs to use it: architecture, image size, normalisation, classes, and
              the sha256 of the best.pth it describes, so that a pair torn by a crash is detected
-- last.pth   everything to resume: model, optimizer, scaler, schedule, epoch, history
+- last.pth   everything to resume: model, optimizer, scaler, schedule, epoch, history; written at
+             each epoch's end, and with --save-every-steps (or a stop on a signal) inside an epoch
+             too, with the steps done in it and their partial sums (save_step, src/stopping.py)
 - history.json  one record per finished epoch
 """
 import json
@@ -14,13 +16,15 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from src import heartbeat
 from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
 from src.devices import hardware
 from src.divergence import check_finite_weights
 from src.errors import UserError, one_line
-from src.history import RECORD_KEYS, best_choice, history_text
+from src.history import RECORD_KEYS, History, best_choice, history_text
 from src.outputs import check_outputs
 from src.plot import plot_history
 from src.ranks import from_rank, from_rank_0, gather, is_first, is_node_first, restarted
@@ -142,17 +146,43 @@ def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, sca
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
     averaged = average.state_dict() if average is not None else None  # None without --ema-decay
+    heartbeat.at("saving")
     if is_best:
         digest = atomic_torch_save(averaged["model"] if weights == "average" else model.state_dict(), paths["best"])
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
-    atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                       "scaler": scaler.state_dict() if scaler is not None else {},
-                       "schedule": schedule.state_dict(), "average": averaged, "epoch": history[-1]["epoch"],
-                       "history": history, "info": info}, paths["last"])
+    atomic_torch_save(last_state(history, model, optimizer, averaged, scaler, schedule, info), paths["last"])
     atomic_write_text(paths["history"], history_text(history))
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
     return is_best
+
+
+def last_state(history: list[dict], model: torch.nn.Module, optimizer, averaged: dict | None, scaler, schedule,
+               info: dict) -> dict:
+    """last.pth's content at the end of the epochs in `history` (step 0: no step of the next one)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else {},
+            "schedule": schedule.state_dict(), "average": averaged, "epoch": history[-1]["epoch"] if history else 0,
+            "step": 0, "history": list(history), "info": info}
+
+
+def save_step(args, history: list[dict], model: torch.nn.Module, optimizer, average, scaler, schedule,
+              info: dict, partial: dict) -> None:
+    """last.pth inside an epoch, `partial["step"]` optimizer steps into it (src/stopping.py): what
+    last_state holds, and `partial`'s metric sums of those steps (one row per rank) and their
+    seconds. Every rank calls it: FSDP's shards are gathered first (src/full_state.py); rank 0
+    writes. best.pth, history.json and the plot stay those of the last finished epoch."""
+    from src.memory import is_sharded  # here: they load torch.distributed's sharding
+    if is_sharded(optimizer):
+        from src.full_state import gather_state
+        model, optimizer, average = gather_state(model, optimizer, average)
+    if not is_first():
+        return
+    heartbeat.at("saving")
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the plain names
+    state = last_state(history, model, optimizer, average.state_dict(), scaler, schedule, info)
+    atomic_torch_save({**state, "step": partial["step"], "partial": {
+        key: partial[key] for key in ("sums", "train_seconds", "data_wait_seconds")}}, output_paths(args)["last"])
 
 
 def _read_last(path: Path, mmap: bool = False) -> dict | None:
@@ -172,14 +202,14 @@ def _where(path: Path) -> str:
     return f"{socket.gethostname()}:{path}" if nodes > 1 else str(path)
 
 
-def _epoch_here(path: Path) -> int | None | UserError:
-    """What this node's last.pth holds, as its first process sees it: the epoch, None without
-    a file (or on the node's other processes), or why it cannot be read."""
+def _epoch_here(path: Path) -> tuple[int, int] | None | UserError:
+    """What this node's last.pth holds, as its first process sees it: (the epoch, the steps of the
+    next one), None without a file (or on the node's other processes), or why it cannot be read."""
     if not is_node_first():
         return None
     try:
         state = _read_last(path, mmap=True)  # the epoch only: the tensors stay on disk
-        return None if state is None else int(state["epoch"])
+        return None if state is None else (int(state["epoch"]), int(state.get("step", 0)))
     except UserError as error:
         return error
     except (KeyError, IndexError, TypeError, ValueError):  # another kind of file
@@ -310,6 +340,8 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
+        step = int(state.get("step", 0)) if state["epoch"] < args.epochs else 0
+        partial = _partial(state, step)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # an older or foreign last.pth
         raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
                         "delete it to start over") from None
@@ -317,5 +349,24 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         _copy_to_rank_0(args, state, source)
     if announce:
         more = "nothing left to train" if state["epoch"] == args.epochs else "going on"
-        print(f"resumed from {state['from']} after epoch {state['epoch']} of {args.epochs}: {more}")
-    return state["history"]
+        where = (f"after epoch {state['epoch']} of {args.epochs}" if not step else
+                 f"in epoch {state['epoch'] + 1} of {args.epochs} after its step {step}")
+        print(f"resumed from {state['from']} {where}: {more}")
+    return History(state["history"], partial)
+
+
+def _partial(state: dict, step: int) -> dict | None:
+    """Where the resumed run goes on inside epoch state["epoch"] (None at its start): the steps
+    done, this rank's metric sums of them (each rank its own row: the same float sums as a run
+    never stopped; in another number of processes, rank 0 takes their total) and their seconds."""
+    if not step:
+        return None
+    rows, rank = state["partial"]["sums"], dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if len(rows) == world_size:
+        sums = rows[rank].clone()
+    else:
+        sums = rows.sum(dim=0) if rank == 0 else torch.zeros_like(rows[0])
+    return {"epoch": int(state["epoch"]), "step": step, "sums": sums,
+            "train_seconds": float(state["partial"]["train_seconds"]),
+            "data_wait_seconds": float(state["partial"]["data_wait_seconds"])}

@@ -113,6 +113,9 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
         help="best model's state_dict; last.pth, history.json and best.json go beside it")
     add("--plot", default="training_results.png", help="accuracy and loss curves (PNG)")
     add("--resume", action="store_true", help="continue from last.pth beside --checkpoint if it exists")
+    add("--save-every-steps", metavar="N", type=at_least(1), default=None,
+        help="also write last.pth every N optimizer steps, where --resume goes on inside the epoch "
+             "(default: at each epoch's end only)")
     add("--evaluate", action="store_true",
         help="validate --checkpoint (checked against its best.json), or the state_dict --weights FILE, "
              "on the validation split and print the record; nothing trains, nothing is written")

@@ -1,10 +1,21 @@
 """Bad input ends a run with one line on stderr and exit code 2, never a traceback."""
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
 from src.terminal import shown
+
+# EX_TEMPFAIL (sysexits.h: "temporary failure, the user is invited to retry"): stopped on a signal
+# after writing last.pth; the same command with --resume goes on (docs/reliability.md).
+EXIT_STOPPED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """The run stopped at an optimizer step on a signal, last.pth saved there (src/stopping.py)."""
 
 
 class UserError(Exception):
@@ -42,16 +53,33 @@ def before_a_silent_exit() -> None:
 
 
 def exit_on_error(main: Callable[[], None]) -> None:
-    """Run `main`; a UserError becomes `error: ...` and exit 2, Ctrl-C exit 130."""
+    """Run `main`; a UserError becomes `error: ...` and exit 2, a stop on a signal (src/stopping.py)
+    exit EXIT_STOPPED, Ctrl-C before training exit 130. The handlers of the stop signals that `main`
+    set are put back (a run inside a test process), unless it stopped on one."""
+    handlers, stopped = {number: signal.getsignal(number) for number in STOP_SIGNALS}, False
     try:
-        main()
+        try:
+            main()
+        except Stopped:
+            stopped = True
+            raise
+        finally:  # first: a launcher's SIGTERM ends a rank that waits below, as before the run
+            if not stopped and threading.current_thread() is threading.main_thread():
+                for number, handler in handlers.items():
+                    signal.signal(number, handler)
     except UserError as error:
         if error.quiet:
             before_a_silent_exit()
         else:
             print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(2)
+    except Stopped:  # rank 0 said where and how to go on
+        # Ignored, not caught, as the process ends: Python puts back the default handlers as it
+        # finalises, and a launcher's SIGTERM to a rank that ends later than another would kill it.
+        if threading.current_thread() is threading.main_thread():
+            for number in STOP_SIGNALS:
+                signal.signal(number, signal.SIG_IGN)
+        sys.exit(EXIT_STOPPED)
     except KeyboardInterrupt:
-        print("interrupted: the files of the last finished epoch are intact; rerun with --resume",
-              file=sys.stderr)
+        print("interrupted: the files last saved are intact; rerun with --resume", file=sys.stderr)
         sys.exit(130)

@@ -23,6 +23,7 @@ from src.devices import available_cpus, check_shared_memory
 from src.dropout import sample_key
 from src.errors import UserError
 from src.ranks import from_rank_0, is_first
+from src.stopping import end_workers_at_exit, ignore_stop_signals
 from src.transforms import image_transform
 
 
@@ -39,23 +40,44 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
 class EpochSampler(Sampler[tuple[int, int]]):
     """This rank's share of each epoch's seeded permutation of range(n), cut to whole global batches.
 
-    Yields (epoch, position); call set_epoch(epoch) before each epoch.
+    Yields (epoch, position); call set_epoch(epoch) before each epoch, and start_at(steps) after it
+    to go on inside the epoch (a resumed one).
     """
 
     def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world_size: int = 1):
         self.n, self.seed, self.rank, self.world_size = n, seed, rank, world_size
+        self.global_batch = global_batch
         self.used = n // global_batch * global_batch
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        if epoch != self.epoch:  # accelerate's loader sets the same epoch again as it begins the pass
+            self.epoch, self.start = epoch, 0
+
+    def start_at(self, steps: int) -> None:
+        """Leave out this epoch's first `steps` optimizer steps: each took global_batch / world_size
+        of this rank's samples. They are never handed to the loader, so no image of theirs is read."""
+        self.start = steps * self.global_batch // self.world_size
 
     def __iter__(self):
         perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        return iter([(self.epoch, i) for i in perm[:self.used].tolist()[self.rank::self.world_size]])
+        return iter([(self.epoch, i) for i in perm[:self.used].tolist()[self.rank::self.world_size][self.start:]])
 
     def __len__(self) -> int:
-        return self.used // self.world_size
+        return self.used // self.world_size - self.start
+
+
+def epoch_sampler(loader) -> EpochSampler | None:
+    """The EpochSampler under a training loader, also one that accelerate has wrapped (its batch
+    sampler holds the original batch sampler, which holds ours); None if there is none."""
+    found = [loader]
+    for _ in range(4):
+        for item in found:
+            if isinstance(item, EpochSampler):
+                return item
+        found = [getattr(item, name) for item in found for name in ("sampler", "batch_sampler")
+                 if getattr(item, name, None) is not None]
+    return None
 
 
 class TrainSplit(Dataset):
@@ -120,12 +142,16 @@ def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], bat
         raise UserError(f"{world_size} processes but only {len(val_idx)} validation images; "
                         "use fewer processes or more data", quiet=rank != 0)
     check_shared_memory(workers, batch_size // split * dataset[train_idx[0]][0].nbytes)
+    if workers:
+        end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
     train_set = TrainSplit(dataset, train_idx, seed, augment)
     val_set = Subset(dataset, val_idx)
     # Their own generator: drawing the workers' base seed from the global one would shift what
     # dropout draws after it, differently in a run that resumes.
+    # The workers ignore the stop signals: the main process acts on them (src/stopping.py) and
+    # still needs its workers for the steps before it stops.
     options = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                   persistent_workers=workers > 0, generator=torch.Generator())
+                   persistent_workers=workers > 0, generator=torch.Generator(), worker_init_fn=ignore_stop_signals)
     train_sampler = EpochSampler(len(train_set), global_batch, seed, rank, world_size)
     train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, **options)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), world_size, rank), **options)

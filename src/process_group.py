@@ -5,7 +5,8 @@ workarounds that a reader of those scripts need not study.
 - Without a launcher a training script is a world of one process, as `torchrun --nproc_per_node=1`
   would make it (predict then joins nothing: it needs no collective alone).
 - One process per GPU: more processes on a node than GPUs is one line (unless SHARE_GPUS=1).
-- A peer that stops answering fails a collective after --dist-timeout instead of hanging forever.
+- A peer that stops answering fails a collective after --dist-timeout instead of hanging forever,
+  and the others say which rank it was and where (src/heartbeat.py, through torchrun's store).
 - torchrun --max-restarts keeps its store across restarts: each attempt gets its own key prefix.
 - NCCL for one rank per GPU, gloo on the CPU and for ranks sharing a GPU.
 """
@@ -18,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from src import heartbeat
 from src.cli import dist_timeout
 from src.devices import check_gpus, process_group_backend, training_device
 
@@ -41,6 +43,7 @@ def join_process_group(args: argparse.Namespace, world_of_one: bool = True) -> t
     store, rank, world_size = torchrun_store(timeout)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
+    heartbeat.start(store, rank, world_size, timeout.total_seconds())
     return rank, world_size, device
 
 
@@ -70,6 +73,7 @@ def torchrun_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
 def end_process_group() -> None:
     """destroy_process_group(), after freeing what still holds the group's tensors: measured,
     gloo ranks can abort at exit when the model outlives the group."""
+    heartbeat.stop()
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

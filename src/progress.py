@@ -1,7 +1,9 @@
 """What a run shows and records as it trains, on rank 0: its header line, the progress bar
 (images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars,
 the profiler, and at the end of an FSDP run the bytes rank 0 held (src/memory.py). The lines of
-the history's records: src/history.py.
+the history's records: src/history.py. A training pass also hands its optimizer steps to the run's
+Stops (src/stopping.py: step checkpoints, stops on a signal, the resumed epoch's place) and tells
+src/heartbeat.py where it is.
 
 Nothing here makes the host wait for the GPU inside a step: the loss is read from copies of the
 running metric sums that are started every --log-every optimizer steps without blocking and read
@@ -17,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from src import heartbeat
 from src.memory import bytes_line, is_sharded, watch_rank_bytes
 from src.metrics import COUNT, LOSS
 from src.profiling import Profiler
@@ -73,6 +76,7 @@ class Progress:
         pinned = device.type == "cuda"
         self.buffers = [torch.zeros(4, pin_memory=pinned) for _ in range(4)]
         self.copies = 0  # copies started: the next one goes into buffers[copies % 4]
+        self.stops = None  # the run's src.stopping.Stops, which the scripts set
 
     def pass_over(self, loader: DataLoader, desc: str, epoch: int | None = None) -> "LoaderPass":
         """One pass over loader, shown and timed; `epoch` for training passes, None for validation."""
@@ -100,35 +104,60 @@ class LoaderPass:
     def __init__(self, progress: Progress, loader: DataLoader, desc: str, epoch: int | None):
         self.progress, self.loader, self.desc, self.epoch = progress, loader, desc, epoch
         self.data_wait = 0.0  # seconds this process waited for the loader in this pass
+        self.began, self.resumed_seconds = time.time(), 0.0  # and those of a resumed epoch's finished steps
+        self.resumed_sums = None  # a resumed epoch's sums of its finished steps, on the host
+
+    def resumed(self, sums: torch.Tensor, train_seconds: float, data_wait_seconds: float) -> None:
+        """This pass goes on in an epoch whose first steps a stopped run took (src/stopping.py)."""
+        self.resumed_sums, self.resumed_seconds, self.data_wait = sums, train_seconds, data_wait_seconds
+
+    def seconds(self) -> float:
+        """The seconds of this pass so far, with a resumed epoch's earlier ones."""
+        return self.resumed_seconds + time.time() - self.began
 
     def batches(self, sums: torch.Tensor) -> Iterator:
         """The loader's batches; `sums` is the pass's running metric sums (batch_sums), read for
         the progress bar and TensorBoard without waiting for the device."""
         progress, training = self.progress, self.epoch is not None
-        every = progress.args.log_every * progress.args.accumulate  # micro-batches between reports
+        accumulate = progress.args.accumulate
+        every = progress.args.log_every * accumulate  # micro-batches between reports
+        stops = progress.stops if training else None
+        first = stops.begin(self, sums) if stops is not None else 0  # micro-batches a resumed epoch has done
+        total = first + len(self.loader)
+        phase = "training" if training else "validating the average" if self.desc.endswith("average") else "validating"
         pending = collections.deque()  # copies of sums in flight: (host copy, event, step, time)
-        last = None  # the last copy that arrived: (sums, step, time)
-        bar = tqdm(total=len(self.loader), desc=self.desc, leave=False, disable=not progress.show)
+        last = (self.resumed_sums, first, None) if first else None  # the last copy that arrived: (sums, step, time)
+        bar = tqdm(total=total, initial=first, desc=self.desc, leave=False, disable=not progress.show)
         profiler = progress.profiler if training and progress.profiler and not progress.profiler.done else None
         iterator = iter(self.loader)
-        for step in range(len(self.loader) + 1):
-            start = time.perf_counter()
-            with torch.profiler.record_function("data wait"):
-                batch = next(iterator, None)
-            self.data_wait += time.perf_counter() - start
-            if batch is None:
-                break
-            yield batch
-            bar.update()
-            if profiler is not None:
-                profiler.step(self.data_wait, len(self.loader))
-            if (step + 1) % every == 0 or step + 1 == len(self.loader):
-                if len(pending) < len(progress.buffers):  # else skip: every buffer is still in flight
-                    pending.append(self._copy(sums, step + 1))
-                while pending and (pending[0][1] is None or pending[0][1].query()):
-                    host, _, done, at = pending.popleft()
-                    last = self._report(bar, host.clone(), done, at, last, training)
-        bar.close()
+        try:
+            for step in range(first, total + 1):
+                heartbeat.at(phase, self.epoch, step, step // accumulate, loading=True)
+                start = time.perf_counter()
+                with torch.profiler.record_function("data wait"):
+                    batch = next(iterator, None)
+                self.data_wait += time.perf_counter() - start
+                if batch is None:
+                    break
+                heartbeat.at(phase, self.epoch, step, step // accumulate)
+                yield batch
+                bar.update()
+                if profiler is not None:
+                    profiler.step(self.data_wait, len(self.loader))
+                if (step + 1) % every == 0 or step + 1 == total:
+                    if len(pending) < len(progress.buffers):  # else skip: every buffer is still in flight
+                        pending.append(self._copy(sums, step + 1))
+                    while pending and (pending[0][1] is None or pending[0][1].query()):
+                        host, _, done, at = pending.popleft()
+                        last = self._report(bar, host.clone(), done, at, last, training)
+                if stops is not None and (step + 1) % accumulate == 0:
+                    where = stops.after_step(self, (step + 1) // accumulate, sums)  # may save last.pth
+                    if where is not None:
+                        bar.close()
+                        stops.stopped(where, barrier=True)
+        finally:
+            bar.close()
+        heartbeat.at(phase, self.epoch, heartbeat.END)
         if profiler is not None:
             profiler.finish()
 

@@ -76,5 +76,7 @@ class _Failed:
 
 
 def restarted() -> bool:
-    """Whether torchrun restarted this worker (--max-restarts): it resumes from last.pth."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    """Whether torchrun restarted this worker (--max-restarts) or SLURM requeued its job (sbatch
+    --requeue, docs/slurm/train.sbatch): it resumes from last.pth. A first start does neither."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+            or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0)

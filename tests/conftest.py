@@ -288,6 +288,14 @@ def same_end(out: Path, reference: Path) -> None:
         [{k: v for k, v in r.items() if k not in timings} for r in history(reference)]
 
 
+def assert_same_best(out: Path, reference: Path) -> None:
+    """The same best.pth, bit for bit, and best.json's epoch and choice of weights."""
+    ours, theirs = weights(out), weights(reference)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    infos = [json.loads((folder / "best.json").read_text()) for folder in (out, reference)]
+    assert [(info["epoch"], info["weights"]) for info in infos][0] == [(info["epoch"], info["weights"]) for info in infos][1]
+
+
 def mode_run(runs: Runs, mode: str):
     """The two-epoch EXACT run of a mode that test_modes compares and test_watch reads: with
     TensorBoard logs (OUT/../tensorboard), --profile, a log of which ranks scanned train/ (there is
@@ -528,6 +536,24 @@ def restore_numerics(monkeypatch):
     torch.use_deterministic_algorithms(saved[0])
     backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32 = saved[1:3]
     backends.cudnn.benchmark, backends.cudnn.deterministic = saved[3:]
+
+
+@pytest.fixture
+def stop_signals():
+    """Puts back the handlers of SIGTERM, SIGUSR1 and SIGINT after a test whose src.stopping.Stops
+    replaced them in this process (exit_on_error does it for a script's main())."""
+    saved = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def stop_line(text: str) -> str:
+    """The one line that rank 0 prints when a run stops on a signal (src/stopping.py), from a
+    process's stderr (progress bars erased with carriage returns before it)."""
+    lines = [line.split("\r")[-1].strip() for line in text.splitlines() if "stopped by " in line]
+    assert len(lines) == 1, text[-3000:]
+    return lines[0]
 
 
 class Asked(Exception):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torchvision
 from conftest import (
+    HOOKS,
     TOLERANCE,
     cache_files,
     distance,
@@ -94,14 +95,19 @@ def test_freeze_with_augment_trains_from_images_and_says_so_once(frozen_runs, ru
 
 
 def test_freeze_epochs_resume_across_the_unfreezing_equals_the_straight_run(small_data, backbone, tmp_path, runs):
+    """Ctrl-C at step 5 of the frozen epoch 1 (12 steps, the head on cached features): last.pth
+    there; --resume goes on inside the frozen stage, unfreezes, and ends as the straight run."""
     cache = ["--cache", str(runs.root / "frozen-cache")]
     flags = ["--data-dir", str(small_data), *FROZEN, "--weights", str(backbone), "--batch-size", "16",
              "--freeze-epochs", "1", *cache]
     straight = runs("single", *FROZEN, "--weights", str(backbone), "--batch-size", "16", "--freeze-epochs", "1",
                     *cache, data=small_data)[0]
-    assert python("train_single.py", *flags, "--epochs", "1", *outputs(tmp_path)).returncode == 0
+    result = python("train_single.py", *flags, *outputs(tmp_path), env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "5"})
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert (weights(tmp_path, "last.pth")["epoch"], weights(tmp_path, "last.pth")["step"]) == (0, 5)
     result = python("train_single.py", *flags, "--resume", *outputs(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "in epoch 1 of 2 after its step 5" in result.stdout and "the last layer trains on" in result.stdout
     assert torch.equal(torch.cat([t.flatten().double() for t in last_model(tmp_path).values()]),
                        torch.cat([t.flatten().double() for t in last_model(straight).values()]))
     file = torch.load(backbone, weights_only=True)

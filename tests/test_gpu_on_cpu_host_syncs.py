@@ -17,6 +17,7 @@ from src.cli import parse_args
 from src.loaders import make_loaders
 from src.progress import Progress
 from src.recipe import make_optimizer, make_schedule
+from src.stopping import Stops
 
 
 class HostWaits(TorchFunctionMode):
@@ -57,12 +58,13 @@ class _Watched:
 
 
 @pytest.mark.parametrize("amp", [[], ["--amp", "fp16"]])
-def test_no_tensor_is_built_from_python_values_inside_a_step(amp, monkeypatch):
+def test_no_tensor_is_built_from_python_values_inside_a_step(amp, monkeypatch, stop_signals):
     """normalize()'s statistics and batch_sums()'s count were built with torch.tensor(..., device)
     at every batch: on a GPU each is a blocking copy. Steps 3 and on of train_single.py's loop,
     with every recipe flag, build none and read nothing back. With --amp fp16 and the GPU's fused
     optimizer (AS_ON_GPU=1), the gradient scaler's inf check stays a tensor too (the plain
-    optimizer's path reads it with .item() at every step)."""
+    optimizer's path reads it with .item() at every step). The stop check after each step (a
+    world of one: a Python flag) reads nothing either."""
     monkeypatch.setenv("AS_ON_GPU", "1")
     args = parse_args("", ["--batch-size", "4", "--log-every", "1000", "--augment", "--label-smoothing",
                            "0.1", "--clip-grad-norm", "1", "--lr-schedule", "cosine", "--accumulate", "2",
@@ -76,6 +78,7 @@ def test_no_tensor_is_built_from_python_values_inside_a_step(amp, monkeypatch):
     schedule = make_schedule(optimizer, args, 8)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")
     progress = Progress(args, optimizer, 8, 4, device)
+    progress.stops = Stops(args, [], lambda partial: pytest.fail("no step checkpoint asked for"))
     mode = HostWaits()
     loader.sampler.set_epoch(0)
     loader_pass = progress.pass_over(_Watched(loader, mode), "test", 0)

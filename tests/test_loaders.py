@@ -88,3 +88,35 @@ def test_too_large_a_batch_or_too_many_processes():
         with pytest.raises(UserError, match="3 processes but only 2 validation images") as error:
             make_loaders(data, list(range(8)), [8, 9], 1, 0, 0, rank=rank, world_size=3)
         assert error.value.quiet == (rank != 0)
+
+
+@pytest.mark.parametrize("world_size, accumulate", [(1, 1), (2, 2), (3, 1)])
+def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(world_size, accumulate):
+    """start_at(k) after set_epoch: each rank's loader hands out what an uninterrupted epoch hands
+    out after its k-th optimizer step, and the data set reads none of the samples before; accelerate
+    sets the same epoch again as its loader begins (kept), the next epoch starts from its first step."""
+    n, batch, k = 103, 5, 2
+    reads = []
+
+    class Counted(torch.utils.data.Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, index):
+            reads.append(index)
+            return torch.zeros(1), index
+
+    for rank in range(world_size):
+        loader, _ = make_loaders(Counted(), list(range(n)), list(range(world_size)), batch, 7, workers=0, rank=rank,
+                                 world_size=world_size, accumulate=accumulate)
+        loader.sampler.set_epoch(3)
+        whole = [labels.tolist() for _, labels, _ in loader]
+        reads.clear()
+        loader.sampler.set_epoch(3)
+        loader.sampler.start_at(k)
+        loader.sampler.set_epoch(3)
+        assert len(loader) == len(whole) - k * accumulate
+        assert [labels.tolist() for _, labels, _ in loader] == whole[k * accumulate:]
+        assert sorted(reads) == sorted(sum(whole[k * accumulate:], []))
+        loader.sampler.set_epoch(4)
+        assert len(loader) == len(whole)

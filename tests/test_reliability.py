@@ -1,6 +1,8 @@
-"""Resume after Ctrl-C (anywhere, even during a checkpoint's rename), with dropout on; a worker
+"""Resume after Ctrl-C (at a step, or during a checkpoint's rename), with dropout on; a worker
 killed under torchrun --max-restarts; a dead rank; crashes during a save; a full disk; bad input
-found during training. DDP's --resume on nodes without a shared disk: test_modes.py."""
+found during training. DDP's --resume on nodes without a shared disk: test_modes.py. Stops on
+signals under torchrun, step checkpoints in every mode: test_stopping.py."""
+import shlex
 import shutil
 import time
 from argparse import Namespace
@@ -14,10 +16,11 @@ from conftest import (
     RESUMABLE,
     VAL,
     B,
-    assert_same_run,
+    assert_same_best,
     fails,
     fails_in_process,
     history,
+    last_line,
     last_model,
     mode_run,
     outputs,
@@ -26,6 +29,7 @@ from conftest import (
     resumable_run,
     run,
     same_end,
+    stop_line,
     weights,
 )
 
@@ -33,7 +37,7 @@ import src.atomic as atomic
 import src.checkpoint as checkpoint
 import train_single
 from src.cli import parse_args
-from src.errors import UserError
+from src.errors import EXIT_STOPPED, UserError
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
 # README: without restarts, one dead rank ends the whole job within this many seconds.
@@ -62,29 +66,46 @@ def test_dropout_differs_from_the_run_without_it(straight, runs):
     assert not torch.equal(last_model(straight)["features.0.weight"], last_model(without)["features.0.weight"])
 
 
-def _interrupted(result, tmp_path):
-    """Exit 130 with its message, and epoch 1's files as they were: nothing of epoch 2 kept."""
+def _interrupted(result, tmp_path, epoch, step):
+    """Exit 130 with its message, and last.pth as it was: at `step` optimizer steps into `epoch`."""
     assert result.returncode == 130, result.stderr[-2000:]
-    assert "interrupted: the files of the last finished epoch are intact" in result.stderr
+    assert "interrupted: the files last saved are intact; rerun with --resume" in result.stderr
     assert "Traceback" not in result.stderr
-    assert weights(tmp_path, "last.pth")["epoch"] == 1 and [r["epoch"] for r in history(tmp_path)] == [1]
+    state = weights(tmp_path, "last.pth")
+    assert (state["epoch"], state["step"]) == (epoch, step) and [r["epoch"] for r in history(tmp_path)] == [1]
     assert not list(tmp_path.glob(".*.tmp")), "no temporary file left behind"
 
 
 def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(exact_data, straight, tmp_path):
-    """Ctrl-C at step 7 (epoch 2 of 2, 5 steps an epoch); then --resume, and Ctrl-C again while
-    epoch 2's last.pth is being renamed into place; then --resume, which ends exactly where the
-    straight run does."""
+    """Ctrl-C (SIGINT) at step 7 (epoch 2 of 2, 5 steps an epoch), and a SIGTERM during the stop's
+    save: the run stops after step 7, saves last.pth there and says how to go on; then --resume
+    with --save-every-steps 3, interrupted while its first last.pth (after step 9) is renamed into
+    place; then --resume, which ends exactly where the straight run does."""
     flags = _flags(exact_data, tmp_path, 2 * B, 2)
-    _interrupted(python("train_single.py", *flags, env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "7"}), tmp_path)
+    # last.pth is written after steps 3 and 6, at epoch 1's end and at the stop: its 4th rename.
+    result = python("train_single.py", *flags, "--save-every-steps", "3",
+                    env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "7", "SIGNAL_AT_REPLACE": "last.pth:4"})
+    assert result.returncode == EXIT_STOPPED == 75, result.stderr[-2000:]
+    line = stop_line(result.stderr)
+    assert line == stop_line(last_line(result)), "the last line"
+    said, command = line.split("; to go on: python ")
+    assert said == f"stopped by SIGINT at epoch 2 step 2 of 5: {tmp_path}/last.pth saved there"
+    assert shlex.split(command) == ["train_single.py", *flags, "--save-every-steps", "3", "--resume"]
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob(".*.tmp"))
+    state = weights(tmp_path, "last.pth")
+    assert (state["epoch"], state["step"], [r["epoch"] for r in state["history"]]) == (1, 2, [1])
+    assert [r["epoch"] for r in history(tmp_path)] == [1], "history.json holds the finished epochs"
 
     # A SIGKILL during a save leaves its temporary file (up to 1 GB): the next start removes it.
     (tmp_path / ".last.pth.abc123.tmp").write_bytes(b"half a checkpoint")
-    result = python("train_single.py", *flags, "--resume",
+    result = python("train_single.py", *flags, "--resume", "--save-every-steps", "3",
                     env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_REPLACE": "last.pth:1"})
-    assert "resumed from" in result.stdout and "epoch 2/2 train" in result.stderr, "epoch 2 was trained"
-    _interrupted(result, tmp_path)  # and the stale temporary file is gone
+    assert f"resumed from {tmp_path}/last.pth in epoch 2 of 2 after its step 2: going on" in result.stdout
+    _interrupted(result, tmp_path, 1, 2)  # and the stale temporary file is gone
 
+    # The epoch's seconds so far go on: 1000 s of training and 500 s of waiting, as if it had been slow.
+    state["partial"].update(train_seconds=1000.0, data_wait_seconds=500.0)
+    torch.save(state, tmp_path / "last.pth")
     (tmp_path / ".unrelated.tmp").write_bytes(b"not ours")
     result = python("train_single.py", *flags, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -92,31 +113,20 @@ def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(exact_data, straigh
     assert "epoch 1/2" not in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".run.lock", ".unrelated.tmp"]
     same_end(tmp_path, straight)
+    assert_same_best(tmp_path, straight)
+    epoch_2 = history(tmp_path)[1]
+    assert 1000 < epoch_2["train_seconds"] < 1000 + 60 and 500 < epoch_2["data_wait_seconds"] < epoch_2["train_seconds"] - 499
 
 
 def test_killed_worker_is_restarted_and_the_job_finishes_the_same(exact_data, straight_ddp, tmp_path):
-    """SIGKILL rank 1 at its 7th step (epoch 2 of 2); torchrun restarts the workers, which
-    resume from last.pth of epoch 1 on their own."""
-    result = run([*TORCHRUN, "--max-restarts=1", "train_ddp.py", *_flags(exact_data, tmp_path, B, 2)],
-                 env={"PYTHONPATH": HOOKS, "KILL_AT_STEP": "7", "KILL_RANK": "1"})
+    """SIGKILL rank 1 at its 8th step (epoch 2 of 2); torchrun restarts the workers, which
+    resume on their own from the step checkpoint after step 6 (--save-every-steps 3) and redo 7."""
+    result = run([*TORCHRUN, "--max-restarts=1", "train_ddp.py", *_flags(exact_data, tmp_path, B, 2),
+                  "--save-every-steps", "3"], env={"PYTHONPATH": HOOKS, "KILL_AT_STEP": "8", "KILL_RANK": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
+    assert f"resumed from {tmp_path}/last.pth in epoch 2 of 2 after its step 1: going on" in result.stdout
     assert "exitcode: -9" in result.stderr  # torchrun saw the SIGKILL
     same_end(tmp_path, straight_ddp)
-
-
-@pytest.mark.parametrize("mode", ["dp", "accelerate"])
-def test_dp_and_accelerate_resume_a_run_to_the_same_end(mode, runs, far, tmp_path):
-    """Epoch 1 of train_single.py, then --resume in another mode with the same global batch:
-    last.pth is the same in every mode, and the end equals two straight epochs."""
-    shutil.copytree(runs.exact("single", epochs=1)[0], tmp_path / "out")
-    batch = B if mode == "accelerate" else 2 * B
-    result = run([*LAUNCH[mode](), "--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2",
-                  "--batch-size", str(batch), "--resume", *outputs(tmp_path / "out")],
-                 env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf")})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
-    assert_same_run(tmp_path / "out", mode_run(runs, "single")[0], far)
 
 
 def test_a_dead_rank_ends_the_job_within_the_bound(exact_data, tmp_path):

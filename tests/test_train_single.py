@@ -76,7 +76,7 @@ def test_the_plot_holds_both_curves_of_every_epoch(learned):
 
 
 FLAGS = ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--image-size", "--arch", "--weights",
-         "--dropout", "--val-fraction", "--seed", "--workers", "--checkpoint", "--plot", "--resume", "--cache",
+         "--dropout", "--val-fraction", "--seed", "--workers", "--checkpoint", "--plot", "--resume", "--save-every-steps", "--cache",
          "--channels-last", "--compile", "--deterministic", "--augment", "--optimizer", "--weight-decay",
          "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--sync-bn",
          "--ema-decay", "--best-by",

@@ -9,7 +9,18 @@ KILL_LOG and SIGKILLs itself at its n-th optimizer step, in the first attempt on
 (TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch.
 
 INTERRUPT_AT_STEP=n: rank 0 sends itself SIGINT (Ctrl-C) at its n-th optimizer step.
-INTERRUPT_AT_REPLACE=name:k: Ctrl-C arrives as the k-th rename onto a file called `name` starts.
+INTERRUPT_AT_REPLACE=name:k: Ctrl-C arrives as the k-th rename onto a file called `name` starts
+(KeyboardInterrupt raised there, as before the stop signals were caught).
+
+SIGNAL_AT_STEP=n (with SIGNAL_NAME=SIGTERM|SIGINT|SIGUSR1, SIGNAL_RANK=r, SIGNAL_TO=self|parent):
+the process of rank r (default 0) sends that signal at its n-th optimizer step, in the first
+attempt only, to itself or to its parent (torchrun), and then waits until the signal has come
+back to it (torchrun forwards it; at most 30 s): the stop then begins in that step.
+SIGNAL_AT_REPLACE=name:k: the process sends itself SIGNAL_NAME as the k-th rename onto `name`
+starts (a second signal during the stop's save).
+STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
+STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
+without dying; whoever reads STOP_LOG kills it).
 
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests monkeypatch torch.cuda instead).
@@ -87,16 +98,19 @@ def _after_import(name, patch):
     sys.meta_path.insert(0, Finder())
 
 
-if os.environ.get("WRITE_LOG") or os.environ.get("INTERRUPT_AT_REPLACE"):
+if os.environ.get("WRITE_LOG") or os.environ.get("INTERRUPT_AT_REPLACE") or os.environ.get("SIGNAL_AT_REPLACE"):
     _replace, _renames = os.replace, {}
 
     def _logged_replace(src, dst, *args, **kwargs):
-        if os.environ.get("INTERRUPT_AT_REPLACE"):
-            name, k = os.environ["INTERRUPT_AT_REPLACE"].split(":")
-            if os.path.basename(os.fspath(dst)) == name:
-                _renames[name] = _renames.get(name, 0) + 1
-                if _renames[name] == int(k):
-                    raise KeyboardInterrupt
+        for variable in ("INTERRUPT_AT_REPLACE", "SIGNAL_AT_REPLACE"):
+            if os.environ.get(variable):
+                name, k = os.environ[variable].split(":")
+                if os.path.basename(os.fspath(dst)) == name:
+                    _renames[variable] = _renames.get(variable, 0) + 1
+                    if _renames[variable] == int(k) and variable == "INTERRUPT_AT_REPLACE":
+                        raise KeyboardInterrupt
+                    if _renames[variable] == int(k):
+                        os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM")))
         if os.environ.get("WRITE_LOG"):
             with open(os.environ["WRITE_LOG"], "a") as log:
                 log.write(f"{os.environ.get('RANK', '-')} {os.fspath(dst)}\n")
@@ -130,6 +144,25 @@ if (os.environ.get("KILL_AT_STEP") and RANK == os.environ.get("KILL_RANK", "1")
 
 if os.environ.get("INTERRUPT_AT_STEP") and RANK == "0":
     _on_step(int(os.environ["INTERRUPT_AT_STEP"]), lambda: os.kill(os.getpid(), signal.SIGINT))
+
+if (os.environ.get("SIGNAL_AT_STEP") and RANK == os.environ.get("SIGNAL_RANK", "0")
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    def _send():
+        to_parent = os.environ.get("SIGNAL_TO", "self") == "parent"
+        os.kill(os.getppid() if to_parent else os.getpid(), getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM")))
+        stopping, waited = sys.modules.get("src.stopping"), 0.0
+        while to_parent and stopping is not None and not stopping.requested() and waited < 30:
+            time.sleep(0.01)
+            waited += 0.01
+    _on_step(int(os.environ["SIGNAL_AT_STEP"]), _send)
+
+if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
+    def _stop():
+        with open(os.environ["STOP_LOG"], "w") as log:
+            log.write(f"{os.getpid()} {time.time()}\n")
+        time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
 
 if os.environ.get("FAKE_GPUS"):
     import torch

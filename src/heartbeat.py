@@ -1,0 +1,148 @@
+"""Naming the rank that stopped answering: when a collective waits for a rank that never comes (killed
+without torchrun noticing, stopped with SIGSTOP, stuck in a disk read), the others end within
+--dist-timeout with one line that says which rank, where it was and when it was last heard from,
+instead of a timeout traceback that names no one (docs/reliability.md).
+
+Every rank of a process group keeps where its main thread is (`at()`: the phase, the epoch, the
+micro-batch; a Python assignment, no device work), and a daemon thread writes it with the time into
+the store of the launcher's rendezvous when it changed (looking every LOOK seconds) and at least
+every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its main thread
+keeps writing the same place. When this rank's own place has not changed for nearly --dist-timeout
+(it waits in a collective), the thread reads every rank's beat: the ranks whose beat is stale, or
+whose place is behind this rank's, did not arrive. The lowest rank among the others says so in one
+line, and they end with exit code 1 before the collective's own timeout (gloo's raises a traceback;
+NCCL's watchdog aborts the process). With TORCH_NCCL_DUMP_ON_TIMEOUT=1 the line is printed and the
+process left to NCCL's timeout, which dumps its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE).
+"""
+import json
+import os
+import sys
+import threading
+import time
+
+BEAT = 2.0  # seconds between two writes of a rank's place, at most
+LOOK = 0.25  # seconds: the thread looks at the place this often, and writes it when it changed
+STALE = 3 * BEAT + 1  # a rank not heard from for this long has stopped answering
+EXIT_HUNG = 1
+# The order of the phases inside an epoch, for "behind": every rank goes through them in turn.
+ORDER = {"starting": 0, "training": 1, "validating": 2, "validating the average": 3, "saving": 4}
+END = 10 ** 9  # the index of a pass that has ended
+
+_place = ("starting", -1, 0, 0, False)  # (phase, epoch, index, step, loading)
+_changed = time.monotonic()
+_epoch = -1  # the epoch of the last training pass: a validation pass belongs to it
+_thread: "threading.Thread | None" = None
+_stop = threading.Event()
+
+
+def at(phase: str, epoch: int | None = None, index: int = 0, step: int = 0, loading: bool = False) -> None:
+    """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step` of
+    `epoch`, counted from 0; `loading`: waiting for that batch's data; index END: the pass is over).
+    Two assignments: cheap enough for every micro-batch."""
+    global _place, _changed, _epoch
+    if phase == "training":
+        _epoch = epoch
+    _place = (phase, _epoch if epoch is None else epoch, index, step, loading)
+    _changed = time.monotonic()
+
+
+def described(place: tuple) -> dict:
+    """A place as a beat holds it: its order among the places of a run and its words."""
+    phase, epoch, index, step, loading = place
+    if phase == "starting":
+        where = "its start, before training"
+    elif phase == "training" and index < END:
+        where = f"epoch {epoch + 1} step {step + 1} ({'loading its data' if loading else 'training'})"
+    else:
+        where = f"epoch {epoch + 1} ({phase}" + (f", batch {index + 1})" if index < END else ", done)")
+    return {"order": [epoch, ORDER[phase], index, 0 if loading else 1], "where": where}
+
+
+def start(store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Begin writing this rank's beat into `store` (the launcher's, prefixed per attempt) and watching
+    for a collective that waits for a rank that does not come. A world of one needs neither."""
+    global _thread
+    if world_size < 2 or _thread is not None:
+        return
+    at("starting")
+    _stop.clear()
+    _thread = threading.Thread(target=_run, args=(store, rank, world_size, timeout_s), name="heartbeat",
+                               daemon=True)
+    _thread.start()
+
+
+def stop() -> None:
+    """Stop the thread (before the process group ends)."""
+    global _thread
+    if _thread is not None:
+        _stop.set()
+        _thread.join(timeout=2 * BEAT)
+        _thread = None
+
+
+def margin(timeout_s: float) -> float:
+    """How long before the collective's timeout the thread looks: a tenth of it, 5 s to 60 s."""
+    return min(60.0, max(5.0, timeout_s / 10))
+
+
+def _run(store, rank: int, world_size: int, timeout_s: float) -> None:
+    written, when = None, 0.0
+    try:
+        while not _stop.is_set():
+            place = _place
+            if place is not written or time.monotonic() - when >= BEAT:
+                store.set(f"beat/{rank}", json.dumps({**described(place), "time": time.time()}))
+                written, when = place, time.monotonic()
+            if time.monotonic() - _changed > timeout_s - margin(timeout_s):
+                line, printer = judge(read_beats(store, world_size), rank, time.time(), timeout_s)
+                if line is not None:
+                    _end(line if printer else None)
+                    return
+            _stop.wait(LOOK)
+    except Exception:  # the store went away (the launcher ended): nothing left to watch
+        return
+
+
+def read_beats(store, world_size: int) -> list[dict | None]:
+    """Every rank's last beat (None for a rank never heard from)."""
+    beats = []
+    for rank in range(world_size):
+        key = f"beat/{rank}"
+        beats.append(json.loads(store.get(key)) if store.check([key]) else None)
+    return beats
+
+
+def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> tuple[str | None, bool]:
+    """(the line naming the ranks that did not arrive, whether this rank prints it), or (None, False)
+    when every rank is where this one is and answering (then the wait is not theirs to explain)."""
+    mine = beats[rank]
+    missing = {}  # rank: what is known of it
+    for other, beat in enumerate(beats):
+        if other == rank:
+            continue
+        if beat is None:
+            missing[other] = f"rank {other} never answered"
+        elif now - beat["time"] > STALE:
+            missing[other] = (f"rank {other} stopped answering at {beat['where']}; last heard "
+                              f"{now - beat['time']:.0f} s ago")
+        elif beat["order"] < mine["order"]:
+            missing[other] = (f"rank {other} did not arrive: it is still at {beat['where']}, last heard "
+                              f"{now - beat['time']:.0f} s ago")
+    if not missing:
+        return None, False
+    printer = min(r for r in range(len(beats)) if r not in missing)
+    line = (f"timeout: {'; '.join(missing.values())} (the others wait at {mine['where']}; "
+            f"--dist-timeout {timeout_s / 60:g} min)")
+    return line, printer == rank
+
+
+def _end(line: str | None) -> None:
+    """Print the line (on the rank that says it) and end the process, unless NCCL is to dump its
+    flight recorder at its own timeout."""
+    if line is not None:
+        print(f"\n{line}", file=sys.stderr, flush=True)  # on a line of its own: a progress bar may be drawn
+    if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") not in ("", "0"):
+        return
+    if line is None:
+        time.sleep(3)  # the rank that says it says it first: the launcher stops the others when one ends
+    os._exit(EXIT_HUNG)

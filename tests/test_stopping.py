@@ -1,0 +1,225 @@
+"""Step checkpoints (--save-every-steps) and stops on SIGTERM, SIGUSR1 and SIGINT (src/stopping.py):
+under torchrun a stop at any step, then --resume, ends bit for bit where the uninterrupted run
+does; every mode resumes a mid-epoch last.pth; the ranks agree on the step; a stop between the
+micro-batches of a step waits for the step; bad input. Ctrl-C of train_single.py:
+test_reliability.py; the chaos check: test_chaos.py; a rank that stops answering: test_hung_rank.py."""
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import (
+    EXACT,
+    HOOKS,
+    LAUNCH,
+    RESUMABLE,
+    TOLERANCE,
+    VAL,
+    B,
+    assert_same_best,
+    assert_same_run,
+    distance,
+    fails_in_process,
+    history,
+    in_process,
+    mode_run,
+    outputs,
+    resumable_run,
+    run,
+    same_end,
+    stop_line,
+    weights,
+)
+
+import train_dp
+import train_single
+from src.cli import parse_args
+from src.errors import Stopped
+from src.loaders import make_loaders
+from src.metrics import COUNT
+from src.progress import Progress
+from src.ranks import restarted
+from src.recipe import make_optimizer, make_schedule
+from src.stopping import Stops
+
+TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
+
+
+def _flags(data, out, batch, *extra):
+    return ["--data-dir", str(data), *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", str(batch),
+            *outputs(out), *extra]
+
+
+def _at(folder) -> tuple[int, int]:
+    state = weights(folder, "last.pth")
+    return state["epoch"], state["step"]
+
+
+def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end(exact_data, runs,
+                                                                                        tmp_path):
+    """Two DDP processes, 5 steps an epoch, --save-every-steps 3, --log-every 1 (the ranks start an
+    all-reduce of their flags after every step and read it after the next one):
+    1. SIGTERM to torchrun in step 1, which forwards it to both workers: they stop after step 2; a
+       second SIGTERM during the stop's save changes nothing;
+    2. --resume; SIGUSR1 to rank 1 alone in step 3 (torchrun does not see it): both stop after 4;
+    3. --resume; Ctrl-C (SIGINT) to torchrun in step 5, the epoch's last: both stop at the epoch's
+       end, its files saved;
+    4. --resume ends with the weights, weight average, history and best.pth of the straight run."""
+    straight = resumable_run(runs, "ddp")[0]
+    flags = _flags(exact_data, tmp_path, B, "--save-every-steps", "3", "--log-every", "1")
+
+    result = run([*TORCHRUN, "train_ddp.py", *flags],
+                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGTERM",
+                      "SIGNAL_AT_REPLACE": "last.pth:1"}, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]  # torchrun's own code after it forwarded a signal
+    assert "got signal: 15" in result.stderr and result.stderr.count("Traceback") == 1, "torchrun's, no worker's"
+    said, command = stop_line(result.stderr).split("; to go on, launch the same way: ")
+    assert said == f"stopped by SIGTERM at epoch 1 step 2 of 5: {tmp_path}/last.pth saved there"
+    assert command.endswith(" --resume") and command.startswith("train_ddp.py --data-dir ")
+    assert _at(tmp_path) == (0, 2) and not (tmp_path / "history.json").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300,
+                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_RANK": "1", "SIGNAL_NAME": "SIGUSR1"})
+    assert f"resumed from {tmp_path}/last.pth in epoch 1 of 2 after its step 2: going on" in result.stdout
+    assert stop_line(result.stderr).startswith("stopped by SIGUSR1 at epoch 1 step 4 of 5: ")
+    assert "exitcode: 75" in result.stderr and "received by PID" not in result.stderr, result.stderr[-3000:]
+    assert _at(tmp_path) == (0, 4)
+
+    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300,
+                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGINT"})
+    assert stop_line(result.stderr).startswith(f"stopped by SIGINT after epoch 1 of 2: {tmp_path}/last.pth holds it; ")
+    assert "got signal: 2" in result.stderr and _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
+
+    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "after epoch 1 of 2: going on" in result.stdout
+    same_end(tmp_path, straight)
+    assert_same_best(tmp_path, straight)
+
+
+@pytest.fixture(scope="module")
+def stepped(runs):
+    """train_single.py's two EXACT epochs with --save-every-steps 3, each last.pth kept (COPY_LAST):
+    copies/last.1.pth after step 3, .2 at epoch 1's end, .3 after step 6 (epoch 2's first), .4 after
+    step 9, .5 at epoch 2's end."""
+    return runs.exact("single", "--save-every-steps", "3", env={"COPY_LAST": "{run}/copies"})[0]
+
+
+def test_step_checkpoints_hold_the_steps_and_change_nothing(stepped, runs):
+    """last.pth after every 3rd optimizer step and at each epoch's end, with the steps done and the
+    partial sums (step 3: 3 x 20 images); the run ends bit for bit as without them."""
+    copies = sorted((stepped.parent / "copies").iterdir(), key=lambda path: int(path.name.split(".")[1]))
+    states = [torch.load(path, weights_only=True) for path in copies]
+    assert [(s["epoch"], s["step"]) for s in states] == [(0, 3), (1, 0), (1, 1), (1, 4), (2, 0)]
+    assert [len(s["history"]) for s in states] == [0, 1, 1, 1, 2]
+    assert states[0]["partial"]["sums"].shape == (1, 4) and states[0]["partial"]["sums"][0, COUNT] == 60
+    assert states[3]["partial"]["sums"][0, COUNT] == 80 and states[3]["partial"]["train_seconds"] > 0
+    assert "partial" not in states[1] and "partial" not in states[4]
+    same_end(stepped, mode_run(runs, "single")[0])
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp", "accelerate"])
+def test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end(mode, stepped, far, runs, tmp_path, monkeypatch,
+                                                                   capsys):
+    """train_single.py's last.pth after step 6 (epoch 2's first), resumed in another mode with the
+    same global batch (accelerate with --accumulate 2), ends where the stepped run does, within the
+    modes' tolerance; so does the step checkpoint it writes after step 9 (FSDP gathers its shards).
+    train_dp.py resumes without --resume, in a requeued SLURM job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(stepped.parent / "copies" / "last.3.pth", out / "last.pth")
+    if mode == "dp":
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        code, stdout, stderr = in_process(train_dp.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs",
+                                                         "2", "--batch-size", str(2 * B), *outputs(out)],
+                                          monkeypatch, capsys)
+    else:
+        batch = ["--batch-size", str(B // 2), "--accumulate", "2"] if mode == "accelerate" else ["--batch-size", str(B)]
+        result = run([*LAUNCH[mode](), "--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2", *batch,
+                      "--resume", "--save-every-steps", "3", *outputs(out)],
+                     env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HOOKS,
+                          "COPY_LAST": str(tmp_path / "copies")})
+        code, stdout, stderr = result.returncode, result.stdout, result.stderr
+        step_9 = torch.load(tmp_path / "copies" / "last.1.pth", weights_only=True)
+        assert (step_9["epoch"], step_9["step"]) == (1, 4)
+        assert distance(step_9["model"], weights(stepped.parent / "copies", "last.4.pth")["model"]) < TOLERANCE * far
+    assert code == 0, stderr[-3000:]
+    assert "in epoch 2 of 2 after its step 1: going on" in stdout and "epoch 1/2" not in stdout
+    assert_same_run(out, stepped, far)
+
+
+def test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job(monkeypatch):
+    """A first start resumes nothing; torchrun's restart count or SLURM's requeue count above 0 does."""
+    for torchrun, slurm, expected in [(None, None, False), ("0", "0", False), (None, "0", False),
+                                      (None, "1", True), ("1", None, True), ("0", "2", True)]:
+        for name, value in (("TORCHELASTIC_RESTART_COUNT", torchrun), ("SLURM_RESTART_COUNT", slurm)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert restarted() is expected, (torchrun, slurm)
+
+
+def _tiny_run(args, stops_save, signal_at: int | None):
+    """train_single.train_epoch over 48 images of a tiny model, with a Stops; SIGTERM to this
+    process as micro-batch `signal_at` (from 0) is handed out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(48)]
+    loader, _ = make_loaders(dataset, list(range(48)), [0], args.batch_size, 0, 0, accumulate=args.accumulate)
+    device = torch.device("cpu")
+    optimizer = make_optimizer(model, args, device)
+    steps = 48 // (args.batch_size * args.accumulate)
+    schedule = make_schedule(optimizer, args, steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    progress = Progress(args, optimizer, steps, args.batch_size, device)
+    progress.stops = Stops(args, [], stops_save)
+    loader.sampler.set_epoch(0)
+
+    class Signalling:
+        def __len__(self):
+            return len(loader)
+
+        def __iter__(self):
+            for i, batch in enumerate(loader):
+                if i == signal_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield batch
+    train_single.train_epoch(model, progress.pass_over(Signalling(), "test", 0), device, args, optimizer, scaler,
+                             schedule)
+    return schedule
+
+
+def test_a_signal_between_micro_batches_stops_after_the_optimizer_step(stop_signals, tmp_path):
+    """--accumulate 3: SIGTERM as the 2nd micro-batch of step 2 starts; the run finishes step 2
+    (its 3rd micro-batch too), saves there (2 steps x 12 images) and stops; without a signal it
+    saves every --save-every-steps 3 steps and runs to the end."""
+    args = parse_args("", ["--batch-size", "4", "--accumulate", "3", *outputs(tmp_path)])
+    saved = []
+    with pytest.raises(Stopped):
+        _tiny_run(args, saved.append, signal_at=4)
+    assert [(p["epoch"], p["step"]) for p in saved] == [(0, 2)] and saved[0]["sums"][0, COUNT] == 24
+    args = parse_args("", ["--batch-size", "4", "--accumulate", "1", "--save-every-steps", "5", *outputs(tmp_path)])
+    saved.clear()
+    schedule = _tiny_run(args, saved.append, signal_at=None)
+    assert schedule.last_epoch == 12 and [p["step"] for p in saved] == [5, 10]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "argument --save-every-steps: must be at least 1, got 0"),
+    ("-3", "argument --save-every-steps: must be at least 1, got -3"),
+    ("nan", "argument --save-every-steps: invalid int value: 'nan'"),
+])
+def test_a_bad_save_every_steps_is_one_line(value, message, exact_data, tmp_path, monkeypatch, capsys):
+    fails_in_process(train_single.main, ["--data-dir", str(exact_data), *EXACT, "--save-every-steps", value,
+                                         *outputs(tmp_path)], monkeypatch, capsys, message)
+
+
+def test_a_mid_epoch_checkpoint_with_another_global_batch_is_refused(stepped, runs, tmp_path, monkeypatch, capsys):
+    shutil.copy(stepped.parent / "copies" / "last.3.pth", tmp_path / "last.pth")
+    fails_in_process(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2",
+                                         "--batch-size", str(B), "--resume", *outputs(tmp_path)], monkeypatch, capsys,
+                     "was trained with --batch-size (x processes x --accumulate) 20, not 10")
