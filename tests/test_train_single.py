@@ -55,7 +55,7 @@ def test_trains_learns_and_writes_every_output(learned):
     assert info["arch"] == "resnet18" and info["image_size"] == 32
     assert info["epoch"] == best_record(records, "val_acc")["epoch"]
     assert set(weights(out, "last.pth")) == {"model", "optimizer", "scaler", "schedule", "average", "epoch",
-                                             "history", "info"}
+                                             "step", "history", "info"}
 
 
 def test_the_plot_holds_both_curves_of_every_epoch(learned):

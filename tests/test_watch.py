@@ -49,16 +49,18 @@ def test_tensorboard_holds_the_step_and_epoch_scalars_from_rank_0_only(mode, run
 
 
 def test_tensorboard_counts_optimizer_steps_under_accumulate(runs):
-    """FSDP's full-recipe run of test_fsdp.py: 2 micro-batches a step, 5 optimizer steps an epoch
-    (10 micro-batches), --log-every 10: one step report an epoch, after its last step, at optimizer
-    steps 5 and 10 (not micro-batches 10 and 20), each with the learning rate that step left,
-    which history.json records at the epoch's end."""
+    """FSDP's full-recipe run of test_fsdp.py: 2 micro-batches of 10 per rank a step, a global
+    batch of 40, so 2 optimizer steps an epoch (80 of the 100 training images; 4 micro-batches per
+    rank), --log-every 10: one step report an epoch, after its last step, at optimizer steps 2 and 4
+    (micro-batches would give 4 and 6), each with the learning rate that step left, which
+    history.json records at the epoch's end."""
     out, _ = recipe_run(runs, "fsdp", "--log-dir", "{run}/tensorboard", "--profile", env={"COPY_LAST": "{run}/copies"})
     _, events = _events(out.parent / "tensorboard")
     records = history(out)
-    assert [s.step for s in events.Scalars("step/loss")] == [5, 10]
+    assert [r["train_samples"] for r in records] == [80, 80]
+    assert [s.step for s in events.Scalars("step/loss")] == [2, 4]
     lrs = events.Scalars("step/lr")
-    assert [s.step for s in lrs] == [5, 10]
+    assert [s.step for s in lrs] == [2, 4]
     assert [s.value for s in lrs] == pytest.approx([r["lr"] for r in records], rel=1e-6)
     assert [s.step for s in events.Scalars("epoch/lr")] == [1, 2]
 
