@@ -51,7 +51,7 @@ GPU = "gpu:"  # the prefix of a check of make test-gpu among an entry's tests
 TEXT_ONLY = {"tests/test_mutations.py": "checks/mutations.py"}
 
 MUTATIONS = [
-    # Issue 27's seven rows.
+    # Seven breakages the suite once let through.
     ("src/checkpoint.py", "if is_best:", "if True:",
      ["tests/test_recipe.py::test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by",
       "tests/test_recipe.py::test_an_epoch_that_is_no_better_keeps_best_pth"]),
@@ -108,7 +108,7 @@ MUTATIONS = [
     ("src/accelerate_checks.py", 'if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:',
      "if False:", ["tests/test_one_step.py::test_accelerate_with_fp16_on_a_cpu_is_refused"]),
 
-    # The tests issue 27 found weak.
+    # Tests that were once too weak to catch these.
     ("src/loaders.py", "sampler=ShardSampler(len(val_set), world_size, rank)",
      "sampler=torch.utils.data.DistributedSampler(val_set, world_size, rank, shuffle=False)",
      ["tests/test_loaders.py::test_validation_shards_cover_every_sample_once"]),
@@ -203,7 +203,7 @@ MUTATIONS = [
     ("checks/mutations.py", 'if line.startswith(("FAILED ", ' '"ERROR ")) and " " in line]',
      'if line.startswith("FAILED ") and " " in line]',
      ["tests/test_mutations.py::test_the_runner_reads_which_tests_failed_from_pytest"]),
-    # Issue 25: the GPU path (fused optimizers, seeds, DataParallel, timeouts, caches, make test-gpu).
+    # The GPU path (fused optimizers, seeds, DataParallel, timeouts, caches, make test-gpu).
     ('src/recipe.py', '    optimizer.register_step_pre_hook(zero_momentum)\n', '',
      ['tests/test_gpu_on_cpu_fused_optimizers.py::test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does', 'tests/test_gpu_on_cpu_fused_optimizers.py::test_fused_optimizers_survive_a_skipped_first_step', 'tests/test_gpu_on_cpu_fused_optimizers.py::test_fused_sgd_takes_a_backbone_unfrozen_after_its_head_trained', 'tests/test_gpu_on_cpu_selftest.py::test_make_test_gpus_fused_optimizer_check_bites']),
     ('src/recipe.py', '    fused = gpu_choices(device)', '    fused = False',
@@ -257,7 +257,7 @@ MUTATIONS = [
       'tests/test_gpu_selftest_logic.py::test_the_plan_fits_the_proofs_deadline_at_half_the_speed']),
     ('checks/gpu_selftest.py', 'PARALLEL = 4  # launches at once', 'PARALLEL = 1  # launches at once',
      ['tests/test_gpu_on_cpu_selftest.py::test_make_test_gpu_is_planned_within_its_time_and_dev_shm']),
-    # Issue 29: predict, --evaluate, ONNX export.
+    # predict, --evaluate, ONNX export.
     ('src/image_files.py', 'found = sorted((p for p in path.rglob("*") if p.is_file() or broken_link(p)),', 'found = sorted((p for p in path.glob("*") if p.is_file() or broken_link(p)),',
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
     ('src/image_files.py', 'key=lambda p: natural_key(p.relative_to(path).as_posix()))', 'key=lambda p: p.relative_to(path).as_posix())',
@@ -329,7 +329,7 @@ MUTATIONS = [
      ['tests/test_export.py::test_predict_onnx_runs_without_torch_and_gives_torchs_p_dog']),
     ('src/tools/rounding.py', 'LAMBDA = 3.0', 'LAMBDA = 3000.0',
      ['tests/test_export.py::test_onnxruntime_matches_torch_on_real_images_within_the_bound']),
-    # Issue 30: resume wherever rank 0 lands, one-line errors, ignored outputs.
+    # Resume wherever rank 0 lands, one-line errors, ignored outputs.
     ('src/checkpoint.py', 'source = -max(held)[1]', 'source = 0',
      ['tests/test_modes.py::test_rank_0_on_another_machine_resumes_the_run_and_gets_its_files']),
     ('src/checkpoint.py', '    if source != 0:\n        _copy_to_rank_0(args, state, source)', '    if False:\n        _copy_to_rank_0(args, state, source)',
@@ -352,7 +352,7 @@ MUTATIONS = [
      ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
     ('.gitignore', 'predictions.csv\n', '',
      ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
-    # Issue 28: FSDP2 and accelerate's refusals.
+    # FSDP2 and accelerate's refusals.
     ('train_fsdp.py', '        model.set_requires_gradient_sync(last)', '        model.set_requires_gradient_sync(True)',
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
     ('train_fsdp.py', '    sharding.broadcast_buffers(model)', '    pass  # sharding.broadcast_buffers(model)',
@@ -541,7 +541,7 @@ MUTATIONS = [
      ["tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run"]),
     ("src/history.py", '    offered = [(record, "weights")]\n    if AVERAGE["val_acc"] in record:', '    offered = [(record, "weights")]\n    if False:',
      ["tests/test_ema.py::test_best_pth_holds_the_average_when_it_validates_better"]),
-    # Issue 34: hostile and careless input, round three.
+    # Hostile and careless input: outputs, the folder lock, --overwrite, divergence, CSV and terminal.
     ('src/outputs.py', '    if kind is not None:\n        why =', '    if False:\n        why =',
      ['tests/test_outputs.py::test_training_refuses_a_target_that_is_not_a_regular_file', 'tests/test_outputs.py::test_predict_refuses_a_special_output_and_writes_to_standard_output_with_a_dash', 'tests/test_outputs.py::test_prepare_refuses_a_train_csv_that_is_not_a_regular_file']),
     ('src/outputs.py', '    if os.path.lexists(path) and not os.path.isdir(path):', '    if False:',
@@ -660,7 +660,7 @@ MUTATIONS = [
      ['tests/test_outputs.py::test_synthetic_writes_only_where_it_may']),
     ('src/tools/synthetic.py', '    except OSError as error:  # a full disk, a quota\n', '    except ZeroDivisionError as error:  # a full disk, a quota\n',
      ['tests/test_outputs.py::test_synthetic_writes_only_where_it_may']),
-    # Issue 35: fresh breakages that passed the suite, and their kinds. Two real gloo ranks
+    # Fresh breakages that once passed the suite, and their kinds. Two real gloo ranks
     # (tests/test_two_ranks.py): reductions and rank-dependent indices with uneven shares, what
     # each rank prints, a torchrun restart.
     ('src/sharding.py', '    most = math.ceil(loader.sampler.largest / loader.batch_size)',
@@ -710,7 +710,7 @@ MUTATIONS = [
      ['tests/test_two_ranks.py::test_rank_0_alone_writes_each_file_in_its_order_with_the_usual_mode']),
     ('src/run_lock.py', 'os.O_CLOEXEC, 0o666)', 'os.O_CLOEXEC, 0o600)',
      ['tests/test_two_ranks.py::test_rank_0_alone_writes_each_file_in_its_order_with_the_usual_mode']),
-    # Issue 35's rows that one process shows, and their kinds.
+    # Such breakages that one process shows, and their kinds.
     ('train_fsdp.py', 'model.train(not frozen)', 'model.train(True)',
      ['tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode']),
     ('src/evaluation.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data")',
