@@ -2,7 +2,8 @@
 PATH that record how they were called (SLURM itself cannot run here): the torchrun command it
 starts on every node, and the requeue after SLURM's SIGUSR1 or a stopped process's exit code, not
 after a finished or failed run. That a requeued job resumes: test_stopping.py (SLURM_RESTART_COUNT);
-that torchrun forwards SIGTERM and the ranks stop and save: test_stopping.py too."""
+that torchrun started as the script starts it forwards SIGUSR1 and the ranks stop and save:
+test_stopping.py too."""
 import os
 import signal
 import subprocess
@@ -15,12 +16,14 @@ SCRIPT = ROOT / "docs" / "slurm" / "train.sbatch"
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2"}
 
 # srun: records its arguments, then stands for the torchruns of the job: exits with FAKE_EXIT
-# after FAKE_SECONDS, or with torchrun's 1 when it gets the SIGTERM it forwards to them.
+# after FAKE_SECONDS, or with torchrun's 1 when it gets the SIGUSR1 it forwards to them; the real
+# srun answers SIGTERM by SIGKILLing its tasks (no stop, no save): recorded as such.
 FAKE_SRUN = """#!/bin/bash
 echo "srun $*" >> "$FAKE_LOG"
 sleep "${FAKE_SECONDS:-0}" &
 sleeper=$!
-trap 'kill $sleeper; echo "srun got SIGTERM" >> "$FAKE_LOG"; exit 1' TERM
+trap 'kill $sleeper; echo "srun got SIGUSR1" >> "$FAKE_LOG"; exit 1' USR1
+trap 'kill $sleeper; echo "srun got SIGTERM: its tasks SIGKILLed" >> "$FAKE_LOG"; exit 137' TERM
 touch "$FAKE_LOG.started"
 wait $sleeper
 exit "${FAKE_EXIT:-0}"
@@ -65,7 +68,8 @@ def test_one_torchrun_per_node_with_a_rendezvous_on_the_first_node(fake_slurm):
     calls = log.read_text().splitlines()
     assert calls == [
         "scontrol show hostnames gpu[07-08]",
-        "srun --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
+        "srun --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc-per-node=4 "
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --rdzv-backend=c10d "
         "--rdzv-endpoint=gpu07:29500 --rdzv-id=4242 --max-restarts=3 train_ddp.py --data-dir data --epochs 10"]
 
 
@@ -82,8 +86,8 @@ def test_a_requeue_follows_a_stopped_process_only(exit_code, requeued, fake_slur
 
 
 def test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued(fake_slurm):
-    """SLURM's SIGUSR1 to the batch shell (--signal=B:USR1@120): the script sends SIGTERM to srun,
-    which forwards it to torchrun on every node (here the fake srun takes it and exits 1, as
+    """SLURM's SIGUSR1 to the batch shell (--signal=B:USR1@120): the script passes SIGUSR1 to
+    srun, which forwards it to torchrun on every node (here the fake srun takes it and exits 1, as
     torchrun does after forwarding it), waits for srun to end, and requeues the job."""
     env, log = fake_slurm
     batch = _batch(env, seconds=60, exit=0)
@@ -95,5 +99,5 @@ def test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued(fake_sl
     batch.send_signal(signal.SIGUSR1)
     output, _ = batch.communicate(timeout=30)
     assert batch.returncode == 1, output
-    assert log.read_text().splitlines()[-2:] == ["srun got SIGTERM", "scontrol requeue 4242"]
+    assert log.read_text().splitlines()[-2:] == ["srun got SIGUSR1", "scontrol requeue 4242"]
     assert "SIGUSR1: the time limit is near" in output and "requeued" in output

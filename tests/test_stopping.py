@@ -4,6 +4,7 @@ does; every mode resumes a mid-epoch last.pth; the ranks agree on the step; a st
 micro-batches of a step waits for the step; bad input. Ctrl-C of train_single.py:
 test_reliability.py; the chaos check: test_chaos.py; a rank that stops answering: test_hung_rank.py."""
 import os
+import re
 import shutil
 import signal
 
@@ -15,6 +16,7 @@ from conftest import (
     HOOKS,
     LAUNCH,
     RESUMABLE,
+    ROOT,
     TOLERANCE,
     VAL,
     B,
@@ -45,6 +47,8 @@ from src.recipe import make_optimizer, make_schedule
 from src.stopping import Stops
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
+# torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
+_SLURM_SIGNALS = re.search(r"--signals-to-handle=(\S+)", (ROOT / "docs" / "slurm" / "train.sbatch").read_text())[1]
 
 
 def _flags(data, out, batch, *extra):
@@ -64,8 +68,9 @@ def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_sa
     1. SIGTERM to torchrun in step 1, which forwards it to both workers: they stop after step 2; a
        second SIGTERM during the stop's save changes nothing;
     2. --resume; SIGUSR1 to rank 1 alone in step 3 (torchrun does not see it): both stop after 4;
-    3. --resume; Ctrl-C (SIGINT) to torchrun in step 5, the epoch's last: both stop at the epoch's
-       end, its files saved;
+    3. --resume under torchrun started as docs/slurm/train.sbatch starts it (--signals-to-handle with
+       SIGUSR1); SIGUSR1 to torchrun in step 5, the epoch's last, which forwards it: both stop at
+       the epoch's end, its files saved (Ctrl-C to torchrun: test_chaos.py);
     4. --resume ends with the weights, weight average, history and best.pth of the straight run."""
     straight = resumable_run(runs, "ddp")[0]
     flags = _flags(exact_data, tmp_path, B, "--save-every-steps", "3", "--log-every", "1")
@@ -88,10 +93,11 @@ def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_sa
     assert "exitcode: 75" in result.stderr and "received by PID" not in result.stderr, result.stderr[-3000:]
     assert _at(tmp_path) == (0, 4)
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300,
-                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGINT"})
-    assert stop_line(result.stderr).startswith(f"stopped by SIGINT after epoch 1 of 2: {tmp_path}/last.pth holds it; ")
-    assert "got signal: 2" in result.stderr and _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
+    result = run([*TORCHRUN, f"--signals-to-handle={_SLURM_SIGNALS}", "train_ddp.py", *flags, "--resume"],
+                 timeout=300, env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent",
+                                   "SIGNAL_NAME": "SIGUSR1"})
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 2: {tmp_path}/last.pth holds it; ")
+    assert "got signal: 10" in result.stderr and _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
 
     result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
