@@ -50,7 +50,7 @@ class AutocastDataParallel(nn.DataParallel):
         for replica in replicas[1:]:  # the first holds the module's own tensors
             keep_memory_format(module, replica)
         keys = sample_keys(module)
-        if keys is not None:
+        if keys is not None and module.training:  # in eval mode nothing draws, and the keys are a training batch's
             for replica, gpu, share in zip(replicas, device_ids, keys.split(self.shares)):
                 set_samples(replica, share.to(torch.device(self.src_device_obj.type, gpu), non_blocking=True))
         return [AutocastReplica(replica, self.src_device_obj.type) for replica in replicas]

@@ -112,6 +112,13 @@ def test_each_replica_draws_the_masks_of_its_own_samples(monkeypatch):
     assert dp.shares == [2, 3]
     assert [r.replica.classifier[0].samples.tolist() for r in replicas] == [keys[:2].tolist(), keys[2:].tolist()]
     assert torch.allclose(torch.cat([r(*args) for r, args in zip(replicas, inputs)]), whole, atol=1e-6)
+    # Validation after it: a last batch of 3 while the keys are still the training batch's 5 (the
+    # replicas of an eval forward draw nothing, and must not split those keys over its shares).
+    model.eval()
+    inputs, _ = dp.scatter((images[:3],), {}, [0, 1])
+    replicas = dp.replicate(model, [0, 1])
+    assert dp.shares == [2, 1]
+    assert torch.allclose(torch.cat([r(*args) for r, args in zip(replicas, inputs)]), model(images[:3]), atol=1e-6)
 
 
 def test_each_gpu_draws_its_own_dropout_masks(monkeypatch):
