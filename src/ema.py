@@ -12,7 +12,9 @@ already running averages, of the activations of the weights that produced them.
 
 It hangs on the optimizer (a step post-hook): it updates exactly when the optimizer steps, once
 per optimizer step, never per micro-batch, also under accelerate, which steps the optimizer
-itself; a step that the fp16 scaler skips updates nothing, in every mode alike. Under FSDP each
+itself; a step that the fp16 scaler skips updates nothing, in every mode alike: the scaler does
+not call a plain optimizer's step then, and a fused one's (on a GPU) it calls anyway, with the
+skip in `optimizer.found_inf` on the device, which weighs and counts the update there. Under FSDP each
 rank averages its own shards (DTensors), with no collective; the whole average is gathered only
 when it is saved, like the weights.
 """
@@ -22,6 +24,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 T = TypeVar("T")
 
@@ -37,22 +40,42 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, decay: float | None):
         self.model, self.decay, self.updates = model, decay, 0
+        self.skipped = None  # on the device: the updates among `updates` whose step the fp16 scaler skipped
         self.params = [p for p in model.parameters()] if decay else []
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.params]
         if decay:
-            optimizer.register_step_post_hook(lambda *_: self.update())
+            optimizer.register_step_post_hook(lambda stepped, *_: self.update(getattr(stepped, "found_inf", None)))
 
     @property
     def on(self) -> bool:
         return bool(self.decay)
 
     @torch.no_grad()
-    def update(self) -> None:
-        """average <- average + (1 - decay_t) x (weights - average); no host synchronisation."""
-        weight = 1 - decay_at(self.updates, self.decay)
-        torch._foreach_lerp_(self.average, [p.detach() for p in self.params], weight)
+    def update(self, found_inf: torch.Tensor | None = None) -> None:
+        """average <- average + (1 - decay_t) x (weights - average); no host synchronisation.
+
+        found_inf: what the fp16 scaler hands a fused optimizer whose step it calls also when it
+        skips it (nonzero then); the decay and the weight are then computed on the device, in
+        float64 as the host computes them, and a skipped step adds nothing and is not counted."""
+        if found_inf is None and self.skipped is None:
+            torch._foreach_lerp_(self.average, [p.detach() for p in self.params], 1 - decay_at(self.updates, self.decay))
+        else:
+            skip = (found_inf if found_inf is not None else torch.zeros(())).to(
+                self.average[0].device, torch.float64).clamp(max=1)
+            if self.skipped is None:
+                self.skipped = torch.zeros((), dtype=torch.float64, device=skip.device)
+            t = self.updates - self.skipped
+            weight = (1 - torch.clamp((1 + t) / (10 + t), max=self.decay)) * (1 - skip)
+            cast = {dtype: weight.to(dtype) for dtype in {a.dtype for a in self.average}}
+            torch._foreach_lerp_(_local(self.average), _local([p.detach() for p in self.params]),
+                                 [cast[a.dtype] for a in self.average])
+            self.skipped += skip
         self.updates += 1
+
+    def count(self) -> int:
+        """The updates taken, skipped steps left out (reads the device: call it when saving)."""
+        return self.updates - (0 if self.skipped is None else round(self.skipped.item()))
 
     def validate(self, run: Callable[[], T]) -> T | None:
         """run() with the average in the model (the validation of it), or None when off."""
@@ -68,7 +91,7 @@ class WeightAverage:
             return None
         with self.swapped_in():
             return {"model": {key: value.to("cpu", copy=True) for key, value in self.model.state_dict().items()},
-                    "updates": self.updates}
+                    "updates": self.count()}
 
     def load(self, model, saved: dict) -> None:
         """The average of a last.pth (state_dict's) into this one, through model.load_state_dict
@@ -77,7 +100,7 @@ class WeightAverage:
             return
         with self.swapped_in():
             model.load_state_dict(saved["model"])
-        self.updates = int(saved["updates"])
+        self.updates, self.skipped = int(saved["updates"]), None
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -108,3 +131,9 @@ class WeightAverage:
             held = param.detach().clone()
             param.detach().copy_(average)
             average.copy_(held)
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FSDP's DTensors as this rank's shards (the same storage): a device weight tensor, which is
+    no DTensor, cannot meet a DTensor in one foreach call."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

@@ -55,7 +55,7 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer, average: We
     averaged = None
     if average.on:
         with average.swapped_in():
-            averaged = {"model": get_model_state_dict(model, options=options), "updates": average.updates}
+            averaged = {"model": get_model_state_dict(model, options=options), "updates": average.count()}
     by_name = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
     if not by_name:
         return Whole(Gathered(model_state), Gathered({}), Gathered(averaged))

@@ -113,3 +113,26 @@ def test_the_average_is_updated_once_per_optimizer_step_with_accumulate(mode, ru
     assert last["average"]["updates"] == last["schedule"]["last_epoch"] == 4
     moved = sum((last["average"]["model"][k] - last["model"][k]).abs().sum() for k in last["model"])
     assert moved > 0
+
+
+def test_a_step_the_fp16_scaler_skips_inside_a_fused_kernel_changes_nothing():
+    """found_inf, what the scaler hands a fused optimizer whose step it calls also when it skips it:
+    1 leaves the average and its count as they were; 0 updates it as the host's arithmetic does
+    (an average updated only at the steps taken, to float rounding)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # never stepped: update() is called here
+    on_device, on_host = WeightAverage(model, optimizer, 0.9), WeightAverage(model, optimizer, 0.9)
+    for found in (0.0, 1.0, 0.0, 1.0, 1.0, 0.0):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        before = [a.clone() for a in on_device.average]
+        on_device.update(torch.tensor(found))
+        if found:
+            assert all(torch.equal(a, b) for a, b in zip(on_device.average, before))
+        else:
+            on_host.update()
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(on_device.average, on_host.average))
+    assert on_device.count() == on_host.count() == 3
+    assert not all(torch.equal(a, b) for a, b in zip(on_device.average, [p.detach() for p in model.parameters()]))

@@ -134,6 +134,17 @@ def test_fp16_with_the_gpus_fused_adamw_ends_where_plain_adamw_does(fp16_runs):
     assert distance(last_model(fused), last_model(plain)) / far < TOLERANCE
 
 
+def test_the_weight_average_leaves_out_the_steps_the_scaler_skips_under_fused_sgd(fp16_runs):
+    """--ema-decay hangs on the optimizer's step. The scaler does not call plain SGD's step at a
+    skipped step, but calls a fused optimizer's anyway (its kernel skips on the device): the
+    average must then add nothing and not count the step, as with plain SGD, and end where it does."""
+    plain, fused = (weights(fp16_runs(train_single, gpu, "--ema-decay", "0.9"), "last.pth") for gpu in "01")
+    assert {group["fused"] for group in fused["optimizer"]["param_groups"]} == {True}
+    assert fused["scaler"]["scale"] == plain["scaler"]["scale"] == 2.0 ** 16 / 4  # steps 1 and 3 skipped
+    assert plain["average"]["updates"] == fused["average"]["updates"] == STEPS - len(SKIPPED)
+    assert distance(fused["average"]["model"], plain["average"]["model"]) / _far(fp16_runs) < TOLERANCE
+
+
 @pytest.mark.parametrize("script", [train_single, train_accelerate])
 def test_the_schedule_advances_at_every_optimizer_step_also_a_skipped_one(fp16_runs, script):
     """The one rule of every mode: the learning rate is that of the step count, skipped steps
