@@ -67,7 +67,8 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
-    sharding.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
+    with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):  # as compiled above
+        sharding.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 
