@@ -341,3 +341,15 @@ def test_profile_cut_short_by_the_end_of_the_pass(tmp_path):
     figures = json.loads((tmp_path / "profile" / "profile.json").read_text())
     assert figures["steps"] == 1  # step 4; step 5 is the loop's tail, with no training in it
     assert profiler.done
+
+
+def test_the_torch_dropout_step_draws_from_the_generator_and_the_runs_step_does_not():
+    """The row "bare step, torch's dropout" runs torch's own dropout (masks from the process's
+    generator); the runs' per-sample dropout draws nothing from it: the ratio of the two rows is
+    the price of the per-sample masks, not of nothing."""
+    args = benchmark.parse_args(["--arch", "squeezenet1_1", "--image-size", "32", "--steps", "1"])
+    for torch_dropout in (False, True):
+        step = benchmark._step(args, torch.device("cpu"), 2, True, torch_dropout=torch_dropout)
+        before = torch.get_rng_state()
+        step()
+        assert (not torch.equal(before, torch.get_rng_state())) == torch_dropout
