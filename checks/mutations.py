@@ -831,6 +831,17 @@ MUTATIONS = [
      ['tests/test_slurm.py::test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued']),
     ('docs/slurm/train.sbatch', '    scontrol requeue "$SLURM_JOB_ID"', '    :',
      ['tests/test_slurm.py::test_a_requeue_follows_a_stopped_process_only']),
+
+    ('src/checkpoint.py', 'rows.sum(dim=0) if rank == 0', 'rows[0] if rank == 0',
+     ['tests/test_stopping.py::test_a_two_rank_step_checkpoint_resumes_in_one_process_with_both_ranks_sums']),
+    ('src/checkpoint.py', '"freeze_epochs", "sync_bn", "ema_decay")', '"freeze_epochs", "sync_bn")',
+     ['tests/test_reliability.py::test_resume_refuses_another_run']),
+    ('src/checkpoint.py', '"freeze_epochs", "sync_bn", "ema_decay")', '"freeze_epochs", "ema_decay")',
+     ['tests/test_reliability.py::test_resume_refuses_another_run']),
+    ('src/stages.py', 'yield Stage(range(max(start, end), args.epochs)', 'yield Stage(range(end, args.epochs)',
+     ['tests/test_freeze.py::test_the_stages_run_each_remaining_epoch_once_frozen_or_not']),
+    ('src/checkpoint.py', '(int(state["epoch"]), int(state.get("step", 0)))', '(int(state["epoch"]), 0)',
+     ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
 ]
 
 
