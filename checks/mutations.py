@@ -847,6 +847,33 @@ MUTATIONS = [
      ['tests/test_slurm.py::test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued']),
     ('docs/slurm/train.sbatch', '    scontrol requeue "$SLURM_JOB_ID"', '    :',
      ['tests/test_slurm.py::test_a_requeue_follows_a_stopped_process_only']),
+    # Resuming across process counts and after frozen epochs, dropout's keep test and keys, outputs and
+    # the run lock, an infinite loss.
+    ('src/checkpoint.py', 'rows.sum(dim=0) if rank == 0', 'rows[0] if rank == 0',
+     ['tests/test_stopping.py::test_a_two_rank_step_checkpoint_resumes_in_one_process_with_both_ranks_sums']),
+    ('src/dropout.py', 'kept = keep_bits(keys.to(x.device), self.unit, x[0].numel()) >= _threshold(self.p)',
+     'kept = keep_bits(keys.to(x.device), self.unit, x[0].numel()) > _threshold(self.p)',
+     ['tests/test_dropout.py::test_an_element_drawn_exactly_at_p_is_kept']),
+    ('src/dropout.py', 'return derive_seed(seed, epoch, index, DROPOUT)', 'return derive_seed(seed, epoch, index)',
+     ['tests/test_dropout.py::test_the_loader_hands_each_sample_its_key_for_its_epoch']),
+    ('src/checkpoint.py', '"freeze_epochs", "sync_bn", "ema_decay")', '"freeze_epochs", "sync_bn")',
+     ['tests/test_reliability.py::test_resume_refuses_another_run']),
+    ('src/checkpoint.py', '"freeze_epochs", "sync_bn", "ema_decay")', '"freeze_epochs", "ema_decay")',
+     ['tests/test_reliability.py::test_resume_refuses_another_run']),
+    ('src/checkpoint.py', 'for name in ("best", "info", "last", "history")', 'for name in ("best", "info", "history")',
+     ['tests/test_outputs.py::test_a_run_stopped_in_its_first_epoch_is_not_replaced_unless_told']),
+    ('src/outputs.py', 'real.startswith(folder_real.rstrip(os.sep) + os.sep)', 'real.startswith(folder_real)',
+     ['tests/test_outputs.py::test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_another_output_is']),
+    ('src/outputs.py', 'if real == other_real or (inode is not None and inode == other_inode):', 'if real == other_real:',
+     ['tests/test_outputs.py::test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_another_output_is']),
+    ('src/run_lock.py', '    release()\n    path = Path(folder) / LOCK_NAME', '    path = Path(folder) / LOCK_NAME',
+     ['tests/test_outputs.py::test_a_new_hold_lets_go_of_the_folder_held_before']),
+    ('src/divergence.py', 'loss = float(sums[LOSS])\n    if not math.isfinite(loss):', 'loss = float(sums[LOSS])\n    if math.isnan(loss):',
+     ['tests/test_diverged.py::test_an_infinite_loss_stops_the_run_as_a_nan_one_does']),
+    ('src/stages.py', 'yield Stage(range(max(start, end), args.epochs)', 'yield Stage(range(end, args.epochs)',
+     ['tests/test_freeze.py::test_the_stages_run_each_remaining_epoch_once_frozen_or_not']),
+    ('src/checkpoint.py', '(int(state["epoch"]), int(state.get("step", 0)))', '(int(state["epoch"]), 0)',
+     ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
 ]
 
 

@@ -15,6 +15,9 @@ from hooks.sitecustomize import poisoning
 
 import train_single
 from src.cli import build_parser
+from src.divergence import check_finite_loss
+from src.errors import UserError
+from src.metrics import LOSS
 from src.tools import export, predict
 
 STEPS = 4  # optimizer steps an epoch: tiny_data's 32 training images in batches of 8 (TINY)
@@ -82,6 +85,19 @@ def test_under_torchrun_every_rank_stops_on_one_ranks_nan(tiny_data, tmp_path):
     codes = dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", result.stderr))
     assert codes == {"0": "2", "1": "-15"}, result.stderr[-3000:]  # rank 1 waited, silent, to be stopped
     assert not any((tmp_path / name).exists() for name in ("best.pth", "last.pth", "history.json"))
+
+
+@pytest.mark.parametrize("loss", [math.inf, -math.inf, math.nan])
+def test_an_infinite_loss_stops_the_run_as_a_nan_one_does(loss):
+    """fp16 logits that overflow give a loss of inf (logsumexp inf minus a finite logit), not
+    only NaN: it diverged all the same. A finite loss, however large, goes on."""
+    sums = torch.tensor([0.0, 3.0, 8.0, 1.0])
+    sums[LOSS] = loss
+    with pytest.raises(UserError) as caught:
+        check_finite_loss(sums, "epoch 2", "validation")
+    assert str(caught.value).startswith(f"epoch 2: the validation loss is {loss}, the run diverged; ")
+    sums[LOSS] = 3e38
+    check_finite_loss(sums, "epoch 2")
 
 
 def _state(overflow: bool = False, nan: bool = False) -> dict:

@@ -1,6 +1,7 @@
 """Per-sample dropout (src/dropout.py): a sample's mask is a function of its key alone, checked
 against an independent computation of the hash in plain Python, and drawn in the proportions and
 with the scaling that torch's dropout has."""
+import hashlib
 import math
 
 import pytest
@@ -48,6 +49,20 @@ def test_a_mask_is_the_hand_computed_function_of_key_unit_and_element():
             assert (first[row, element] != 0) == kept_by_hand(key, 0, element, 0.3)
             assert (second[row, element] != 0) == kept_by_hand(key, 1, element, 0.6)
     assert torch.all((first == 0) | torch.isclose(first, torch.tensor(1 / 0.7)))
+
+
+def test_an_element_drawn_exactly_at_p_is_kept():
+    """The keep test is draw >= p x 2^24 (the module's docstring; torch keeps an element with
+    probability 1 - p): with p set to one element's draw / 2^24, that element is kept, every
+    element drawn below it dropped."""
+    keys = torch.tensor([dropout.sample_key(42, 0, 5)])
+    draws = dropout.keep_bits(keys, 0, 64)[0]
+    at = int(draws.sort().values[32])  # the median draw: some elements below it, some above
+    layer = dropout.per_sample(nn.Dropout(at / 2 ** 24))
+    dropout.set_samples(layer, keys)
+    kept = layer(torch.ones(1, 64))[0] != 0
+    assert kept.tolist() == [int(draw) >= at for draw in draws]
+    assert kept[draws == at].all() and 0 < kept.sum() < 64
 
 
 def test_a_sample_gets_its_mask_whatever_batch_or_position_holds_it():
@@ -176,3 +191,12 @@ def test_the_loader_hands_each_sample_its_key_for_its_epoch():
                 seen[(epoch, train[position])] = key
     assert seen == {(epoch, index): dropout.sample_key(7, epoch, index) for epoch in (0, 1) for index in train}
     assert len(set(seen.values())) == len(seen)
+    # derive_seed(7, epoch, index, DROPOUT = 1) computed by hand: a stream of its own, not the
+    # seed that --augment's crop and flip of the same sample draw from (derive_seed(7, epoch, index))
+    assert seen == {(epoch, index): _derived(7, epoch, index, 1) for epoch in (0, 1) for index in train}
+    assert not set(seen.values()) & {_derived(7, epoch, index) for epoch in (0, 1) for index in train}
+
+
+def _derived(*parts: int) -> int:
+    """src.seeds.derive_seed from its definition: the first 8 bytes of the parts' sha256, 63 bits."""
+    return int.from_bytes(hashlib.sha256(" ".join(map(str, parts)).encode()).digest()[:8], "little") >> 1

@@ -114,6 +114,21 @@ def test_freeze_epochs_resume_across_the_unfreezing_equals_the_straight_run(smal
     assert not torch.equal(last_model(straight)["conv1.weight"], file["conv1.weight"]), "epoch 2 unfroze"
 
 
+@pytest.mark.parametrize("flags, frozen", [(["--freeze-epochs", "2"], 2), (["--freeze"], 4), ([], 0)])
+def test_the_stages_run_each_remaining_epoch_once_frozen_or_not(flags, frozen):
+    """From any epoch a run starts or resumes at, the stages hold the epochs left, each once, in
+    order, the first `frozen` of the run frozen: a run resumed after the frozen epochs does not
+    train them again unfrozen."""
+    from src.stages import epoch_stages
+    args = parse_args("", ["--arch", "squeezenet1_1", "--weights", "none", "--epochs", "4", *flags])
+    model = build_model("squeezenet1_1", "none")
+    for start in range(5):
+        stages = [(list(stage.epochs), stage.frozen) for stage in
+                  epoch_stages(args, model, None, start, torch.device("cpu"), cache_features=False)]
+        assert [epoch for epochs, _ in stages for epoch in epochs] == list(range(start, 4)), (start, stages)
+        assert all(is_frozen == (epoch < frozen) for epochs, is_frozen in stages for epoch in epochs)
+
+
 def test_the_feature_cache_is_rebuilt_when_the_backbone_or_size_changes(small_data, tmp_path, capsys):
     args = parse_args("", ["--freeze", "--cache", str(tmp_path), "--arch", "resnet18", "--image-size", "32",
                            "--batch-size", "16"])

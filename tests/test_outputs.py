@@ -302,6 +302,59 @@ def test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told(tiny_data,
     assert [r["epoch"] for r in history(out)] == [1] and "features.0.weight" in torch.load(out / "best.pth")
 
 
+def test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_another_output_is(tiny_data, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """"Inside --data-dir's train/" is a path below that folder, not any path that starts with its
+    name (train_curves.png, trainings/); two names of one file (a hard link: the test's stand-in
+    for a bind mount) are one output."""
+    from src.run_lock import release
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    for plot, checkpoint in ((data / "train_curves.png", data / "trainings" / "best.pth"),
+                             (data / "train.png", tmp_path / "out" / "best.pth")):
+        checkpoint.parent.mkdir(exist_ok=True)
+        check_writable(parse_args("", [*TINY, "--data-dir", str(data), "--plot", str(plot), "--checkpoint",
+                                       str(checkpoint)]))
+        release()
+    out = tmp_path / "other"
+    out.mkdir()
+    (out / "best.pth").write_bytes(b"an earlier run's model")
+    os.link(out / "best.pth", tmp_path / "curves.png")
+    _train_fails(["--data-dir", str(data), *outputs(out), "--plot", str(tmp_path / "curves.png"), "--overwrite"],
+                 monkeypatch, capsys, f"--plot {tmp_path / 'curves.png'} is also where --checkpoint writes")
+
+
+def test_a_new_hold_lets_go_of_the_folder_held_before(tmp_path):
+    """A process that trains twice (one run after the other, as a notebook or these tests do)
+    holds the second run's folder only: another process may take the first one's."""
+    from src import run_lock
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    try:
+        run_lock.hold(first)
+        run_lock.hold(second)
+        take = "import sys; from pathlib import Path; from src.run_lock import hold; hold(Path(sys.argv[1]))"
+        taken = [subprocess.run([sys.executable, "-c", take, str(folder)], cwd=ROOT, capture_output=True, text=True)
+                 for folder in (first, second)]
+        assert taken[0].returncode == 0, taken[0].stderr
+        assert taken[1].returncode != 0 and "is in use by another run" in taken[1].stderr
+    finally:
+        run_lock.release()
+
+
+def test_a_run_stopped_in_its_first_epoch_is_not_replaced_unless_told(tiny_data, tmp_path, monkeypatch, capsys):
+    """A run stopped by a signal (or a step checkpoint) inside its first epoch leaves last.pth
+    alone, with no best.pth or history yet: a new run there without --resume would start over it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "last.pth").write_bytes(b"a stopped run's step checkpoint")
+    _train_fails(["--data-dir", str(tiny_data), *outputs(out)], monkeypatch, capsys,
+                 f"{out} holds the files of an earlier run (last.pth): pass --resume to continue that run")
+    assert sorted(path.name for path in out.iterdir()) == [".run.lock", "last.pth"]
+    assert (out / "last.pth").read_bytes() == b"a stopped run's step checkpoint"
+
+
 def test_prepare_refuses_a_train_csv_that_is_not_a_regular_file(tiny_data, tmp_path, monkeypatch, capsys):
     data = tmp_path / "data"
     (data / "train").mkdir(parents=True)

@@ -153,6 +153,8 @@ def _resume_args(out, **changes) -> Namespace:
     ({"dropout": 0.3}, "was trained with --dropout torchvision's default, not 0.3"),
     ({"dropout": 0.0}, "was trained with --dropout torchvision's default, not 0.0"),
     ({"augment": True}, "was trained with --augment off, not on"),
+    ({"ema_decay": 0.99}, "was trained with --ema-decay off, not 0.99"),
+    ({"sync_bn": True}, "was trained with --sync-bn off, not on"),
     ({"data": "other"}, "was trained with --data-dir (its images)"),
     ({"epochs": 1}, "has finished 2 epochs, more than --epochs 1"),
 ])

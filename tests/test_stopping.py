@@ -157,6 +157,28 @@ def test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end(mode, stepped
     assert_same_run(out, stepped, far)
 
 
+def test_a_two_rank_step_checkpoint_resumes_in_one_process_with_both_ranks_sums(stepped, runs, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """A step checkpoint holds each rank's metric sums of the finished steps (one row each); one
+    process going on takes their total. The stepped run's last.pth after step 6 (epoch 2's first),
+    its row cut into two halves as two ranks would hold it, ends with epoch 2's metrics of the
+    stepped run, bit for bit (halving is exact)."""
+    state = torch.load(stepped.parent / "copies" / "last.3.pth", weights_only=True)
+    rows = state["partial"]["sums"]
+    state["partial"]["sums"] = torch.cat([rows / 2, rows / 2])
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(state, out / "last.pth")
+    code, stdout, stderr = in_process(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs",
+                                                          "2", "--batch-size", str(2 * B), *outputs(out), "--resume"],
+                                      monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    assert "in epoch 2 of 2 after its step 1: going on" in stdout
+    fields = ("train_loss", "train_acc", "train_samples", "val_loss", "val_acc")
+    assert [{key: r[key] for key in fields} for r in history(out)] == [{key: r[key] for key in fields}
+                                                                       for r in history(stepped)]
+
+
 def test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job(monkeypatch):
     """A first start resumes nothing; torchrun's restart count or SLURM's requeue count above 0 does."""
     for torchrun, slurm, expected in [(None, None, False), ("0", "0", False), (None, "0", False),

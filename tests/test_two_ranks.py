@@ -109,7 +109,7 @@ def _plain_group(rank: int) -> None:
 
 def newest_last(rank: int, folder: Path, data: Path):
     """Two nodes (each rank the first of its own, with a folder of its own) holding last.pth files
-    of the epochs in CASES: which one every rank resumes from."""
+    of the epochs (or (epoch, steps into the next)) in NEWEST_CASES: which one every rank resumes from."""
     from src.checkpoint import _newest_last
     _plain_group(rank)
     os.environ["LOCAL_RANK"] = "0"
@@ -118,13 +118,14 @@ def newest_last(rank: int, folder: Path, data: Path):
         path = folder / f"node{rank}" / str(case) / "last.pth"
         path.parent.mkdir(parents=True)
         if epochs[rank] is not None:
-            torch.save({"epoch": epochs[rank], "written_by": rank}, path)
+            epoch, step = epochs[rank] if isinstance(epochs[rank], tuple) else (epochs[rank], 0)
+            torch.save({"epoch": epoch, "step": step, "written_by": rank}, path)
         source, state = _newest_last(path)
         found.append((source, None if state is None else (state["epoch"], state["written_by"])))
     return found
 
 
-NEWEST_CASES = [(1, 2), (2, 1), (2, 2), (None, 1), (None, None)]
+NEWEST_CASES = [(1, 2), (2, 1), (2, 2), (None, 1), (None, None), ((1, 0), (1, 3)), ((1, 3), 1)]
 
 
 def fsdp_validation(rank: int, folder: Path, data: Path):
@@ -404,6 +405,8 @@ def test_fsdp_gathers_uneven_shards_into_the_whole_state(launch):
     ((2, 2), (0, (2, 0))),  # a tie: rank 0's own, nothing to copy
     ((None, 1), (1, (1, 1))),  # rank 0's node has none
     ((None, None), (0, None)),
+    (((1, 0), (1, 3)), (1, (1, 1))),  # epoch 1's end on rank 0's node, 3 steps into epoch 2 on rank 1's
+    (((1, 3), 1), (0, (1, 0))),
 ])
 def test_every_rank_resumes_from_the_newest_last_pth_of_any_node(case, want, launch):
     found = [result(launch, "newest_last", rank)[NEWEST_CASES.index(case)] for rank in (0, 1)]
