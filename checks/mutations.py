@@ -130,7 +130,7 @@ MUTATIONS = [
     ("src/models.py", 'MIN_IMAGE_SIZE = {"alexnet": 63,', 'MIN_IMAGE_SIZE = {"alexnet": 70,',
      ["tests/test_arch_walk.py::test_sizes_a_model_cannot_take_are_refused_naming_the_size_it_needs"]),
 
-    # Claimed by the closing notes of earlier issues (14 to 19, 23).
+    # What earlier releases claimed to catch.
     ("src/progress.py", "self.data_wait += time.perf_counter() - start",
      "self.data_wait += 0.0 * (time.perf_counter() - start)",
      ["tests/test_watch.py::test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not"]),
