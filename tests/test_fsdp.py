@@ -18,7 +18,6 @@ import torchvision
 from accelerate.utils import DistributedType
 from conftest import (
     EXACT,
-    LAUNCH,
     RECIPE,
     VAL,
     B,
@@ -114,18 +113,6 @@ def test_an_fsdp_last_pth_resumes_under_train_single(fsdp_run, runs, reference, 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
     assert_same_run(tmp_path / "out", reference, recipe_far)
-
-
-def test_a_train_single_last_pth_resumes_under_fsdp(runs, far, tmp_path):
-    """Epoch 1 of train_single.py (the shared one-epoch run), then train_fsdp.py --resume to epoch
-    2 on two processes of half the batch: each rank loads its pieces of the whole tensors, and
-    the run ends where two straight epochs of train_single.py do."""
-    shutil.copytree(runs.exact("single", epochs=1)[0], tmp_path / "out")
-    result = run([*LAUNCH["fsdp"](), "--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2",
-                  "--batch-size", str(B), "--resume", *outputs(tmp_path / "out")])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
-    assert_same_run(tmp_path / "out", mode_run(runs, "single")[0], far)
 
 
 # In this process, as a world of one (torch is imported already; each launch costs seconds).
