@@ -154,7 +154,7 @@ class Stops:
         if done % self.args.log_every:
             return False
         self.agreed = self._read()
-        tensor = torch.full((1,), float(requested()), device="cuda" if self.on_gpu else "cpu")
+        tensor = self._flag()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
         if self.on_gpu:
             work.wait()  # the current stream waits for the collective; the host does not
@@ -165,6 +165,10 @@ class Stops:
         else:
             self.pending = (tensor, work)
         return bool(self.agreed)
+
+    def _flag(self) -> torch.Tensor:
+        """This rank's stop flag as the one-element tensor the ranks all-reduce (MAX)."""
+        return torch.full((1,), float(requested()), device="cuda" if self.on_gpu else "cpu")
 
     def _read(self) -> int:
         """The value of the all-reduce in flight (0 if none): K steps old, so done already."""
@@ -182,7 +186,7 @@ class Stops:
             self.agreed = requested()
             return bool(self.agreed)
         self._read()
-        tensor = torch.full((1,), float(requested()), device="cuda" if self.on_gpu else "cpu")
+        tensor = self._flag()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         self.agreed = int(tensor.item())
         return bool(self.agreed)
