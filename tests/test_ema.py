@@ -133,6 +133,9 @@ def test_a_step_the_fp16_scaler_skips_inside_a_fused_kernel_changes_nothing():
             assert all(torch.equal(a, b) for a, b in zip(on_device.average, before))
         else:
             on_host.update()
-        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(on_device.average, on_host.average))
+        # The two lerps differ at most in float32 rounding of the weight's product: a few units of
+        # float32's epsilon of the largest operand per update, over at most 3 updates taken.
+        bound = 3 * 4 * torch.finfo(torch.float32).eps * max(t.abs().max().item() for t in [*model.parameters(), *on_host.average])
+        assert all(torch.allclose(a, b, rtol=0, atol=bound) for a, b in zip(on_device.average, on_host.average))
     assert on_device.count() == on_host.count() == 3
     assert not all(torch.equal(a, b) for a, b in zip(on_device.average, [p.detach() for p in model.parameters()]))
