@@ -21,6 +21,8 @@ starts (a second signal during the stop's save).
 STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
+DIST_TIMEOUT_SECONDS=s: the process group's timeout (and so the heartbeat's) is s seconds instead
+of --dist-timeout's minutes (whose least, 1, would keep a test of a hung rank waiting a minute).
 
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests monkeypatch torch.cuda instead).
@@ -163,6 +165,17 @@ if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
         time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
+
+if os.environ.get("DIST_TIMEOUT_SECONDS"):
+    def _short_timeout(cli):
+        from datetime import timedelta
+        minutes = cli.dist_timeout
+
+        def dist_timeout(args):
+            minutes(args)  # what it sets for the cache wait
+            return timedelta(seconds=float(os.environ["DIST_TIMEOUT_SECONDS"]))
+        cli.dist_timeout = dist_timeout
+    _after_import("src.cli", _short_timeout)
 
 if os.environ.get("FAKE_GPUS"):
     import torch
