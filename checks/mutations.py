@@ -875,6 +875,19 @@ MUTATIONS = [
      ['tests/test_freeze.py::test_the_stages_run_each_remaining_epoch_once_frozen_or_not']),
     ('src/checkpoint.py', '(int(state["epoch"]), int(state.get("step", 0)))', '(int(state["epoch"]), 0)',
      ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
+    # The tests' warm Python (tests/warm_python.py): a fork must end as the process would.
+    ('tests/warm_python.py', '        signal.signal(signal.SIGINT, signal.default_int_handler)\n', '',
+     ['tests/test_warm_python.py::test_a_warm_run_ends_as_a_process_of_its_own']),
+    ('tests/warm_python.py', '        os.environ.update(request["env"])', '        pass',
+     ['tests/test_warm_python.py::test_a_warm_run_ends_as_a_process_of_its_own']),
+    ('tests/warm_python.py', '        sys.path[:] = [first, *extra, *base_path]', '        sys.path[:] = [*extra, *base_path]',
+     ['tests/test_warm_python.py::test_a_warm_run_ends_as_a_process_of_its_own']),
+    ('tests/warm_python.py', '        threading._shutdown()', '        pass',
+     ['tests/test_warm_python.py::test_a_warm_run_ends_as_a_process_of_its_own']),
+    ('tests/warm_python.py', '                tb = tb.tb_next  #', '                break  #',
+     ['tests/test_warm_python.py::test_a_warm_run_ends_as_a_process_of_its_own']),
+    ('tests/warm_python.py', '        return _load_time(env) == _load_time(self.env)', '        return True',
+     ['tests/test_warm_python.py::test_a_command_that_changes_how_torch_loads_gets_a_process_of_its_own']),
 ]
 
 

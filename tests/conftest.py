@@ -30,6 +30,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import warm_python  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from src.agreement import TOLERANCE, distance  # noqa: E402
@@ -162,9 +163,13 @@ def module_tmp(tmp_path_factory) -> Path:
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):
-    """Run a command as a user would (from the repo root), capturing its output."""
+    """Run a command as a user would (from the repo root), capturing its output; a one-process
+    Python command in a fork of a warm Python (tests/warm_python.py: torch is imported already)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PATH"] = f"{BIN}{os.pathsep}{full_env.get('PATH', '')}"
+    warm = warm_python.server()
+    if warm is not None and warm.takes(command, full_env):
+        return warm.run(command, full_env, cwd, timeout)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 
