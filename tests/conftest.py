@@ -170,8 +170,8 @@ def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Pa
     warm = warm_python.server()
     if warm is not None and warm.takes(command, full_env):
         return warm.run(command, full_env, cwd, timeout)
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(command, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def python(*args: str, env: dict | None = None, timeout: int = 600):

@@ -1,6 +1,7 @@
 """tests/warm_python.py: a command run in a fork of the warm Python ends as the same command run
-as a process of its own: the same exit code, stdout and stderr, for every way a script ends, with
-its arguments, folder, environment, stdin, signal handlers, sys.path and the test hooks."""
+as a process of its own: the same exit code, stdout and stderr, for every way a script ends
+(its threads, atexit handlers and objects' teardown included), with its arguments, folder,
+environment, stdin, signal handlers, sys.path and the test hooks."""
 import os
 import subprocess
 import sys
@@ -20,6 +21,14 @@ print("handlers", signal.getsignal(signal.SIGINT) is signal.default_int_handler,
 print("hooks", "sitecustomize" in sys.modules, "src" in sys.modules, "stdin", repr(sys.stdin.read()))
 print("to stderr, é", file=sys.stderr)
 atexit.register(lambda: print("atexit ran"))
+
+
+class TornDown:
+    def __del__(self):
+        print("torn down", file=sys.stderr)
+
+
+kept = TornDown()  # until Python tears __main__ down at exit
 threading.Thread(target=lambda: (time.sleep(0.2), print("the thread ended"))).start()
 end = os.environ["PROBE_END"]
 if end == "exit 3":
@@ -50,7 +59,8 @@ def probe(tmp_path_factory):
 
 def _both(command, env, cwd):
     env = {**os.environ, **env}
-    cold = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    cold = subprocess.run(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=60)
     server = warm_python.server()
     assert server is not None and server.takes(command, env)
     warm = server.run(command, env, cwd, 60)
@@ -67,7 +77,7 @@ def test_a_warm_run_ends_as_a_process_of_its_own(probe, end, how):
     assert cold.returncode == {"none": 0, "exit 3": 3, "exit text": 1, "raise": 1, "ctrl-c": -2, "kill": -15}[end]
     assert "env x " + HOOKS in cold.stdout and "hooks True False stdin ''" in cold.stdout
     assert "handlers True True True" in cold.stdout and "to stderr, é" in cold.stderr
-    assert ("atexit ran" in cold.stdout) == ("the thread ended" in cold.stdout) == (end != "kill")
+    assert ("atexit ran" in cold.stdout) == ("the thread ended" in cold.stdout) == ("torn down" in cold.stderr) == (end != "kill")
 
 
 def test_a_command_that_changes_how_torch_loads_gets_a_process_of_its_own(probe):
@@ -86,6 +96,6 @@ def test_a_warm_run_past_its_timeout_is_killed(probe):
     start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as expired:
         server.run([sys.executable, "slow.py"], dict(os.environ), probe, 2)
-    assert time.monotonic() - start < 10 and "started" in expired.value.output
+    assert time.monotonic() - start < 10 and b"started" in expired.value.output
     # and the server goes on serving
     assert server.run([sys.executable, "-m", "mod.probe"], {**os.environ, "PROBE_END": "none"}, probe, 60).returncode == 0

@@ -6,13 +6,15 @@ SqueezeNet run's 5 s on a 2-core CPU, measured 2026-12-05).
 Everything else is the command's own, as `python COMMAND` would have it: the script or module,
 src, accelerate and the test hooks (tests/hooks, when PYTHONPATH names them) are imported in the
 fork; sys.argv, sys.path, the environment, the folder, stdin (empty), stdout and stderr (pipes),
-the signal handlers Python starts with, the exit code (SystemExit, 1 after an uncaught exception
-with its traceback, killed by SIGINT after an uncaught KeyboardInterrupt), the wait for the
-threads and the atexit handlers at the end. What a fork cannot have of its own: the seed of str
-hashing (one per test worker) and what torch and OpenMP read from the environment as they load,
-so a command whose environment differs from the test worker's in those (OMP_*, TORCH_*, PYTHON*
-other than PYTHONPATH and PYTHONUNBUFFERED, ...) is started as a process of its own, as are the
-launchers and every process a test signals (subprocess.Popen). WARM_PYTHON=0 turns it off.
+the signal handlers a new process would start with, and its end: the fork ends as Python does
+(the threads waited for, the atexit handlers, the modules and objects torn down, the exit code;
+killed by SIGINT after an uncaught KeyboardInterrupt), with the traceback Python would print.
+What a fork cannot have of its own: the seed of str hashing (one per test worker) and what torch
+and OpenMP read from the environment as they load, so a command whose environment differs from
+the test worker's in those (OMP_*, TORCH_*, PYTHON* other than PYTHONPATH and PYTHONUNBUFFERED,
+...) is started as a process of its own, as are the launchers and every process a test signals
+(subprocess.Popen). A server whose imports printed anything (a warning a new process would print
+too) is not used. WARM_PYTHON=0 turns it off.
 
 Run as a script, this is the server: `python tests/warm_python.py SOCKET`.
 """
@@ -23,8 +25,10 @@ import json
 import locale
 import os
 import runpy
+import select
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -33,11 +37,12 @@ import threading
 import time
 import traceback
 import types
+import warnings
 
 # Read as torch, OpenMP, the allocator or Python load: a command that sets them otherwise than the
 # server had them needs a process of its own.
-LOAD_TIME = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_", "LD_",
-             "MALLOC_", "LC_", "LANG", "PYTHON")
+LOAD_TIME = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "ATEN_", "CUDA_", "NCCL_",
+             "NPY_", "NUMPY_", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "TZ", "PYTHON")
 # Read when the command runs: PYTHONPATH and PYTHONUNBUFFERED by the fork itself; inductor's cache
 # folder as it compiles (torch sets it in the test worker at a first compile).
 PER_COMMAND = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR")
@@ -57,12 +62,15 @@ class Server:
         self.folder = tempfile.mkdtemp(prefix="warm-python-")
         self.path = os.path.join(self.folder, "socket")
         self.env = {k: v for k, v in _STARTING_ENV.items() if k != "PYTHONPATH"}
+        self.owner = os.getpid()
         self.process = subprocess.Popen([sys.executable, __file__, self.path], env=self.env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-        ready = self.process.stdout.readline()
+        ready = b""
+        if select.select([self.process.stdout], [], [], 120)[0]:
+            ready = self.process.stdout.readline()
         if ready != b"ready\n":
-            raise RuntimeError(f"the warm Python did not start: {ready!r}")
-        self.owner = os.getpid()
+            self.close()
+            raise RuntimeError(f"the warm Python did not start: {ready[:3000]!r}")
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -91,12 +99,12 @@ class Server:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             connection.connect(self.path)
-            request = json.dumps({"command": command, "env": env, "cwd": os.fspath(cwd)}).encode()
+            request = json.dumps({"command": command, "env": env, "cwd": os.path.abspath(cwd)}).encode()
             socket.send_fds(connection, [request], [null, out_w, err_w])
         finally:
             for fd in (null, out_w, err_w):
                 os.close(fd)
-        pid = int(connection.recv(64))
+        pid = _number(connection.recv(64))
         chunks = {out_r: [], err_r: []}
         readers = [threading.Thread(target=_read_all, args=(fd, chunks[fd]), daemon=True) for fd in chunks]
         for reader in readers:
@@ -104,22 +112,28 @@ class Server:
         deadline = time.monotonic() + timeout
         connection.settimeout(timeout)
         try:
-            code = int(connection.recv(64))
-        except (socket.timeout, ValueError):
+            code = _number(connection.recv(64))
+        except socket.timeout:
+            code = None
+        finally:
+            connection.close()
+        for reader in readers:  # the output of processes the command left behind, too, as subprocess.run
+            reader.join(max(0.0, deadline - time.monotonic()))
+        if code is None or any(reader.is_alive() for reader in readers):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            for reader in readers:
-                reader.join(5)
-            stdout, stderr = (_text(b"".join(chunks[fd])) for fd in (out_r, err_r))
-            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
-        finally:
-            connection.close()
-        for reader in readers:
-            reader.join(max(1.0, deadline - time.monotonic()))
+            raise subprocess.TimeoutExpired(command, timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
         stdout, stderr = (_text(b"".join(chunks[fd])) for fd in (out_r, err_r))
         return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+
+def _number(reply: bytes) -> int:
+    if not reply:
+        raise RuntimeError("the warm Python ended during a command (tests/warm_python.py; WARM_PYTHON=0 "
+                           "starts every command as a process of its own)")
+    return int(reply)
 
 
 def _read_all(fd: int, chunks: list) -> None:
@@ -134,15 +148,20 @@ def _text(data: bytes) -> str:
 
 
 _server = None
+_failed = None  # the test worker (pid) whose server could not start: it runs every command cold
 
 
 def server() -> Server | None:
     """This test worker's server, started at the first call; None where none can start."""
-    global _server
+    global _server, _failed
+    if _failed == os.getpid():
+        return None
     if _server is None or _server.owner != os.getpid():
         try:
             _server = Server()
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError) as error:
+            _failed = os.getpid()
+            print(f"tests/warm_python.py: {error}; every command starts as a process of its own", file=sys.stderr)
             return None
     return _server
 
@@ -152,14 +171,33 @@ def server() -> Server | None:
 def _serve(path: str) -> None:
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: end with the test worker
+    # What a new process started by the test worker would start with.
+    handlers = {number: signal.getsignal(number) for number in signal.valid_signals()
+                if number not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(number) is not None}
     # A Ctrl-C of the test run reaches every process of its group: the server ends with its test
     # worker instead, without a traceback of its own (each fork gets Python's handler back).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import numpy  # noqa: F401
-    import pandas  # noqa: F401
-    import PIL.Image  # noqa: F401
-    import torch  # noqa: F401
-    import torchvision  # noqa: F401
+    # The imports, with what they print kept: a new process would print it in the command's
+    # output, a fork would not (nor a warning shown here once), so a server that printed is not used.
+    printed = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    os.dup2(printed.fileno(), 2)
+    with warnings.catch_warnings(record=True) as shown:  # the filters a new process has
+        import numpy  # noqa: F401
+        import pandas  # noqa: F401
+        import PIL.Image  # noqa: F401
+        import torch  # noqa: F401
+        import torchvision  # noqa: F401
+    os.dup2(saved, 2)
+    os.close(saved)
+    printed.seek(0)
+    text = printed.read()
+    printed.close()
+    text += "".join(f"{w.filename}:{w.lineno}: {w.message}\n" for w in shown).encode()
+    if text:
+        sys.stdout.buffer.write(b"printed at import: " + text.replace(b"\n", b" | ") + b"\n")
+        sys.stdout.flush()
+        return
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen()
@@ -176,7 +214,8 @@ def _serve(path: str) -> None:
         if pid == 0:
             listener.close()
             connection.close()
-            _command(request, fds, base_path, streams)  # does not return
+            # Out of every frame of the server: Python ends the fork as it ends a process.
+            raise _command(request, fds, base_path, streams, handlers)
         for fd in fds:
             os.close(fd)
         try:
@@ -191,18 +230,17 @@ def _serve(path: str) -> None:
         connection.close()
 
 
-def _command(request: dict, fds: list, base_path: list, streams: list) -> None:
-    """In the fork: become `python COMMAND` and run it; exit as it would."""
-    code = 1
+def _command(request: dict, fds: list, base_path: list, streams: list, handlers: dict) -> BaseException:
+    """In the fork: become `python COMMAND` and run it; returns what to raise to end as it would."""
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
-                       signal.SIGALRM, signal.SIGCHLD):
-            signal.signal(number, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python starts
+        for number, handler in handlers.items():
+            if number != signal.SIGINT:
+                signal.signal(number, handler)
+        if handlers.get(signal.SIGINT) != signal.SIG_IGN:  # Python's own, unless started with it ignored
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -216,43 +254,35 @@ def _command(request: dict, fds: list, base_path: list, streams: list) -> None:
             setattr(sys, name, stream)
             setattr(sys, f"__{name}__", stream)
         command = request["command"][1:]
-        extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        first = os.getcwd() if command[0] == "-m" else os.path.dirname(os.path.abspath(command[0]))
-        sys.path[:] = [first, *extra, *base_path]
-        if any(os.path.exists(os.path.join(entry, "sitecustomize.py")) for entry in extra):
-            import sitecustomize  # noqa: F401 (the test hooks, as Python's site imports them at start)
         sys.modules["__main__"] = types.ModuleType("__main__")  # not the server's
-        try:
-            if command[0] == "-m":
-                sys.argv = ["-m", *command[2:]]
-                runpy._run_module_as_main(command[1])  # what `python -m` calls
-            else:
-                sys.argv = list(command)
-                _run_script(os.path.abspath(command[0]))
-            code = 0
-        except SystemExit as exit:
-            if exit.code is None:
-                code = 0
-            elif isinstance(exit.code, int):
-                code = exit.code
-            else:
-                print(exit.code, file=sys.stderr)
-                code = 1
-        except BaseException as error:
-            tb = error.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-                tb = tb.tb_next  # the traceback from the command's own first frame, as Python prints it
-            sys.excepthook(type(error), error.with_traceback(tb), tb)
-            if isinstance(error, KeyboardInterrupt):  # Python ends killed by SIGINT, after its exit work
-                _finish()
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            code = 1
-        _finish()
+        sys.argv = ["-m", *command[2:]] if command[0] == "-m" else list(command)
+        # As Python starts: PYTHONPATH's folders, then site's sitecustomize (the test hooks), and
+        # only then the command's folder first.
+        sys.path[:] = [*(e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e), *base_path]
+        site.execsitecustomize()
+        sys.path.insert(0, os.getcwd() if command[0] == "-m" else os.path.dirname(os.path.realpath(command[0])))
     except BaseException:
         traceback.print_exc()
-    finally:
-        os._exit(code)
+        return SystemExit(1)
+    try:
+        if command[0] == "-m":
+            runpy._run_module_as_main(command[1])  # what `python -m` calls
+        else:
+            _run_script(os.path.abspath(command[0]))
+        return SystemExit(0)
+    except SystemExit as exit:
+        return exit
+    except BaseException as error:
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # the traceback from the command's own first frame, as Python prints it
+        sys.excepthook(type(error), error.with_traceback(tb), tb)
+        if isinstance(error, KeyboardInterrupt):
+            # Python ends killed by SIGINT after an uncaught one, once it has done its exit work:
+            # raised again, with the traceback printed already.
+            sys.excepthook = lambda *_: None
+            return error
+        return SystemExit(1)
 
 
 def _run_script(path: str) -> None:
@@ -263,20 +293,6 @@ def _run_script(path: str) -> None:
     with open(path, "rb") as file:
         source = file.read()
     exec(compile(source, path, "exec"), main.__dict__)
-
-
-def _finish() -> None:
-    """What Python does at exit: wait for the threads, run the atexit handlers, flush."""
-    try:
-        threading._shutdown()
-    except BaseException:
-        traceback.print_exc()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
 
 
 if __name__ == "__main__":
