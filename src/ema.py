@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor
 T = TypeVar("T")
 
 
-def decay_at(updates: int, decay: float) -> float:
-    """The decay of the update after `updates` earlier ones."""
-    return min(decay, (1 + updates) / (10 + updates))
+def decay_at(updates: int | torch.Tensor, decay: float) -> float | torch.Tensor:
+    """The decay of the update after `updates` earlier ones (a number, or a tensor on the device)."""
+    ratio = (1 + updates) / (10 + updates)
+    return ratio.clamp(max=decay) if isinstance(ratio, torch.Tensor) else min(decay, ratio)
 
 
 class WeightAverage:
@@ -66,7 +67,7 @@ class WeightAverage:
             if self.skipped is None:
                 self.skipped = torch.zeros((), dtype=torch.float64, device=skip.device)
             t = self.updates - self.skipped
-            weight = (1 - torch.clamp((1 + t) / (10 + t), max=self.decay)) * (1 - skip)
+            weight = (1 - decay_at(t, self.decay)) * (1 - skip)
             cast = {dtype: weight.to(dtype) for dtype in {a.dtype for a in self.average}}
             torch._foreach_lerp_(_local(self.average), _local([p.detach() for p in self.params]),
                                  [cast[a.dtype] for a in self.average])
