@@ -112,8 +112,7 @@ def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
     """Images/s of the model alone on uint8 batches already on the device."""
     step = _step(args, device, batch, train)
     steps = args.steps if train else 2 * args.steps
-    for _ in range(max(2, steps // 5)):  # warm-up: allocator, cudnn autotuning, caches
-        step()
+    _warm_up(step, steps)
     return _rate(step, steps, batch, device)
 
 
@@ -124,13 +123,18 @@ def bare_steps_with_either_dropout(args, device: torch.device, batch: int, round
     per image."""
     ours, torchs = _step(args, device, batch, True), _step(args, device, batch, True, torch_dropout=True)
     for step in (ours, torchs):
-        for _ in range(max(2, args.steps // 5)):
-            step()
+        _warm_up(step, args.steps)
     best = [0.0, 0.0]
     for _ in range(rounds):
         for i, step in enumerate((ours, torchs)):
             best[i] = max(best[i], _rate(step, args.steps, batch, device))
     return best[0], best[1]
+
+
+def _warm_up(step, steps: int) -> None:
+    """Untimed steps before `steps` timed ones (a fifth, at least 2): allocator, cudnn autotuning, caches."""
+    for _ in range(max(2, steps // 5)):
+        step()
 
 
 def _rate(step, steps: int, batch: int, device: torch.device) -> float:
