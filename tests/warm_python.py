@@ -74,15 +74,16 @@ class Server:
         atexit.register(self.close)
 
     def close(self) -> None:
-        if os.getpid() == self.owner and self.process.poll() is None:
+        if os.getpid() != self.owner:
+            return
+        if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        if os.getpid() == self.owner:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def takes(self, command: list, env: dict) -> bool:
         """Whether `command` (with its full environment) can run in a fork of this server."""
-        if os.environ.get("WARM_PYTHON") == "0" or self.process.poll() is not None:
+        if self.process.poll() is not None:
             return False
         if len(command) < 2 or command[0] != sys.executable:
             return False
@@ -152,9 +153,10 @@ _failed = None  # the test worker (pid) whose server could not start: it runs ev
 
 
 def server() -> Server | None:
-    """This test worker's server, started at the first call; None where none can start."""
+    """This test worker's server, started at the first call; None where none can start or
+    WARM_PYTHON=0 says not to."""
     global _server, _failed
-    if _failed == os.getpid():
+    if _failed == os.getpid() or os.environ.get("WARM_PYTHON") == "0":
         return None
     if _server is None or _server.owner != os.getpid():
         try:
@@ -205,7 +207,9 @@ def _serve(path: str) -> None:
     streams = [(stream.encoding, stream.errors) for stream in (sys.stdout, sys.stderr)]
     sys.stdout.buffer.write(b"ready\n")
     sys.stdout.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe after this line
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # nobody reads the pipe after this line
+    os.close(devnull)  # or every fork would inherit it
     while True:
         connection, _ = listener.accept()
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
