@@ -875,6 +875,9 @@ MUTATIONS = [
      ['tests/test_freeze.py::test_the_stages_run_each_remaining_epoch_once_frozen_or_not']),
     ('src/checkpoint.py', '(int(state["epoch"]), int(state.get("step", 0)))', '(int(state["epoch"]), 0)',
      ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
+    # The SLURM script takes srun's own exit code, also when srun ends right after the trap forwarded USR1.
+    ('docs/slurm/train.sbatch', '[ "$asked_to_stop" -eq 1 ] && [ "$code" -eq $((128 + $(kill -l USR1))) ] || break', 'break',
+     ['tests/test_slurm.py::test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued']),
     # The tests' warm Python (tests/warm_python.py): a fork must end as the process would.
     ('tests/warm_python.py', '        signal.signal(signal.SIGINT, signal.default_int_handler)\n', '',
      ['tests/test_warm_python.py::test_a_warm_run_ends_as_a_process_of_its_own']),
