@@ -12,21 +12,22 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from src.batch_norm import sync_batch_norm
-from src.checkpoint import check_writable, resume, run_info, save_epoch, save_step
+from src.checkpoint import resume, run_info, save_epoch, save_step
 from src.cli import amp_dtype, parse_args
 from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
-from src.evaluation import load_evaluated, show_evaluation
+from src.freeze import epoch_stages
 from src.history import done_line, epoch_record, format_record
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
+from src.outputs import check_writable
 from src.process_group import end_process_group, join_process_group
 from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
-from src.stages import epoch_stages
 from src.stopping import Stops
 from src.transforms import memory_format, model_inputs
 

@@ -10,23 +10,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from src import full_state, sharding
+from src import fsdp
 from src.batch_norm import sync_batch_norm
-from src.checkpoint import check_writable, resume, run_info, save_epoch, save_step
+from src.checkpoint import resume, run_info, save_epoch, save_step
 from src.cli import amp_dtype, parse_args
 from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
-from src.evaluation import load_evaluated, show_evaluation
+from src.freeze import epoch_stages
 from src.history import done_line, epoch_record, format_record
+from src.inference import load_evaluated, show_evaluation
 from src.loaders import labelled_data, run_loaders
 from src.metrics import batch_sums
 from src.models import build_model
+from src.outputs import check_writable
 from src.process_group import end_process_group, join_process_group
 from src.progress import LoaderPass, Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
-from src.stages import epoch_stages
 from src.stopping import Stops
 from src.transforms import memory_format, model_inputs
 
@@ -59,7 +60,7 @@ def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, sche
 def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
-    sharding.broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
+    fsdp.broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
     sums = torch.zeros(4, device=device)
     for inputs, labels in loader.batches(sums):
         inputs = model_inputs(inputs, device, args.channels_last)
@@ -68,7 +69,7 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
             logits = model(inputs)
         sums += batch_sums(logits, labels)
     with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):  # as compiled above
-        sharding.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
+        fsdp.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 
@@ -84,14 +85,14 @@ def main() -> None:
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
-    sharding.shard_model(model, device, compiled=args.compile)  # fully_shard per block and on the root
+    fsdp.shard_model(model, device, compiled=args.compile)  # fully_shard per block and on the root
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
-    history = resume(args, info, full_state.WholeModel(model), full_state.WholeOptimizer(model, optimizer),
+    history = resume(args, info, fsdp.WholeModel(model), fsdp.WholeOptimizer(model, optimizer),
                      scaler, schedule, ema)
     progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
     # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
@@ -101,7 +102,7 @@ def main() -> None:
     if rank == 0:
         print(run_header(args, data, device, world_size))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
-        evaluated, start = load_evaluated(args, info, full_state.WholeModel(model)), time.time()
+        evaluated, start = load_evaluated(args, info, fsdp.WholeModel(model)), time.time()
         net = torch.compile(model) if args.compile else model
         val_loader = run_loaders(data.dataset, data, args, device, rank, world_size)[1]
         val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
@@ -125,7 +126,7 @@ def main() -> None:
                 epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start + train_pass.resumed_seconds,
                 val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
                 lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
-            whole = full_state.gather_state(model, optimizer, ema)  # every rank sends its shards to rank 0
+            whole = fsdp.gather_state(model, optimizer, ema)  # every rank sends its shards to rank 0
             if rank == 0:
                 is_best = save_epoch(args, history, whole.model, whole.optimizer, scaler, schedule, info, whole.average)
                 progress.epoch_end(history[-1])

@@ -67,7 +67,7 @@ def write_images(data: Path, images: int, distinct: int, size: int) -> dict:
     """data/train/{cat,dog}.N.jpg: `images` files, half of each class, made of `distinct` drawn
     images (on every core) written in turn; and data/train.csv (filename,label, in the order a
     scan gives), so that no run opens every image to list them."""
-    from src.atomic import atomic_write_text
+    from src.outputs import atomic_write_text
     start = time.perf_counter()
     shutil.rmtree(data, ignore_errors=True)
     (data / "train").mkdir(parents=True)

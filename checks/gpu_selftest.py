@@ -837,8 +837,8 @@ def _fsdp_amp_memory(device) -> tuple[list[str], dict]:
     import torchvision
 
     from src.cli import parse_args
+    from src.fsdp import shard_model
     from src.recipe import make_optimizer
-    from src.sharding import shard_model
     figures = {}
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
     try:

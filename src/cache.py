@@ -33,9 +33,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from src.atomic import atomic_write_text
 from src.datasets import DogCatDataset
 from src.errors import UserError
+from src.outputs import atomic_write_text
 
 FORMAT = 1  # bump when the layout or the decoding changes
 WAIT_SECONDS = 3600  # how long the other processes of a node wait for its first one to build,

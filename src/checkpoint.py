@@ -19,16 +19,14 @@ import torch
 import torch.distributed as dist
 
 from src import heartbeat
-from src.atomic import atomic_torch_save, atomic_write, atomic_write_text, probe_folder
 from src.datasets import CLASSES
 from src.devices import hardware
 from src.divergence import check_finite_weights
 from src.errors import UserError, one_line
 from src.history import RECORD_KEYS, History, best_choice, history_text
-from src.outputs import check_outputs
+from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, output_paths
 from src.plot import plot_history
-from src.ranks import from_rank, from_rank_0, gather, is_first, is_node_first, restarted
-from src.run_lock import hold
+from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 # What must match for --resume to continue the same run. --accumulate is not among them: the
@@ -44,71 +42,6 @@ FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--d
 def flag_of(key: str) -> str:
     """The command-line flag that sets a key of best.json / last.pth's info."""
     return FLAGS.get(key, "--" + key.replace("_", "-"))
-
-
-# How a message names each output of output_paths: the flag that places it.
-OUTPUT_FLAGS = {"best": "--checkpoint", "info": "--checkpoint (its .json)", "last": "--checkpoint (last.pth beside it)",
-                "history": "--checkpoint (history.json beside it)", "plot": "--plot"}
-
-
-def output_paths(args) -> dict[str, Path]:
-    folder = Path(args.checkpoint).parent
-    return {"best": Path(args.checkpoint), "info": Path(args.checkpoint).with_suffix(".json"),
-            "last": folder / "last.pth", "history": folder / "history.json", "plot": Path(args.plot)}
-
-
-def check_writable(args) -> None:
-    """Fail before training, not after the first epoch, when an output cannot be written.
-
-    Refuses outputs that are not regular files, or that are inputs or other outputs of the run
-    (src.outputs), tries each folder (src.atomic.probe_folder), locks the --checkpoint folder for
-    the run's life (src.run_lock), refuses to start over another run's files there without
-    --resume or --overwrite, and removes the temporary files that a killed run of these outputs
-    left behind. Rank 0 checks; every rank gets its verdict. Under --evaluate, which writes
-    nothing, it does nothing (a save in progress in the folder is left alone).
-    """
-    if args.evaluate:
-        return
-    from_rank_0(lambda: _try_outputs(args))
-
-
-def _try_outputs(args) -> None:
-    paths = output_paths(args)
-    data = Path(args.data_dir)
-    weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
-    check_outputs([(OUTPUT_FLAGS[name], path) for name, path in paths.items()],
-                  folders=[("--log-dir", Path(args.log_dir))] if args.log_dir else [],
-                  inputs=[("--data-dir's train.csv", data / "train.csv"), *weights],
-                  input_folders=[("--data-dir's train/", data / "train")]
-                  + ([("--cache", Path(args.cache))] if args.cache else []))
-    for name, path in paths.items():
-        flag = "--plot" if name == "plot" else "--checkpoint"
-        try:
-            probe_folder(path.parent)
-        except OSError as error:
-            raise UserError(f"{flag}: cannot write to folder {path.parent} ({error.strerror})") from None
-    hold(paths["best"].parent)  # before the clean-up below: another run's temporary files are not stale
-    _check_overwrite(args, paths)
-    for path in paths.values():
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
-            stale.unlink(missing_ok=True)
-
-
-def _check_overwrite(args, paths: dict[str, Path]) -> None:
-    """A new run does not replace an earlier run's files without being told: --resume continues
-    that run, --overwrite replaces it. (torchrun's restarted workers resume on their own.)"""
-    if args.resume or args.overwrite or restarted():
-        return
-    held = [paths[name] for name in ("best", "info", "last", "history") if os.path.lexists(paths[name])]
-    if not held:
-        return
-    try:
-        epochs = f" of {len(json.loads(paths['history'].read_text()))} epoch(s)"
-    except (OSError, ValueError, TypeError):
-        epochs = ""
-    names = ", ".join(path.name for path in held) + (epochs if paths["history"] in held else "")
-    raise UserError(f"{paths['best'].parent} holds the files of an earlier run ({names}): pass --resume to "
-                    "continue that run, --overwrite to replace it, or another --checkpoint")
 
 
 def run_info(args, global_batch: int, data: str) -> dict:
@@ -170,11 +103,11 @@ def save_step(args, history: list[dict], model: torch.nn.Module, optimizer, aver
               info: dict, partial: dict) -> None:
     """last.pth inside an epoch, `partial["step"]` optimizer steps into it (src/stopping.py): what
     last_state holds, and `partial`'s metric sums of those steps (one row per rank) and their
-    seconds. Every rank calls it: FSDP's shards are gathered first (src/full_state.py); rank 0
+    seconds. Every rank calls it: FSDP's shards are gathered first (src/fsdp.py); rank 0
     writes. best.pth, history.json and the plot stay those of the last finished epoch."""
-    from src.memory import is_sharded  # here: they load torch.distributed's sharding
+    from src.fsdp import is_sharded  # here: they load torch.distributed's sharding
     if is_sharded(optimizer):
-        from src.full_state import gather_state
+        from src.fsdp import gather_state
         model, optimizer, average = gather_state(model, optimizer, average)
     if not is_first():
         return

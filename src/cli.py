@@ -191,7 +191,7 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
             if getattr(args, flag):
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that
-        # file is loaded into it (src.evaluation.load_evaluated).
+        # file is loaded into it (src.inference.load_evaluated).
         args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
     from src.models import check_image_size  # here, not above: it loads torchvision

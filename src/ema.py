@@ -87,7 +87,7 @@ class WeightAverage:
 
     def state_dict(self) -> dict | None:
         """{"model": the average as a whole state_dict on the CPU (with the model's buffers),
-        "updates": how many}, or None when off. Under FSDP use src.full_state.gather_state."""
+        "updates": how many}, or None when off. Under FSDP use src.fsdp.gather_state."""
         if not self.on:
             return None
         with self.swapped_in():
@@ -96,7 +96,7 @@ class WeightAverage:
 
     def load(self, model, saved: dict) -> None:
         """The average of a last.pth (state_dict's) into this one, through model.load_state_dict
-        (the plain model, or full_state.WholeModel for FSDP's shards); every rank loads it."""
+        (the plain model, or fsdp.WholeModel for FSDP's shards); every rank loads it."""
         if not self.on:
             return
         with self.swapped_in():

@@ -1,6 +1,6 @@
 """--freeze and --freeze-epochs: train the new last layer on a fixed pretrained backbone
-("feature extraction"), and the feature cache that makes those epochs cost seconds (the loop over
-the frozen and the other epochs: src/stages.py).
+("feature extraction"), the feature cache that makes those epochs cost seconds, and the run's
+epochs in stages that every script's loop runs through.
 
 A frozen backbone's parameters get no gradient (so DDP leaves them out of its all-reduce and the
 optimizer gives them no state and no weight decay), and it runs in eval mode: dropout off, batch
@@ -10,10 +10,15 @@ computed once for every image, by the first process of each node, and kept memor
 DIR/features_{arch}_{size}px.{key}.f32 (the key covers the pixel cache's and the backbone's
 weights, so nodes with other images or weights never share a file). The frozen epochs then
 train the last layer alone on those vectors. best.pth is the whole model either way.
+
+Stages: consecutive epochs that train the same thing from the same data. Without --freeze and
+--freeze-epochs one stage holds every epoch; with them the frozen epochs come first, training the
+last layer alone, from the backbone's cached outputs where they can be cached.
 """
 import argparse
 import hashlib
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +28,7 @@ from tqdm import tqdm
 
 from src.cache import MappedArray, ensure_array
 from src.models import head_of
+from src.ranks import is_first
 from src.transforms import model_inputs
 
 FORMAT = 1  # bump when the layout or the computation changes
@@ -132,3 +138,35 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
         return MappedArray(path, labels, (dim,), np.float32)
     finally:
         model.train(was_training)
+
+
+class Stage(NamedTuple):
+    """Consecutive epochs that train the same thing from the same data."""
+    epochs: range
+    frozen: bool
+    net: nn.Module  # what the loop runs: the model, or its last layer on cached backbone outputs
+    data: Dataset  # images (uint8), or the backbone outputs (float32 vectors)
+
+
+def epoch_stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: int,
+                 device: torch.device, cache_features: bool = True) -> Iterator[Stage]:
+    """The epochs from `start` on, in one stage or two: frozen ones first (all with --freeze, the
+    first K with --freeze-epochs K), then the rest (all of them without either flag). Each stage
+    freezes or unfreezes the model as it begins. cache_features=False (FSDP, whose last layer is
+    sharded): the frozen epochs train from the images."""
+    end, show = frozen_until(args), is_first()
+    if start < end:
+        set_frozen(model, True)
+        features = backbone_outputs(args, model, dataset, device, args.workers, show) if cache_features else None
+        if not cache_features and args.cache and show:
+            print("--freeze under FSDP runs the frozen backbone on every image in every epoch: the "
+                  "sharded model's last layer cannot train alone on cached outputs")
+        if features is None:
+            yield Stage(range(start, end), True, model, dataset)
+        else:
+            if show:
+                print(f"epochs {start + 1} to {end}: the last layer trains on {args.arch}'s cached outputs")
+            yield Stage(range(start, end), True, head_of(model)[1], features)
+    if max(start, end) < args.epochs:
+        set_frozen(model, False)
+        yield Stage(range(max(start, end), args.epochs), False, model, dataset)

@@ -1,6 +1,9 @@
-"""Using a trained model with torch: best.pth with its best.json, and class probabilities for image
+"""Using a trained model with torch: best.pth with its best.json, class probabilities for image
 files, computed as training computes them (the same decode, uint8 batches normalised on the
-device, --amp, --channels-last) and shared out over the processes of a launcher."""
+device, --amp, --channels-last) and shared out over the processes of a launcher, and --evaluate:
+a checkpoint validated once on a training run's validation split, in any mode (nothing trains,
+nothing is written; the scripts return before their epoch loop once it is done).
+"""
 import hashlib
 import json
 import math
@@ -16,10 +19,12 @@ from src.cli import IMAGE_SIZES
 from src.datasets import CLASSES, DogCatTestDataset
 from src.divergence import ADVICE, check_finite_weights
 from src.errors import UserError
+from src.history import evaluation_record, format_evaluation
 from src.image_files import try_decode
 from src.loaders import ShardSampler
 from src.metrics import EPS
-from src.models import check_image_size, classification_models, model_kwargs
+from src.models import check_image_size, classification_models, model_kwargs, read_state_dict
+from src.ranks import from_rank_0, is_first
 from src.safe_csv import csv_text
 from src.transforms import normalize
 
@@ -198,3 +203,42 @@ def submission_text(ids: list[int], p_dog) -> str:
     """submission.csv: `id,label` with label = p(dog) clipped to [EPS, 1 - EPS] (see src/metrics.py):
     Kaggle's log loss punishes a confident mistake without bound. p_dog: a tensor or an array."""
     return csv_text(["id", "label"], ([i, f"{min(max(float(p), EPS), 1 - EPS):.6f}"] for i, p in zip(ids, p_dog)))
+
+
+def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
+    """--evaluate: load the file to validate (args.evaluate_file, see src.cli) into `model`;
+    returns how the record names it.
+
+    --checkpoint (best.pth) must be the file its best.json describes, and best.json must describe
+    this run's model and validation split (--arch, --image-size, --seed, --val-fraction and the
+    images of --data-dir); --weights FILE is any 2-class state_dict of --arch, or a last.pth.
+    Rank 0 reads and checks the file and sends it to every rank: on nodes without a shared disk
+    only rank 0's node has it.
+    """
+    from src.checkpoint import flag_of  # here: predict does not need the training side
+    path = Path(args.evaluate_file)
+
+    def read() -> tuple[dict, str]:
+        if path != Path(args.checkpoint):
+            return read_state_dict(path), str(path)
+        saved = read_info(path)
+        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
+            if saved.get(key) != info[key]:
+                raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag_of(key)} "
+                                f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "
+                                f"with to validate it on its split, or --weights {path} to validate "
+                                "it on this one")
+        return read_state_dict(path, "--checkpoint"), f"{path} (epoch {saved.get('epoch')})"
+
+    state, named = from_rank_0(read)
+    load_state(model, state, path,
+               f"a {info['num_classes']}-class {info['arch']} state_dict (--arch {info['arch']})")
+    return named
+
+
+def show_evaluation(named: str, val_sums: torch.Tensor, seconds: float) -> None:
+    """Print --evaluate's result on rank 0: a line as an epoch's, then the record as JSON."""
+    if is_first():
+        record = evaluation_record(val_sums, seconds)
+        print(format_evaluation(named, record))
+        print(json.dumps(record))

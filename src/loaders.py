@@ -7,8 +7,11 @@ The sampler yields (epoch, position) pairs rather than positions: loader workers
 copy of the dataset for the whole run (persistent workers), so the epoch that --augment draws
 from has to travel with each index.
 """
+import atexit
 import hashlib
+import multiprocessing
 import os
+import signal
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,9 +24,8 @@ from src.cache import cached
 from src.datasets import DogCatDataset, check_both_classes, load_labels
 from src.devices import available_cpus, check_shared_memory
 from src.dropout import sample_key
-from src.errors import UserError
+from src.errors import STOP_SIGNALS, UserError
 from src.ranks import from_rank_0, is_first
-from src.stopping import end_workers_at_exit, ignore_stop_signals
 from src.transforms import image_transform
 
 
@@ -113,6 +115,34 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+
+_ending_workers = False
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:
+    """A DataLoader worker's worker_init_fn: the stop signals are its main process's to act on
+    (Ctrl-C in a terminal reaches the workers too, torchrun signals a worker's process group,
+    SLURM every process of the job step), and the steps before the stop need the workers."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+def end_workers_at_exit() -> None:
+    """Once per process (make_loaders calls it): at exit, SIGKILL the daemonic children still alive
+    (DataLoader workers whose loader was not shut down, after an error). multiprocessing's own exit
+    ends them with SIGTERM, which they ignore, and then waits for them: forever. atexit runs this
+    before it (registered later)."""
+    global _ending_workers
+    if not _ending_workers:
+        _ending_workers = True
+        atexit.register(_kill_daemonic_children)
+
+
+def _kill_daemonic_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 def default_workers(local_processes: int | None = None) -> int:

@@ -1,17 +1,41 @@
-"""Where a command writes, checked at its start, before any work (no torch: predict --onnx uses it).
+"""The files a command writes: where they may go (checked at its start, before any work), one run
+at a time in a folder, and each file written whole or not at all. No torch at import: predict
+--onnx uses it.
 
-Every output file is written to a temporary file beside it and renamed onto its name
-(src/atomic.py), which replaces whatever the name holds. So an existing target must be a regular
-file: a device (/dev/null, /dev/full), a named pipe, a socket or a folder would be replaced by a
-file (as root, /dev/null turned into a PNG), and a symbolic link would be replaced itself, not
-the file it points to (/dev/stdout is a link). And no output may be an input of the same command
-(the checkpoint, an image, the data folder's files, the cache) or another output of the same run.
+- Written whole: to a temporary file in the target's folder, flushed to disk, then renamed onto
+  the target. A crash or a full disk leaves the old file, never half a new one.
+- Where: the rename replaces whatever the name holds, so an existing target must be a regular
+  file: a device (/dev/null, /dev/full), a named pipe, a socket or a folder would be replaced by a
+  file (as root, /dev/null turned into a PNG), and a symbolic link would be replaced itself, not
+  the file it points to (/dev/stdout is a link). And no output may be an input of the same command
+  (the checkpoint, an image, the data folder's files, the cache) or another output of the same run.
+- One run at a time: two runs writing to one folder destroy each other (the second one's start-up
+  cleanup deletes the first one's temporary file in the middle of a save, and each replaces the
+  other's best.pth, last.pth and history). So rank 0 of a run holds a lock on LOCK_NAME in the
+  --checkpoint folder for the run's life, and a second run there stops at its start with one line
+  naming the first (pid, host, start time and command, which the holder writes into the file).
+  The lock is a POSIX record lock (fcntl.lockf): the kernel drops it when the process ends however
+  it ends (a SIGKILL, a crash, the OOM killer), so a killed run never leaves a stale lock, and the
+  file that stays behind means nothing by itself. Not flock(): a flock lock belongs to the open
+  file, which forked children share, so DataLoader workers that outlive a killed rank 0 by a few
+  seconds would keep it and refuse torchrun's restart; a record lock belongs to the process alone.
+  Advisory: it stops our own runs, not other programs; on NFS it needs the lock service (lockd).
 """
+import errno
+import fcntl
+import hashlib
+import json
 import os
+import shutil
+import socket
 import stat
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import BinaryIO, Callable
 
-from src.errors import UserError
+from src.errors import UserError, one_line
 
 Named = tuple[str, Path]  # (how the user names it: a flag, or what it is; the path)
 
@@ -98,3 +122,232 @@ def check_outputs(files: list[Named], folders: list[Named] = (), inputs: list[Na
             if _inside(real, os.path.realpath(folder)):
                 raise UserError(f"{flag} {path} is inside {what} ({folder}), which this command reads: "
                                 "write elsewhere")
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+class _WriteRecorder:
+    """A file that hashes what is written and remembers why a write failed: torch.save reports
+    that as a RuntimeError ("unexpected pos ...") without the errno ("No space left on device")."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.error, self.sha256 = file, None, hashlib.sha256()
+
+    def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+        self.sha256.update(data)
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> str:
+    """write(file) into a temporary file beside path, then rename it onto path: path holds the
+    old or the new content, never half of one. Returns the sha256 of what was written.
+
+    Any failure (a full disk, a folder that cannot be made) becomes a one-line UserError naming
+    path; the old file stays.
+    """
+    path = Path(path)
+    tmp = file = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
+        with os.fdopen(fd, "wb") as raw:
+            file = _WriteRecorder(raw)
+            write(file)
+            raw.flush()
+            os.fsync(raw.fileno())  # the data is on disk before the rename makes it the file
+        os.replace(tmp, path)
+        return file.sha256.hexdigest()
+    except BaseException as error:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(error, (OSError, RuntimeError)):
+            raise UserError(cannot_write(path, getattr(file, "error", None) or error)) from None
+        raise
+
+
+def cannot_write(path: Path, error: BaseException) -> str:
+    kept = f"the previous {path.name} is intact" if path.exists() else f"no {path.name} was written"
+    if not isinstance(error, OSError):  # not the disk: say what it was, without advice about room
+        return f"cannot write {path} ({one_line(error)}); {kept}"
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free / 1e6:.1f} MB free there"
+    except OSError:
+        free = ""
+    return f"cannot write {path} ({error.strerror or one_line(error)}{free}): make room or write elsewhere; {kept}"
+
+
+def atomic_torch_save(obj, path: Path) -> str:
+    import torch  # here: predict --onnx writes its CSV without torch
+    return atomic_write(path, lambda file: torch.save(obj, file))
+
+
+def atomic_write_text(path: Path, text: str) -> str:
+    # surrogateescape: file names that are not UTF-8 (read from disk that way) are written back as they were
+    return atomic_write(path, lambda file: file.write(text.encode("utf-8", "surrogateescape")))
+
+
+def probe_folder(folder: Path) -> None:
+    """Make the folder and write and remove a file there, or raise OSError: os.access answers yes
+    to root where nothing can be created, as in /proc."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
+def check_room(path: Path, size: int, flag: str) -> None:
+    """Fail before the work, not after it, when the folder of `path` has no room for `size` bytes:
+    they are written to a temporary file there and flushed to disk (where a file system allocates
+    late, the write alone would succeed), then removed."""
+    path = Path(path)
+    try:
+        with tempfile.TemporaryFile(dir=path.parent) as file:
+            file.write(bytes(size))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        raise UserError(f"{flag} {path}: no room for it ({error.strerror or one_line(error)}; about "
+                        f"{size / 1e6:.1f} MB needed): make room or write elsewhere") from None
+
+
+def check_can_write(path: Path, flag: str) -> None:
+    """Fail before the work, not after it, when `path` cannot be written (probe_folder)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a folder")
+        probe_folder(path.parent)
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot write there ({error.strerror or one_line(error)})") from None
+
+
+LOCK_NAME = ".run.lock"
+
+_held: int | None = None  # the descriptor of the lock file this process holds
+
+
+def release() -> None:
+    """Let go of the lock this process holds, if any. (Closing any descriptor of the file would
+    drop a record lock too: the lock's descriptor is the only one this module opens while holding.)"""
+    global _held
+    if _held is not None:
+        os.close(_held)
+        _held = None
+
+
+def hold(folder: Path, flag: str = "--checkpoint") -> None:
+    """Lock `folder` (which exists) for this process until it ends, or refuse in one line naming
+    the run that holds it. A process holds one folder at a time: a new hold() releases the last
+    (a test may run several trainings in one process, one after the other)."""
+    global _held
+    release()
+    path = Path(folder) / LOCK_NAME
+    try:
+        # O_NOFOLLOW: a link planted there must not make us truncate the file it points to.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as error:
+        raise UserError(f"{flag} folder {folder}: cannot open its lock file {path} ({error.strerror}); "
+                        "if it is a link or not a file, remove it") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        os.close(fd)
+        if error.errno not in (errno.EACCES, errno.EAGAIN):
+            raise UserError(f"{flag} folder {folder}: cannot lock {path} ({error.strerror})") from None
+        raise UserError(f"{flag} folder {folder} is in use by another run ({holder(path)}): wait for it "
+                        f"to end, or pass another {flag}") from None
+    _held = fd
+    who = (f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+           + " ".join(sys.argv))
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, who.encode("utf-8", "surrogateescape") + b"\n", 0)
+    except OSError:  # a full disk: the lock holds all the same, without its note
+        pass
+
+
+def holder(path: Path) -> str:
+    """The note the holder of the lock file wrote: who it is."""
+    try:
+        with open(path, "rb") as file:
+            note = file.read(1000).decode("utf-8", "replace").strip()
+    except OSError:
+        note = ""
+    return note.splitlines()[0] if note else "it has not written its name yet"
+
+
+# How a message names each output of output_paths: the flag that places it.
+OUTPUT_FLAGS = {"best": "--checkpoint", "info": "--checkpoint (its .json)", "last": "--checkpoint (last.pth beside it)",
+                "history": "--checkpoint (history.json beside it)", "plot": "--plot"}
+
+
+def output_paths(args) -> dict[str, Path]:
+    folder = Path(args.checkpoint).parent
+    return {"best": Path(args.checkpoint), "info": Path(args.checkpoint).with_suffix(".json"),
+            "last": folder / "last.pth", "history": folder / "history.json", "plot": Path(args.plot)}
+
+
+def check_writable(args) -> None:
+    """Fail before training, not after the first epoch, when an output cannot be written.
+
+    Refuses outputs that are not regular files, or that are inputs or other outputs of the run
+    (src.outputs), tries each folder (src.outputs.probe_folder), locks the --checkpoint folder for
+    the run's life (src.outputs), refuses to start over another run's files there without
+    --resume or --overwrite, and removes the temporary files that a killed run of these outputs
+    left behind. Rank 0 checks; every rank gets its verdict. Under --evaluate, which writes
+    nothing, it does nothing (a save in progress in the folder is left alone).
+    """
+    if args.evaluate:
+        return
+    from src.ranks import from_rank_0  # here: it loads torch.distributed
+    from_rank_0(lambda: _try_outputs(args))
+
+
+def _try_outputs(args) -> None:
+    paths = output_paths(args)
+    data = Path(args.data_dir)
+    weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
+    check_outputs([(OUTPUT_FLAGS[name], path) for name, path in paths.items()],
+                  folders=[("--log-dir", Path(args.log_dir))] if args.log_dir else [],
+                  inputs=[("--data-dir's train.csv", data / "train.csv"), *weights],
+                  input_folders=[("--data-dir's train/", data / "train")]
+                  + ([("--cache", Path(args.cache))] if args.cache else []))
+    for name, path in paths.items():
+        flag = "--plot" if name == "plot" else "--checkpoint"
+        try:
+            probe_folder(path.parent)
+        except OSError as error:
+            raise UserError(f"{flag}: cannot write to folder {path.parent} ({error.strerror})") from None
+    hold(paths["best"].parent)  # before the clean-up below: another run's temporary files are not stale
+    _check_overwrite(args, paths)
+    for path in paths.values():
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
+            stale.unlink(missing_ok=True)
+
+
+def _check_overwrite(args, paths: dict[str, Path]) -> None:
+    """A new run does not replace an earlier run's files without being told: --resume continues
+    that run, --overwrite replaces it. (torchrun's restarted workers resume on their own.)"""
+    from src.ranks import restarted
+    if args.resume or args.overwrite or restarted():
+        return
+    held = [paths[name] for name in ("best", "info", "last", "history") if os.path.lexists(paths[name])]
+    if not held:
+        return
+    try:
+        epochs = f" of {len(json.loads(paths['history'].read_text()))} epoch(s)"
+    except (OSError, ValueError, TypeError):
+        epochs = ""
+    names = ", ".join(path.name for path in held) + (epochs if paths["history"] in held else "")
+    raise UserError(f"{paths['best'].parent} holds the files of an earlier run ({names}): pass --resume to "
+                    "continue that run, --overwrite to replace it, or another --checkpoint")

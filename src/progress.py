@@ -1,6 +1,6 @@
 """What a run shows and records as it trains, on rank 0: its header line, the progress bar
 (images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars,
-the profiler, and at the end of an FSDP run the bytes rank 0 held (src/memory.py). The lines of
+the profiler, and at the end of an FSDP run the bytes rank 0 held (src/fsdp.py). The lines of
 the history's records: src/history.py. A training pass also hands its optimizer steps to the run's
 Stops (src/stopping.py: step checkpoints, stops on a signal, the resumed epoch's place) and tells
 src/heartbeat.py where it is.
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from src import heartbeat
-from src.memory import bytes_line, is_sharded, watch_rank_bytes
+from src.fsdp import bytes_line, is_sharded, watch_rank_bytes
 from src.metrics import COUNT, LOSS
 from src.profiling import Profiler
 from src.ranks import is_first

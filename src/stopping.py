@@ -4,7 +4,7 @@ and the place where a resumed epoch goes on.
 
 - A signal only sets a flag (the handler). The loop looks at it after an optimizer step, never
   between the micro-batches of one (--accumulate). A second signal changes nothing: the stop's save
-  goes on (atomic, src/atomic.py) and the process exits after it. DataLoader workers ignore the
+  goes on (atomic, src/outputs.py) and the process exits after it. DataLoader workers ignore the
   signals; their main process stops them when it ends.
 - Agreement, without making the host wait inside a step: in a world of one the flag is read after
   every optimizer step (a Python value, no device work). With a process group, every K =
@@ -24,8 +24,6 @@ and the place where a resumed epoch goes on.
   resumed epoch that skips the finished steps' samples (src/loaders.py EpochSampler.start_at, no
   image read) draws what an uninterrupted run draws.
 """
-import atexit
-import multiprocessing
 import os
 import shlex
 import signal
@@ -40,7 +38,6 @@ from src.errors import STOP_SIGNALS, Stopped
 from src.ranks import gather, is_first
 
 _requested = 0  # the number of the first stop signal, 0 while none came
-_ending_workers = False
 
 
 def _note(signum, frame) -> None:
@@ -61,31 +58,6 @@ def catch_signals() -> None:
     _requested = 0
     for number in STOP_SIGNALS:
         signal.signal(number, _note)
-
-
-def ignore_stop_signals(worker_id: int | None = None) -> None:
-    """A DataLoader worker's worker_init_fn: the stop signals are its main process's to act on
-    (Ctrl-C in a terminal reaches the workers too, torchrun signals a worker's process group,
-    SLURM every process of the job step), and the steps before the stop need the workers."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
-
-
-def end_workers_at_exit() -> None:
-    """Once per process (make_loaders calls it): at exit, SIGKILL the daemonic children still alive
-    (DataLoader workers whose loader was not shut down, after an error). multiprocessing's own exit
-    ends them with SIGTERM, which they ignore, and then waits for them: forever. atexit runs this
-    before it (registered later)."""
-    global _ending_workers
-    if not _ending_workers:
-        _ending_workers = True
-        atexit.register(_kill_daemonic_children)
-
-
-def _kill_daemonic_children() -> None:
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
 
 
 def signal_name(number: int) -> str:

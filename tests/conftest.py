@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import warm_python  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from src.agreement import TOLERANCE, distance  # noqa: E402
 from src.history import AVERAGE  # noqa: E402
+from src.tools.agreement import TOLERANCE, distance  # noqa: E402
 from src.tools.synthetic import write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ from pathlib import Path
 from conftest import ROOT
 from doc_commands import commands
 
-from src.checkpoint import output_paths
 from src.cli import parse_args
+from src.outputs import output_paths
 
 # Flags whose value is a path a command writes (a file, or a folder it fills).
 OUTPUT_FLAGS = ("--cache", "--checkpoint", "--plot", "--log-dir", "--out-dir", "--output", "-d", "-p")

@@ -119,7 +119,7 @@ def test_the_stages_run_each_remaining_epoch_once_frozen_or_not(flags, frozen):
     """From any epoch a run starts or resumes at, the stages hold the epochs left, each once, in
     order, the first `frozen` of the run frozen: a run resumed after the frozen epochs does not
     train them again unfrozen."""
-    from src.stages import epoch_stages
+    from src.freeze import epoch_stages
     args = parse_args("", ["--arch", "squeezenet1_1", "--weights", "none", "--epochs", "4", *flags])
     model = build_model("squeezenet1_1", "none")
     for start in range(5):

@@ -44,11 +44,10 @@ import train_fsdp
 import train_single
 from src.accelerate_checks import check_accelerator
 from src.cli import parse_args
-from src.memory import rank_bytes
+from src.fsdp import fsdp_units, rank_bytes, shard_model
 from src.models import build_model, head_of
 from src.process_group import end_process_group
 from src.recipe import make_optimizer, make_schedule
-from src.sharding import fsdp_units, shard_model
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +297,8 @@ def test_every_rank_runs_as_many_validation_forwards(images, batch):
     """Each forward of a sharded model gathers from every rank: a rank whose unpadded validation
     shard has a batch less runs one forward more after its own (7 images in batches of 2 over 3
     ranks: 2, 2 and 3 images, so 1, 1 and 2 batches), counted against the loaders of every rank."""
+    from src.fsdp import forwards_to_match
     from src.loaders import make_loaders
-    from src.sharding import forwards_to_match
 
     dataset = [(torch.zeros(1), 0) for _ in range(images)]
     for world_size in (2, 3):

@@ -21,10 +21,10 @@ from conftest import (
 
 import train_accelerate
 import train_single
-from src.atomic import atomic_torch_save
 from src.checkpoint import resume, run_info
 from src.cli import parse_args
 from src.history import RECORD_KEYS
+from src.outputs import atomic_torch_save
 from src.recipe import lr_factor, make_optimizer, make_schedule, optimizer_step
 
 # The GPU's choices on the CPU. AS_ON_GPU=1 makes src.devices.gpu_choices take the CUDA branch

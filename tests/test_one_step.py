@@ -79,7 +79,7 @@ def script_step(script: str, model: nn.Module, *argv: str, frozen: bool = False,
         finally:
             dist.destroy_process_group()
     elif script == "fsdp":  # a world of one: the script's own steps on the sharded model
-        from src.sharding import shard_model
+        from src.fsdp import shard_model
         plain = copy.deepcopy(model)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:

@@ -23,8 +23,8 @@ from conftest import ROOT, TINY, fails_in_process, history, in_process, outputs,
 
 import train_dp
 import train_single
-from src.checkpoint import check_writable
 from src.cli import parse_args
+from src.outputs import check_writable
 from src.tools import export, predict, prepare, synthetic
 
 
@@ -187,13 +187,13 @@ def test_predict_onto_a_full_disk_stops_before_the_pass(untrained, tiny_data, tm
 
 
 def _holder(folder: Path, fork: bool = False) -> tuple[subprocess.Popen, int | None]:
-    """Another process that holds the lock of folder (src.run_lock.hold) until its input closes;
+    """Another process that holds the lock of folder (src.outputs.hold) until its input closes;
     with fork, it first starts a child that outlives it, as a DataLoader worker outlives a killed
     rank 0 by a few seconds. Returns the process and the child's pid."""
     code = textwrap.dedent("""
         import os, sys, time
         from pathlib import Path
-        from src.run_lock import hold
+        from src.outputs import hold
         hold(Path(sys.argv[1]))
         child = os.fork() if sys.argv[2] == "fork" else None
         if child == 0:
@@ -209,7 +209,7 @@ def _holder(folder: Path, fork: bool = False) -> tuple[subprocess.Popen, int | N
 
 
 def _lock_is_free(folder: Path) -> bool:
-    from src import run_lock
+    from src import outputs as run_lock
     try:
         run_lock.hold(folder)
         return True
@@ -281,7 +281,7 @@ def test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told(tiny_data,
     """A run at val acc 0.90 was silently replaced by a --lr 0 run. The line says what the folder
     holds and both ways on; --resume, --overwrite and torchrun's restarted workers (which resume
     on their own) pass; --overwrite replaces the files."""
-    from src.run_lock import release
+    from src.outputs import release
     out = tmp_path / "out"
     out.mkdir()
     (out / "best.pth").write_bytes(b"an earlier run's model")
@@ -307,7 +307,7 @@ def test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_anoth
     """"Inside --data-dir's train/" is a path below that folder, not any path that starts with its
     name (train_curves.png, trainings/); two names of one file (a hard link: the test's stand-in
     for a bind mount) are one output."""
-    from src.run_lock import release
+    from src.outputs import release
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     for plot, checkpoint in ((data / "train_curves.png", data / "trainings" / "best.pth"),
@@ -327,14 +327,14 @@ def test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_anoth
 def test_a_new_hold_lets_go_of_the_folder_held_before(tmp_path):
     """A process that trains twice (one run after the other, as a notebook or these tests do)
     holds the second run's folder only: another process may take the first one's."""
-    from src import run_lock
+    from src import outputs as run_lock
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
     try:
         run_lock.hold(first)
         run_lock.hold(second)
-        take = "import sys; from pathlib import Path; from src.run_lock import hold; hold(Path(sys.argv[1]))"
+        take = "import sys; from pathlib import Path; from src.outputs import hold; hold(Path(sys.argv[1]))"
         taken = [subprocess.run([sys.executable, "-c", take, str(folder)], cwd=ROOT, capture_output=True, text=True)
                  for folder in (first, second)]
         assert taken[0].returncode == 0, taken[0].stderr

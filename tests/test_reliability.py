@@ -32,8 +32,8 @@ from conftest import (
     weights,
 )
 
-import src.atomic as atomic
 import src.checkpoint as checkpoint
+import src.outputs as atomic
 import train_single
 from src.cli import parse_args
 from src.errors import EXIT_STOPPED, UserError

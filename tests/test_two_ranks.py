@@ -135,11 +135,10 @@ def fsdp_validation(rank: int, folder: Path, data: Path):
     import train_fsdp
     from src.cli import parse_args
     from src.ema import WeightAverage
-    from src.full_state import gather_state
+    from src.fsdp import gather_state, shard_model
     from src.loaders import make_loaders
     from src.progress import Progress
     from src.recipe import make_optimizer
-    from src.sharding import shard_model
     _plain_group(rank)
     model, inputs, labels = _odd_model_and_samples()
     forwards = []

@@ -35,7 +35,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from src.atomic import atomic_write_text  # noqa: E402
 from src.cache import cached  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
 from src.cli import parse_args as script_args  # noqa: E402
@@ -49,6 +48,7 @@ from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
+from src.outputs import atomic_write_text  # noqa: E402
 from src.profiling import FIGURES  # noqa: E402
 from src.recipe import make_optimizer  # noqa: E402
 from src.tools.commands import run_script  # noqa: E402
@@ -303,7 +303,7 @@ def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
 
 def held_line(log: Path) -> str:
     """train_fsdp.py's line on the bytes of parameters, gradients and optimizer state that its rank 0
-    held, against a DDP rank's (src.memory.bytes_line), from its run's log."""
+    held, against a DDP rank's (src.fsdp.bytes_line), from its run's log."""
     return next((line for line in log.read_text().splitlines() if line.startswith("rank 0 held ")),
                 "no line on the bytes held")
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from src.agreement import distance
 from src.checkpoint import RESUME_KEYS
 from src.errors import UserError, exit_on_error
+from src.tools.agreement import distance
 from src.tools.commands import ROOT
 
 # RESUMABLE of tests/conftest.py: what a resumed run must restore (dropout's draws, a weight

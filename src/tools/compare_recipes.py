@@ -119,8 +119,8 @@ def synthetic_data(args) -> Path:
 
 def write_labels(data_dir: Path) -> None:
     """train.csv, if missing, so that neither run scans (opens) every image again."""
-    from src.atomic import atomic_write_text
     from src.datasets import load_labels
+    from src.outputs import atomic_write_text
 
     if not (data_dir / "train.csv").exists():
         atomic_write_text(data_dir / "train.csv", load_labels(data_dir).to_csv(index=False))

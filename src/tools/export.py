@@ -22,12 +22,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from src.atomic import cannot_write, check_can_write
 from src.cli import OneLineParser, at_least
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
 from src.inference import load_checkpoint, sha256_of
-from src.outputs import check_outputs
+from src.outputs import cannot_write, check_can_write, check_outputs
 from src.terminal import shown
 from src.tools.onnx_model import metadata, open_session
 from src.tools.rounding import rounding_bound

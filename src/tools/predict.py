@@ -25,11 +25,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from src.atomic import atomic_write_text, check_can_write, check_room
 from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least, cap_workers
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
-from src.outputs import check_outputs
+from src.outputs import atomic_write_text, check_can_write, check_outputs, check_room
 from src.safe_csv import csv_text
 from src.terminal import shown
 

@@ -13,13 +13,12 @@ is taken for a spreadsheet formula).
 """
 from pathlib import Path
 
-from src.atomic import atomic_write_text
 from src.cache import build_cache, cache_paths
 from src.cli import OneLineParser, at_least
 from src.datasets import scan_train_dir
 from src.errors import UserError, exit_on_error
 from src.loaders import default_workers, labelled_images
-from src.outputs import check_outputs
+from src.outputs import atomic_write_text, check_outputs
 from src.safe_csv import csv_text
 from src.terminal import shown
 

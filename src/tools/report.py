@@ -38,8 +38,6 @@ import torch
 from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
-from src.agreement import TOLERANCE, distance
-from src.atomic import atomic_write_text, check_can_write
 from src.checkpoint import RESUME_KEYS, flag_of
 from src.cli import OneLineParser, at_least
 from src.datasets import CLASSES
@@ -49,7 +47,9 @@ from src.history import best_record
 from src.inference import load_checkpoint, predict_files, read_info
 from src.loaders import default_workers, labelled_data
 from src.metrics import EPS, batch_sums, summarize
+from src.outputs import atomic_write_text, check_can_write
 from src.plot import plt
+from src.tools.agreement import TOLERANCE, distance
 
 GALLERY = 24  # validation images in each gallery: the highest loss, the most uncertain
 PREDICTED = 48  # of --predictions, the most uncertain first

@@ -1,6 +1,5 @@
-"""FSDP2 for train_fsdp.py: which blocks get their own fully_shard, and what validation needs of a
-sharded model (the checkpoints' whole tensors: src/full_state.py; the bytes each rank holds:
-src/memory.py).
+"""FSDP2 for train_fsdp.py: which blocks get their own fully_shard, what validation needs of a
+sharded model, the whole tensors that checkpoints hold, and the bytes each rank holds.
 
 fully_shard replaces every parameter by a DTensor cut on dim 0 into one piece per rank (torch.chunk:
 ceil(rows / W) rows a rank), so each rank keeps 1/W of the parameters, and the gradients and
@@ -8,18 +7,34 @@ optimizer state that follow their shape. A unit (a module given its own fully_sh
 all-gathered whole just before its forward, freed after it, gathered again for its backward, and
 its gradients are reduce-scattered back to the shards; the root's fully_shard takes every parameter
 that no unit holds. See docs/fsdp.md.
+
+last.pth and best.pth hold whole tensors in every mode: gathered from the shards onto rank 0 when
+saved, and loaded into them by resume() and --evaluate, so a train_single.py or train_ddp.py
+last.pth resumes under FSDP, and an FSDP one anywhere else. The bytes of parameters, gradients and
+optimizer state a rank holds make FSDP's line at the end of a run ("rank 0 held ... of the ... MB
+that each DDP process holds"); sizes only, no device is waited for.
 """
 import math
 import re
 import types
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from src.ema import WeightAverage
 from src.errors import UserError
 
 # Below this many parameters (4 MB in float32) a unit's three collectives a step cost more in
@@ -180,3 +195,148 @@ def forwards_to_match(model: nn.Module, inputs: torch.Tensor, loader: DataLoader
     most = math.ceil(loader.sampler.largest / loader.batch_size)
     for _ in range(most - len(loader)):
         model(inputs)
+
+
+class Gathered:
+    """A whole state_dict standing in for a model or optimizer where src/checkpoint.py saves one."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each optimizer parameter's name, in the order of a plain optimizer.state_dict()'s numbers."""
+    name = {param: key for key, param in model.named_parameters()}
+    return [name[param] for group in optimizer.param_groups for param in group["params"]]
+
+
+class Whole(NamedTuple):
+    """The whole state_dicts that save_epoch writes: the model's, the optimizer's, the average's."""
+    model: Gathered
+    optimizer: Gathered
+    average: Gathered
+
+
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer, average: WeightAverage) -> Whole:
+    """The model's, the optimizer's and the weight average's state_dict as one process holds them
+    (train_single.py's last.pth: whole tensors, the optimizer's numbered by parameter), on rank 0;
+    empty elsewhere. The average (--ema-decay) is gathered from each rank's averaged shards.
+
+    Every rank must call it (each tensor is all-gathered). Rank 0 moves each gathered tensor to
+    the CPU before the next is gathered, so no rank holds more than one tensor whole on the device
+    and only rank 0 keeps the whole state, once.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    averaged = None
+    if average.on:
+        with average.swapped_in():
+            averaged = {"model": get_model_state_dict(model, options=options), "updates": average.count()}
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
+    if not by_name:
+        return Whole(Gathered(model_state), Gathered({}), Gathered(averaged))
+    number = {name: i for i, name in enumerate(_names(model, optimizer))}
+    return Whole(Gathered(model_state), Gathered({
+        "state": {number[name]: state for name, state in by_name["state"].items()},
+        "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
+                         for group in by_name["param_groups"]]}), Gathered(averaged))
+
+
+class WholeModel:
+    """A sharded model where src/checkpoint.py's resume() (or --evaluate) loads a plain one: its
+    load_state_dict() takes the whole tensors of any mode's file, and each rank keeps its pieces.
+    Every rank must load the same dict (resume() sends last.pth to all)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def load_state_dict(self, state: dict) -> None:
+        # A copy: set_model_state_dict puts the shards into the dict it is given.
+        set_model_state_dict(self.model, dict(state), options=StateDictOptions(full_state_dict=True))
+
+
+class WholeOptimizer:
+    """The optimizer of a sharded model where resume() loads a plain one: load_state_dict() takes
+    any mode's last.pth state (whole tensors, numbered by parameter), and each rank keeps its pieces."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def load_state_dict(self, state: dict) -> None:
+        names = _names(self.model, self.optimizer)
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        by_name = {"state": {names[i]: dict(saved) for i, saved in state["state"].items()},
+                   "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                    for group in state["param_groups"]]}
+        # A parameter that was frozen when last.pth was written has no state in it, and must get
+        # none, as a plain load_state_dict leaves it: set_optimizer_state_dict first steps the
+        # optimizer once with zero gradients, which gives every parameter that requires a
+        # gradient a state (SGD's momentum buffer = weight decay x weights), and keeps that
+        # state where the file has none. So during the load exactly the parameters with a state
+        # in the file require gradients.
+        trains = [param.requires_grad for param in params]
+        for i, param in enumerate(params):
+            param.requires_grad_(i in state["state"])
+        try:
+            set_optimizer_state_dict(self.model, self.optimizer, by_name,
+                                     options=StateDictOptions(full_state_dict=True))
+        finally:
+            for param, flag in zip(params, trains):
+                param.requires_grad_(flag)
+
+
+def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter the optimizer holds: every parameter of the model (src/recipe.py's
+    make_optimizer takes them all, frozen ones too)."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def is_sharded(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer's parameters are FSDP's shards (DTensors)."""
+    return optimizer is not None and any(isinstance(p, DTensor) for p in parameters_of(optimizer))
+
+
+def rank_bytes(optimizer: torch.optim.Optimizer, whole: bool = False) -> dict[str, int]:
+    """The bytes of the optimizer's parameters, their gradients and its state that this rank
+    holds: the local shards of a sharded model (a DTensor's to_local()), every tensor of a plain
+    one; whole: the whole tensors of a sharded model, what each DDP rank holds. Call it after an
+    optimizer step and before zero_grad, when all three exist."""
+    def size(tensor: torch.Tensor) -> int:
+        counted = tensor.to_local() if isinstance(tensor, DTensor) and not whole else tensor
+        return counted.numel() * counted.element_size()
+    params = parameters_of(optimizer)
+    return {"parameters": sum(map(size, params)),
+            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer": sum(size(value) for state in optimizer.state.values() for value in state.values()
+                             if torch.is_tensor(value) and value.dim() > 0)}
+
+
+def watch_rank_bytes(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """A dict that every optimizer step updates, at the step that held the most, with this rank's
+    bytes ("rank": rank_bytes) and the whole model's ("whole")."""
+    held = {"rank": {}, "whole": {}}
+
+    def after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        now = rank_bytes(optimizer)
+        if sum(now.values()) > sum(held["rank"].values()):
+            held.update(rank=now, whole=rank_bytes(optimizer, whole=True))
+    optimizer.register_step_post_hook(after_step)
+    return held
+
+
+def bytes_line(held: dict[str, dict[str, int]]) -> str:
+    """What watch_rank_bytes saw, in one line."""
+    if not held["rank"]:
+        return "no optimizer step was taken: nothing to say about the memory of the shards"
+    mine, whole = sum(held["rank"].values()), sum(held["whole"].values())
+    parts = " + ".join(f"{value / 1e6:.1f} MB of {name.replace('optimizer', 'optimizer state')}"
+                       for name, value in held["rank"].items())
+    return (f"rank 0 held {mine / 1e6:.1f} MB at its fullest optimizer step ({parts}): "
+            f"{mine / whole:.3f} of the {whole / 1e6:.1f} MB that each DDP process holds")
