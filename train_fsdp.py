@@ -4,140 +4,182 @@ each process holds 1/W of the weights, gradients and optimizer state.
 Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
 """
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from src import fsdp
+from src.augment import TrainSplit
 from src.batch_norm import sync_batch_norm
-from src.checkpoint import resume, run_info, save_epoch, save_step
-from src.cli import amp_dtype, parse_args
+from src.checkpoint import run_info
+from src.cli import amp_dtype, dist_timeout, parse_args
+from src.devices import process_group_backend
 from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.freeze import epoch_stages
-from src.history import done_line, epoch_record, format_record
+from src.fsdp import WholeModel, broadcast_buffers, check_shardable, compile_units, forwards_to_match, fsdp_units
+from src.heartbeat import Heartbeat
+from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
-from src.loaders import labelled_data, run_loaders
+from src.loaders import ShardSampler, check_batches, labelled_data, loader_options, skip_first_batches
 from src.metrics import batch_sums
 from src.models import build_model
-from src.outputs import check_writable
-from src.process_group import end_process_group, join_process_group
-from src.progress import LoaderPass, Progress, run_header
+from src.outputs import lock_outputs
+from src.process_group import process_device, torchrun_store, watch_ranks
+from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
-from src.stopping import Stops
+from src.state import TrainingState
 from src.transforms import memory_format, model_inputs
 
 
-def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, schedule,
-                frozen: bool = False) -> torch.Tensor:
-    """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
+def loaders(dataset, data, args, device, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+    """This rank's training and validation loaders over `dataset` (the images, or a frozen stage's
+    backbone outputs)."""
+    train_set = TrainSplit(dataset, data.train_idx, args)  # augmented, with each sample's dropout key
+    # Each epoch's permutation of the training split (seed + epoch: set_epoch in the loop), every
+    # world_size-th sample of it from the rank-th: together the ranks take train_single.py's batches.
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
+                              **loader_options(args, device))
+    val_set = Subset(dataset, data.val_idx)
+    val_loader = DataLoader(val_set, args.batch_size, sampler=ShardSampler(len(val_set), world_size, rank),
+                            **loader_options(args, device))  # each validation image on one rank, once
+    return train_loader, val_loader
+
+
+def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState, args,
+                device, frozen: bool = False) -> torch.Tensor:
+    """One pass over the epoch's training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
-    sums = torch.zeros(4, device=device)
-    for step, (inputs, labels, samples) in enumerate(loader.batches(sums)):
+    sums = state.epoch_sums(device)  # a resumed epoch's finished steps are in them already
+    for micro, (inputs, labels, keys) in progress.training(loader, epoch, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
-        set_samples(model, samples.to(device, non_blocking=True))  # each sample's dropout masks
-        last = (step + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
+        set_samples(model, keys.to(device, non_blocking=True))  # each sample's dropout masks
+        last = (micro + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
         # The gradients of all but a step's last micro-batch stay whole on each rank: one
         # reduce-scatter a step.
         model.set_requires_gradient_sync(last)
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-        scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
-        if last:
-            optimizer_step(model, optimizer, scaler, schedule, args.clip_grad_norm)
+        state.scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
         sums += batch_sums(logits, labels)
+        if last:
+            optimizer_step(model, state.optimizer, state.scaler, state.schedule, args.clip_grad_norm)
+            state.step += 1
+            stop = state.stop_agreed()  # SIGTERM, SIGUSR1 or Ctrl-C came to any rank (src/stopping.py)
+            if stop or state.checkpoint_due():  # or --save-every-steps
+                state.save_step(sums)  # last.pth at this step: --resume goes on from here
+            if stop:
+                state.stop()  # exit code 75, with the command that goes on
     dist.all_reduce(sums)  # every rank's samples
     return sums.cpu()  # waits for the device, so the epoch timings are true
 
 
 @torch.no_grad()
-def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
+def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
-    fsdp.broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds
+    broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds (rank 0's)
     sums = torch.zeros(4, device=device)
-    for inputs, labels in loader.batches(sums):
+    for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
     with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):  # as compiled above
-        fsdp.forwards_to_match(model, inputs, loader.loader)  # each forward gathers from every rank
+        forwards_to_match(model, inputs, loader)  # a rank with a batch less: each forward gathers from all
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 
 
-def main() -> None:
-    args = parse_args(__doc__, distributed=True)
-    rank, world_size, device = join_process_group(args)
-    check_writable(args)
+def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat) -> None:
+    """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)
-
-    data = labelled_data(args)
+    data = labelled_data(args, dist_timeout(args).total_seconds())
+    check_batches(data, args, world_size)
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
-    fsdp.shard_model(model, device, compiled=args.compile)  # fully_shard per block and on the root
-    optimizer = make_optimizer(model, args, device)
+    check_shardable(model)
+    units = fsdp_units(model)  # the blocks that get a fully_shard of their own (src/fsdp.py says which)
+    if args.compile:
+        compile_units(model, units)  # each unit and the pieces between them: FSDP's hooks break a graph
+    mesh = init_device_mesh(device.type, (world_size,))  # the training device's (not the machine's GPU under gloo)
+    for unit in units:  # each unit's weights all-gathered just before its forward, freed after it
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root: every parameter no unit holds
+    optimizer = make_optimizer(model, args, device)  # over the shards: made after fully_shard
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
-    # last.pth holds the whole tensors, as in every mode: each rank loads its pieces of them.
-    history = resume(args, info, fsdp.WholeModel(model), fsdp.WholeOptimizer(model, optimizer),
-                     scaler, schedule, ema)
-    progress = Progress(args, optimizer, steps, args.batch_size * world_size, device)
-    # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
-    # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
-    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, scaler, schedule, info))
+    state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps, heartbeat)
+    state.resume()  # --resume: last.pth into all of them, and where it stopped
+    progress = Progress(args, state, args.batch_size * world_size, device)
 
     if rank == 0:
         print(run_header(args, data, device, world_size))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
-        evaluated, start = load_evaluated(args, info, fsdp.WholeModel(model)), time.time()
+        evaluated, start = load_evaluated(args, info, WholeModel(model)), time.time()  # each rank its pieces
         net = torch.compile(model) if args.compile else model
-        val_loader = run_loaders(data.dataset, data, args, device, rank, world_size)[1]
-        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        val_loader = loaders(data.dataset, data, args, device, rank, world_size)[1]
+        val_sums = evaluate(net, val_loader, "validation", progress, args, device)
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
-    for stage in epoch_stages(args, model, data.dataset, len(history), device, cache_features=False):
-        net = torch.compile(stage.net) if args.compile else stage.net
-        train_loader, val_loader = run_loaders(stage.data, data, args, device, rank, world_size)
-        for epoch in stage.epochs:
-            seed_epoch(args.seed, epoch)
-            train_loader.sampler.set_epoch(epoch)
-            desc, start = f"epoch {epoch + 1}/{args.epochs}", time.time()
-            train_pass = progress.pass_over(train_loader, f"{desc} train", epoch)
-            train_sums = train_epoch(net, train_pass, device, args, optimizer, scaler, schedule, stage.frozen)
-            middle = time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
-            average_sums = ema.validate(lambda: evaluate(net, progress.pass_over(val_loader, f"{desc} average"), device, args))
-            history.append(epoch_record(
-                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start + train_pass.resumed_seconds,
-                val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
-                lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
-            whole = fsdp.gather_state(model, optimizer, ema)  # every rank sends its shards to rank 0
-            if rank == 0:
-                is_best = save_epoch(args, history, whole.model, whole.optimizer, scaler, schedule, info, whole.average)
-                progress.epoch_end(history[-1])
-                print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
+    with state.stop_signals():  # from here SIGTERM, SIGUSR1 and Ctrl-C stop the run after an optimizer step
+        # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
+        for stage in epoch_stages(args, model, data.dataset, state.epoch, device, cache_features=False):
+            net = torch.compile(stage.net) if args.compile else stage.net
+            train_loader, val_loader = loaders(stage.data, data, args, device, rank, world_size)
+            for epoch in stage.epochs:
+                if state.stop_agreed(now=True):  # a signal since the last epoch's saves
+                    state.stop()
+                seed_epoch(args.seed, epoch)
+                train_loader.sampler.set_epoch(epoch)
+                train_loader.dataset.set_epoch(epoch)  # augmentation and dropout draw from (seed, epoch, sample)
+                start = time.time()
+                batches = skip_first_batches(train_loader, state.step * args.accumulate)  # a resumed epoch's done
+                train_sums = train_epoch(net, batches, epoch, progress, state, args, device, stage.frozen)
+                middle = time.time()
+                val_sums = evaluate(net, val_loader, "val", progress, args, device)
+                average_sums = ema.validate(lambda: evaluate(net, val_loader, "average", progress, args, device))
+                record = state.record(train_sums, val_sums, average_sums, middle - start, time.time() - middle)
+                # best.pth and last.pth hold whole tensors: every rank sends its shards, rank 0 keeps them.
+                whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                is_best = state.save_epoch(record, whole)  # history.json, last.pth, and best.pth if better (rank 0)
+                if rank == 0:
+                    progress.epoch_end(record)
+                    print(format_record(record, args.epochs) + ("  best so far" if is_best else ""))
     if rank == 0:
-        print(done_line(history, args, time.time() - since))
+        print(done_line(state.history, args, time.time() - since))
     progress.run_end()
 
 
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv, script=__file__, distributed=True)
+    device = process_device(args)  # this process's GPU (LOCAL_RANK; checked: one per process), or the CPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the process's CUDA work and NCCL's go to its own GPU
+    # torchrun's rendezvous (a world of one without a launcher), with a key prefix per restart attempt
+    store, rank, world_size = torchrun_store(args)
+    dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
+                            timeout=dist_timeout(args))  # a peer that stops answering fails a collective
+    with watch_ranks(store, args) as heartbeat, lock_outputs(args):  # names a rank that stops answering
+        train(args, device, rank, world_size, heartbeat)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    try:
-        exit_on_error(main)
-    finally:
-        end_process_group()  # destroy_process_group(), the model freed first
+    exit_on_error(main)

@@ -1,56 +1,76 @@
 """Fine-tune VGG16 (or another torchvision classifier) on Dogs vs. Cats on one device."""
 import time
-from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler, Subset
 
-from src.checkpoint import resume, run_info, save_epoch, save_step
+from src.augment import TrainSplit
+from src.checkpoint import run_info
 from src.cli import amp_dtype, parse_args
 from src.devices import training_device
 from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.freeze import epoch_stages
-from src.history import done_line, epoch_record, format_record
+from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
-from src.loaders import labelled_data, run_loaders
+from src.loaders import check_batches, labelled_data, loader_options, skip_first_batches
 from src.metrics import batch_sums
 from src.models import build_model
-from src.outputs import check_writable
-from src.progress import LoaderPass, Progress, run_header
+from src.outputs import lock_outputs
+from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
-from src.stopping import Stops
+from src.state import TrainingState
 from src.transforms import memory_format, model_inputs
 
 
-def train_epoch(model, loader: LoaderPass, device, args, optimizer, scaler, schedule,
-                frozen: bool = False) -> torch.Tensor:
-    """One pass over the training batches, an optimizer step every --accumulate; the metric sums."""
+def loaders(dataset, data, args, device) -> tuple[DataLoader, DataLoader]:
+    """The training and validation loaders over `dataset` (the images, or a frozen stage's
+    backbone outputs)."""
+    train_set = TrainSplit(dataset, data.train_idx, args)  # augmented, with each sample's dropout key
+    # The order of each epoch: the permutation of the training split that seed + epoch draws (the
+    # loop seeds the generator), the one that DistributedSampler shares out in train_ddp.py.
+    train_sampler = RandomSampler(train_set, generator=torch.Generator())
+    train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
+                              **loader_options(args, device))
+    val_loader = DataLoader(Subset(dataset, data.val_idx), args.batch_size, **loader_options(args, device))
+    return train_loader, val_loader
+
+
+def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState, args,
+                device, frozen: bool = False) -> torch.Tensor:
+    """One pass over the epoch's training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
-    sums = torch.zeros(4, device=device)
-    for step, (inputs, labels, samples) in enumerate(loader.batches(sums)):
+    sums = state.epoch_sums(device)  # a resumed epoch's finished steps are in them already
+    for micro, (inputs, labels, keys) in progress.training(loader, epoch, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
-        set_samples(model, samples.to(device, non_blocking=True))  # each sample's dropout masks
-        last = (step + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
+        set_samples(model, keys.to(device, non_blocking=True))  # each sample's dropout masks
+        last = (micro + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-        scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
-        if last:
-            optimizer_step(model, optimizer, scaler, schedule, args.clip_grad_norm)
+        state.scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
         sums += batch_sums(logits, labels)
+        if last:
+            optimizer_step(model, state.optimizer, state.scaler, state.schedule, args.clip_grad_norm)
+            state.step += 1
+            stop = state.stop_agreed()  # SIGTERM, SIGUSR1 or Ctrl-C came (src/stopping.py)
+            if stop or state.checkpoint_due():  # or --save-every-steps
+                state.save_step(sums)  # last.pth at this step: --resume goes on from here
+            if stop:
+                state.stop()  # exit code 75, with the command that goes on
     return sums.cpu()  # waits for the device, so the epoch timings are true
 
 
 @torch.no_grad()
-def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
+def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     sums = torch.zeros(4, device=device)
-    for inputs, labels in loader.batches(sums):
+    for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
@@ -59,13 +79,11 @@ def evaluate(model, loader: LoaderPass, device, args) -> torch.Tensor:
     return sums.cpu()
 
 
-def main() -> None:
-    args = parse_args(__doc__)
-    device = training_device(args.deterministic, args.amp)
-    check_writable(args)
+def train(args, device: torch.device) -> None:
+    """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)
-
     data = labelled_data(args)
+    check_batches(data, args)
     global_batch = args.batch_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
     model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
@@ -74,42 +92,47 @@ def main() -> None:
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
-    history = resume(args, info, model, optimizer, scaler, schedule, ema)
-    progress = Progress(args, optimizer, steps, args.batch_size, device)
-    # last.pth also every --save-every-steps optimizer steps, and at the step where SIGTERM, SIGUSR1
-    # or Ctrl-C stops the run (src/stopping.py): --resume goes on from there
-    progress.stops = Stops(args, history, partial(save_step, args, history, model, optimizer, ema, scaler, schedule, info))
+    state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps)
+    state.resume()  # --resume: last.pth into all of them, and where it stopped
+    progress = Progress(args, state, args.batch_size, device)
 
     print(run_header(args, data, device))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
         evaluated, start = load_evaluated(args, info, model), time.time()
         net = torch.compile(model) if args.compile else model
-        val_loader = run_loaders(data.dataset, data, args, device)[1]
-        val_sums = evaluate(net, progress.pass_over(val_loader, "validation"), device, args)
+        val_sums = evaluate(net, loaders(data.dataset, data, args, device)[1], "validation", progress, args, device)
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    for stage in epoch_stages(args, model, data.dataset, len(history), device):
-        net = torch.compile(stage.net) if args.compile else stage.net
-        train_loader, val_loader = run_loaders(stage.data, data, args, device)
-        for epoch in stage.epochs:
-            seed_epoch(args.seed, epoch)
-            train_loader.sampler.set_epoch(epoch)
-            desc, start = f"epoch {epoch + 1}/{args.epochs}", time.time()
-            train_pass = progress.pass_over(train_loader, f"{desc} train", epoch)
-            train_sums = train_epoch(net, train_pass, device, args, optimizer, scaler, schedule, stage.frozen)
-            middle = time.time()
-            val_sums = evaluate(net, progress.pass_over(val_loader, f"{desc} val"), device, args)
-            average_sums = ema.validate(lambda: evaluate(net, progress.pass_over(val_loader, f"{desc} average"), device, args))
-            history.append(epoch_record(
-                epoch=epoch, train_sums=train_sums, val_sums=val_sums, train_seconds=middle - start + train_pass.resumed_seconds,
-                val_seconds=time.time() - middle, data_wait_seconds=train_pass.data_wait,
-                lr=optimizer.param_groups[0]["lr"], average_sums=average_sums))
-            is_best = save_epoch(args, history, model, optimizer, scaler, schedule, info, ema)
-            progress.epoch_end(history[-1])
-            print(format_record(history[-1], args.epochs) + ("  best so far" if is_best else ""))
-    print(done_line(history, args, time.time() - since))
+    with state.stop_signals():  # from here SIGTERM, SIGUSR1 and Ctrl-C stop the run after an optimizer step
+        for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
+            net = torch.compile(stage.net) if args.compile else stage.net
+            train_loader, val_loader = loaders(stage.data, data, args, device)
+            for epoch in stage.epochs:
+                if state.stop_agreed(now=True):  # a signal since the last epoch's saves
+                    state.stop()
+                seed_epoch(args.seed, epoch)
+                train_loader.sampler.generator.manual_seed(args.seed + epoch)
+                train_loader.dataset.set_epoch(epoch)  # augmentation and dropout draw from (seed, epoch, sample)
+                start = time.time()
+                batches = skip_first_batches(train_loader, state.step * args.accumulate)  # a resumed epoch's done
+                train_sums = train_epoch(net, batches, epoch, progress, state, args, device, stage.frozen)
+                middle = time.time()
+                val_sums = evaluate(net, val_loader, "val", progress, args, device)
+                average_sums = ema.validate(lambda: evaluate(net, val_loader, "average", progress, args, device))
+                record = state.record(train_sums, val_sums, average_sums, middle - start, time.time() - middle)
+                is_best = state.save_epoch(record)  # history.json, last.pth, and best.pth if better
+                progress.epoch_end(record)
+                print(format_record(record, args.epochs) + ("  best so far" if is_best else ""))
+    print(done_line(state.history, args, time.time() - since))
     progress.run_end()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__, argv, script=__file__)
+    device = training_device(args.deterministic, args.amp)
+    with lock_outputs(args):  # every output checked, their folder locked for this run
+        train(args, device)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""--augment: a random resized crop and a horizontal flip of every training image.
+"""--augment: a random resized crop and a horizontal flip of every training image; the training
+split as the model sees it (TrainSplit).
 
 Each image's draw comes from a generator seeded with (seed, epoch, sample index) alone, never from
 a worker's, a rank's or the run's random state, so every mode, every --workers value and a resumed
@@ -10,8 +11,10 @@ never augmented.
 import math
 
 import torch
+from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
 
+from src.dropout import sample_key
 from src.seeds import derive_seed
 
 SCALE = (0.25, 1.0)  # share of the square's area that a crop keeps
@@ -45,3 +48,27 @@ def augment(image: torch.Tensor, params: tuple[int, int, int, int, bool]) -> tor
     size = list(image.shape[-2:])
     image = TF.resized_crop(image, top, left, height, width, size, antialias=True)
     return image.flip(-1) if flip else image
+
+
+class TrainSplit(Dataset):
+    """The training split as the model sees it: item `position` is the sample `indices[position]` of
+    `dataset` as (image, label, its dropout key: src.dropout.sample_key), the image augmented with
+    --augment; every draw a function of (seed, epoch, index in the data set). set_epoch(epoch)
+    before each epoch's pass: the loader's workers start with the split as it is then."""
+
+    def __init__(self, dataset: Dataset, indices: list[int], args):
+        self.dataset, self.indices, self.seed, self.augment = dataset, indices, args.seed, args.augment
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int):
+        index = self.indices[position]
+        image, label = self.dataset[index]
+        if self.augment:
+            image = augment(image, crop_params(self.seed, self.epoch, index, image.shape[-1]))
+        return image, label, sample_key(self.seed, self.epoch, index)

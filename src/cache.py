@@ -33,13 +33,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from src.datasets import DogCatDataset
+from src.datasets import DogCatDataset, worker_options
 from src.errors import UserError
 from src.outputs import atomic_write_text
 
 FORMAT = 1  # bump when the layout or the decoding changes
 WAIT_SECONDS = 3600  # how long the other processes of a node wait for its first one to build,
-# unless --dist-timeout says otherwise (src.cli.dist_timeout sets DIST_TIMEOUT_MINUTES)
+# unless told otherwise (the training scripts pass --dist-timeout)
 
 
 def cache_paths(cache_dir: Path, image_size: int, key: str) -> tuple[Path, Path]:
@@ -72,12 +72,13 @@ def _status(data_path: Path, meta_path: Path, key: str, nbytes: int) -> str:
 
 def ensure_array(data_path: Path, meta_path: Path, key: str, shape: tuple, dtype,
                  fill: Callable[[np.ndarray], None], flag: str, what: str,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, wait_seconds: float | None = None) -> None:
     """Make data_path hold the array that fill(array) writes, recorded under `key` in meta_path.
 
     Reused when complete; otherwise built by the first process of each node while the others
     wait (no collective, so no process-group timeout; a deadline instead). `flag` names the
-    option in messages, `what` the content ("images").
+    option in messages, `what` the content ("images"); `wait_seconds`: how long the others wait
+    (WAIT_SECONDS by default).
     """
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     status = _status(data_path, meta_path, key, nbytes)
@@ -86,7 +87,7 @@ def ensure_array(data_path: Path, meta_path: Path, key: str, shape: tuple, dtype
             print(f"reading {what} from the cache {data_path}")
         return
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
-        _wait_for(data_path, meta_path, key, nbytes, flag)
+        _wait_for(data_path, meta_path, key, nbytes, flag, WAIT_SECONDS if wait_seconds is None else wait_seconds)
         return
     if status == "damaged":
         print(f"{data_path} does not match its {meta_path.name} (truncated or deleted): rebuilding it")
@@ -115,9 +116,7 @@ def ensure_array(data_path: Path, meta_path: Path, key: str, shape: tuple, dtype
                                              "dtype": np.dtype(dtype).name, "format": FORMAT}, indent=2))
 
 
-def _wait_for(data_path: Path, meta_path: Path, key: str, nbytes: int, flag: str) -> None:
-    minutes = os.environ.get("DIST_TIMEOUT_MINUTES")
-    seconds = 60 * float(minutes) if minutes else WAIT_SECONDS
+def _wait_for(data_path: Path, meta_path: Path, key: str, nbytes: int, flag: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while _status(data_path, meta_path, key, nbytes) != "ok":
         if time.monotonic() > deadline:
@@ -152,7 +151,8 @@ class MappedArray(Dataset):
 def _decode_into(pixels: np.ndarray, dataset: Dataset, workers: int, desc: str, show_progress: bool) -> None:
     # Its own generator: drawing the workers' seed from the global one would change what the
     # run does next (the new head's initial weights) compared with a run that finds the cache.
-    loader = DataLoader(dataset, batch_size=64, num_workers=workers, generator=torch.Generator())
+    loader = DataLoader(dataset, batch_size=64, num_workers=workers, generator=torch.Generator(),
+                        **(worker_options() if workers else {}))
     start = 0
     for images, _ in tqdm(loader, desc=desc, disable=not show_progress, leave=False):
         pixels[start:start + len(images)] = images.numpy()
@@ -160,7 +160,7 @@ def _decode_into(pixels: np.ndarray, dataset: Dataset, workers: int, desc: str, 
 
 
 def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
-                show_progress: bool = True) -> str:
+                show_progress: bool = True, wait_seconds: float | None = None) -> str:
     """Decode every image of `dataset` (which must resize to image_size) into the cache files,
     unless they are there already; returns the cache's key. `python -m src.tools.prepare --cache`
     calls it ahead of training."""
@@ -170,13 +170,14 @@ def build_cache(dataset: DogCatDataset, image_size: int, cache_dir: Path, worker
     desc = f"caching {len(dataset)} images at {image_size} px"
     ensure_array(data_path, meta_path, key, (len(dataset), 3, image_size, image_size), np.uint8,
                  lambda pixels: _decode_into(pixels, dataset, workers, desc, show_progress),
-                 "--cache", "images", show_progress)
+                 "--cache", "images", show_progress, wait_seconds)
     return key
 
 
 def cached(dataset: DogCatDataset, image_size: int, cache_dir: Path, workers: int,
-           show_progress: bool = True) -> MappedArray:
-    """The cache of `dataset` in cache_dir, built first if it is missing, out of date or damaged."""
-    key = build_cache(dataset, image_size, cache_dir, workers, show_progress)
+           show_progress: bool = True, wait_seconds: float | None = None) -> MappedArray:
+    """The cache of `dataset` in cache_dir, built first if it is missing, out of date or damaged
+    (`wait_seconds`: see ensure_array)."""
+    key = build_cache(dataset, image_size, cache_dir, workers, show_progress, wait_seconds)
     return MappedArray(cache_paths(cache_dir, image_size, key)[0], dataset.frame["label"].tolist(),
                        (3, image_size, image_size), np.uint8, key)

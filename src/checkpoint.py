@@ -5,25 +5,24 @@
              the sha256 of the best.pth it describes, so that a pair torn by a crash is detected
 - last.pth   everything to resume: model, optimizer, scaler, schedule, epoch, history; written at
              each epoch's end, and with --save-every-steps (or a stop on a signal) inside an epoch
-             too, with the steps done in it and their partial sums (save_step, src/stopping.py)
+             too, with the steps done in it and their partial sums (src/state.py)
 - history.json  one record per finished epoch
 """
 import json
 import os
 import socket
-import sys
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from src import heartbeat
 from src.datasets import CLASSES
 from src.devices import hardware
 from src.divergence import check_finite_weights
 from src.errors import UserError, one_line
-from src.history import RECORD_KEYS, History, best_choice, history_text
+from src.history import RECORD_KEYS, best_choice, history_text
 from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, output_paths
 from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
@@ -60,62 +59,45 @@ def run_context(args) -> dict:
     """What the report shows and --resume does not compare (a last.pth resumes in another mode):
     the mode (the script's name: train_ddp.py is "ddp"), the processes, when, rank 0's machine
     and every flag."""
-    return {"mode": Path(sys.argv[0]).stem.removeprefix("train_"),
-            "processes": int(os.environ.get("WORLD_SIZE", 1)),
+    return {"mode": args.mode,
+            "processes": dist.get_world_size() if dist.is_initialized() else 1,  # not a WORLD_SIZE left in the environment
             "started": datetime.now().isoformat(timespec="seconds"),
             "hardware": hardware() if is_first() else "",  # rank 0 asks for GPU 0's name: its own
             "flags": {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-                      for key, value in vars(args).items() if key != "local_rank"}}
+                      for key, value in vars(args).items() if key not in ("local_rank", "command", "mode")}}
 
 
-def save_epoch(args, history: list[dict], model: torch.nn.Module, optimizer, scaler, schedule,
-               info: dict, average=None) -> bool:
-    """Write the files of a finished epoch (call on rank 0 only); True if it is the best so far.
+def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: dict,
+                average_state: dict | None = None) -> bool:
+    """Write the files of a finished epoch (rank 0): best.pth if it is the best so far, best.json,
+    last.pth (`last`, last_state's), history.json and the plot; True if it is the best so far.
 
-    `average`: the weight average (src.ema.WeightAverage, or FSDP's gathered one); best.pth holds
-    whichever of the weights and their average --best-by picks, and best.json says which."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the plain names
+    `model_state`: the plain model's state_dict; `average_state`: the weight average's
+    (src.ema.WeightAverage.state_dict(): {"model", "updates"}), None without --ema-decay. best.pth
+    holds whichever of the weights and their average --best-by picks, and best.json says which."""
     paths = output_paths(args)
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
-    averaged = average.state_dict() if average is not None else None  # None without --ema-decay
-    heartbeat.at("saving")
     if is_best:
-        digest = atomic_torch_save(averaged["model"] if weights == "average" else model.state_dict(), paths["best"])
+        digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"])
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
-    atomic_torch_save(last_state(history, model, optimizer, averaged, scaler, schedule, info), paths["last"])
+    atomic_torch_save(last, paths["last"])
     atomic_write_text(paths["history"], history_text(history))
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
     return is_best
 
 
-def last_state(history: list[dict], model: torch.nn.Module, optimizer, averaged: dict | None, scaler, schedule,
-               info: dict) -> dict:
-    """last.pth's content at the end of the epochs in `history` (step 0: no step of the next one)."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else {},
-            "schedule": schedule.state_dict(), "average": averaged, "epoch": history[-1]["epoch"] if history else 0,
-            "step": 0, "history": list(history), "info": info}
-
-
-def save_step(args, history: list[dict], model: torch.nn.Module, optimizer, average, scaler, schedule,
-              info: dict, partial: dict) -> None:
-    """last.pth inside an epoch, `partial["step"]` optimizer steps into it (src/stopping.py): what
-    last_state holds, and `partial`'s metric sums of those steps (one row per rank) and their
-    seconds. Every rank calls it: FSDP's shards are gathered first (src/fsdp.py); rank 0
-    writes. best.pth, history.json and the plot stay those of the last finished epoch."""
-    from src.fsdp import is_sharded  # here: they load torch.distributed's sharding
-    if is_sharded(optimizer):
-        from src.fsdp import gather_state
-        model, optimizer, average = gather_state(model, optimizer, average)
-    if not is_first():
-        return
-    heartbeat.at("saving")
-    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the plain names
-    state = last_state(history, model, optimizer, average.state_dict(), scaler, schedule, info)
-    atomic_torch_save({**state, "step": partial["step"], "partial": {
-        key: partial[key] for key in ("sums", "train_seconds", "data_wait_seconds")}}, output_paths(args)["last"])
+def last_state(history: list[dict], model_state: dict, optimizer_state: dict, average_state: dict | None,
+               scaler, schedule, info: dict, step: int = 0, partial: dict | None = None) -> dict:
+    """last.pth's content after the epochs in `history` and `step` optimizer steps of the next one;
+    `partial` (step > 0): each rank's metric sums of those steps (one row per rank) and their
+    seconds (train_seconds, data_wait_seconds)."""
+    state = {"model": model_state, "optimizer": optimizer_state,
+             "scaler": scaler.state_dict() if scaler is not None else {},
+             "schedule": schedule.state_dict(), "average": average_state,
+             "epoch": history[-1]["epoch"] if history else 0, "step": step, "history": list(history), "info": info}
+    return {**state, "partial": partial} if step else state
 
 
 def _read_last(path: Path, mmap: bool = False) -> dict | None:
@@ -234,22 +216,30 @@ def _check_history(state: dict) -> None:
             raise ValueError(f"a record of its history lacks {', '.join(missing)}")
 
 
-def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None) -> list[dict]:
+class Resumed(NamedTuple):
+    """What load_last found: the history so far, and where the run goes on inside the next epoch
+    (None: at its start): its steps done, this rank's metric sums of them and their seconds."""
+    history: list[dict]
+    partial: dict | None
+
+
+def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None) -> Resumed:
     """With --resume (or in a worker that torchrun restarted), load last.pth into model,
-    optimizer, the weight average, scaler and schedule; returns the history so far ([] without).
+    optimizer, the weight average, scaler and schedule; returns the history so far and the place
+    in the next epoch (nothing without).
 
     The newest last.pth of any node is sent to every rank (_newest_last): nodes without a
     shared disk each hold their own, and rank 0 may have moved. Refuses a last.pth of another
     run (flags, data) or one that has --epochs already.
     """
     if not (args.resume or restarted()):
-        return []
+        return Resumed([], None)
     path, announce = output_paths(args)["last"], is_first()
     source, state = _newest_last(path)
     if state is None:
         if announce:
             print(f"--resume: no {path} yet, starting from epoch 1")
-        return []
+        return Resumed([], None)
     try:
         saved = state["info"]
         if not isinstance(saved, dict):
@@ -267,9 +257,11 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
         check_finite_weights(state["model"], state["from"], "delete it to start over, with a lower --lr")
         getattr(model, "_orig_mod", model).load_state_dict(state["model"])
+        # The optimizer before the average: loading a sharded (FSDP) optimizer steps it once with zero
+        # gradients (torch's set_optimizer_state_dict), which would count as an update of the average.
+        load_optimizer(optimizer, state["optimizer"])
         if average is not None:
             average.load(getattr(model, "_orig_mod", model), state["average"])
-        load_optimizer(optimizer, state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
@@ -285,7 +277,7 @@ def resume(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule
         where = (f"after epoch {state['epoch']} of {args.epochs}" if not step else
                  f"in epoch {state['epoch'] + 1} of {args.epochs} after its step {step}")
         print(f"resumed from {state['from']} {where}: {more}")
-    return History(state["history"], partial)
+    return Resumed(list(state["history"]), partial)
 
 
 def _partial(state: dict, step: int) -> dict | None:

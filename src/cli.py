@@ -4,6 +4,7 @@ import math
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 from src.errors import UserError, before_a_silent_exit
 
@@ -86,8 +87,9 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True, distributed: bool = False) -> argparse.ArgumentParser:
-    parser = OneLineParser(description=description,
+def build_parser(description: str, amp: bool = True, distributed: bool = False,
+                 prog: str | None = None) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
@@ -175,9 +177,17 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False) 
     return parser
 
 
-def parse_args(description: str, argv: list[str] | None = None, **options) -> argparse.Namespace:
-    parser = build_parser(description, **options)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+def parse_args(description: str, argv: list[str] | None = None, script: str | None = None,
+               **options) -> argparse.Namespace:
+    """The flags of a training script: argv (sys.argv[1:] when None), `script` its file (for the
+    messages, the mode it records and the command that goes on after a stop). `args.command` is
+    the command line as typed (the script and argv); `args.mode` the script's name without
+    "train_" ("ddp")."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = Path(script).name if script else Path(sys.argv[0]).name
+    parser = build_parser(description, prog=name, **options)
+    args = parser.parse_args(argv)
+    args.command, args.mode = [name, *argv], Path(name).stem.removeprefix("train_")
     if args.freeze and args.freeze_epochs:
         parser.error("--freeze trains the last layer only in every epoch; --freeze-epochs K only "
                      "in the first K: pass one of them")
@@ -201,7 +211,7 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
         parser.error(str(error))
     from src.devices import available_cpus
     if args.workers is None:
-        from src.loaders import default_workers
+        from src.devices import default_workers
         args.workers = default_workers()
     args.workers = cap_workers(args.workers, available_cpus())
     return args
@@ -209,7 +219,7 @@ def parse_args(description: str, argv: list[str] | None = None, **options) -> ar
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
     """--dist-timeout, for a command that may run under a launcher (src.process_group)."""
-    parser.add_argument("--dist-timeout", metavar="MINUTES", type=at_least(1), default=60,
+    parser.add_argument("--dist-timeout", metavar="MINUTES", type=_positive, default=60,
                         help=f"how long a process waits for the others ({waits_for}) before it fails")
 
 
@@ -226,9 +236,8 @@ def cap_workers(workers: int, cpus: int, flag: str = "--workers") -> int:
 
 
 def dist_timeout(args: argparse.Namespace) -> timedelta:
-    """--dist-timeout, for the process group; the processes waiting for their node's cache give up
-    after as long (src/cache.py reads DIST_TIMEOUT_MINUTES), so that neither wait outlasts the other."""
-    os.environ["DIST_TIMEOUT_MINUTES"] = str(args.dist_timeout)
+    """--dist-timeout, for the process group and for the processes that wait for their node's
+    cache: neither wait outlasts the other."""
     return timedelta(minutes=args.dist_timeout)
 
 

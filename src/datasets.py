@@ -1,5 +1,14 @@
-"""The Dogs vs. Cats images: finding them, labelling them (0 = cat, 1 = dog) and reading them as RGB."""
+"""The Dogs vs. Cats images: finding them, labelling them (0 = cat, 1 = dog), reading them as RGB, and
+the processes of the DataLoader workers that read them."""
+import atexit
+import functools
+import multiprocessing
+import os
 import re
+import select
+import signal
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -10,7 +19,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from src.errors import UserError
+from src.errors import STOP_SIGNALS, UserError
 from src.image_files import broken_link, natural_key
 from src.terminal import shown
 
@@ -199,3 +208,100 @@ class DogCatTestDataset(Dataset):
         if self.transform is not None:
             image = self.transform(image)
         return image, image_id
+
+
+# The modules a loader worker needs to unpickle its dataset: the fork server imports them once,
+# and each worker forked from it starts with them loaded.
+WORKER_MODULES = ["torch", "torchvision", "src.augment", "src.cache", "src.datasets"]
+
+
+def worker_options() -> dict:
+    """The DataLoader options of every loader with workers: where they start and how they treat
+    the stop signals.
+
+    The workers start from a fork server, not as forks of the training process: that process runs
+    Python threads (the heartbeat, the pinned-memory thread, tqdm's monitor, TensorBoard's
+    writer), and a fork taken while another thread holds one of the interpreter's locks hangs in
+    the child (CPython gh-112275, fixed in 3.11.8; seen here in a DataLoader worker of a
+    torchrun restart). The fork server is a fresh single-threaded interpreter started once per
+    process (src.datasets.WORKER_MODULES imported there once), so a worker costs a fork of it."""
+    return {"multiprocessing_context": _fork_server(), "worker_init_fn": functools.partial(start_worker, os.getpid())}
+
+
+def _fork_server() -> multiprocessing.context.BaseContext:
+    """multiprocessing's forkserver context, its server started with the stop signals ignored: it
+    is in the training process's process group, which torchrun and SLURM signal as a whole, and it
+    must outlive a SIGTERM that stops the run a few steps later (the loaders it still starts need
+    it). An ignored signal stays ignored across the exec that starts it; a handler would not."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_MODULES)
+    if threading_main():
+        handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
+        try:
+            from multiprocessing import forkserver
+            forkserver.ensure_running()
+        finally:
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
+    end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
+    return context
+
+
+def threading_main() -> bool:
+    """Whether this is the main thread (the only one that may set signal handlers)."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def start_worker(training_pid: int, worker_id: int) -> None:
+    """A DataLoader worker's worker_init_fn: it ignores the stop signals (ignore_stop_signals) and
+    ends when the training process that owns it ends, however that ends. A worker's parent is the
+    fork server, not the training process, so torch's own watch (the worker's parent pid) would
+    keep it alive after a SIGKILL of the training process, holding the fork server and the
+    launcher's output pipes open for ever."""
+    ignore_stop_signals()
+    threading.Thread(target=_end_with, args=(training_pid,), name="end with the training process",
+                     daemon=True).start()
+
+
+def _end_with(pid: int) -> None:
+    try:
+        handle = os.pidfd_open(pid)  # readable once the process has ended (Linux 5.3 and later)
+        select.select([handle], [], [])
+    except OSError:  # no pidfd here: look every second whether the process is there
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # there, under another user: not ours any more
+                break
+            time.sleep(1)
+    os._exit(0)
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:
+    """A DataLoader worker's worker_init_fn: the stop signals are its main process's to act on
+    (Ctrl-C in a terminal reaches the workers too, torchrun signals a worker's process group,
+    SLURM every process of the job step), and the steps before the stop need the workers."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+_ending_workers = False
+
+
+def end_workers_at_exit() -> None:
+    """Once per process: at exit, SIGKILL the daemonic children still alive (DataLoader workers
+    whose loader was not shut down, after an error). multiprocessing's own exit ends them with
+    SIGTERM, which they ignore, and then waits for them: forever. atexit runs this before it
+    (registered later)."""
+    global _ending_workers
+    if not _ending_workers:
+        _ending_workers = True
+        atexit.register(_kill_daemonic_children)
+
+
+def _kill_daemonic_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()

@@ -24,6 +24,14 @@ def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, min(cpus, math.ceil(quota))) if quota else cpus
 
 
+def default_workers(local_processes: int | None = None) -> int:
+    """The CPUs this process may use, shared among the processes on this node (LOCAL_WORLD_SIZE,
+    which torchrun and accelerate set, unless given)."""
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, available_cpus() // local_processes)
+
+
 def _cgroup_cpu_quota(root: Path) -> float | None:
     """CPUs allowed by the cgroup of this process, or None when it sets no limit."""
     own = ""
@@ -132,9 +140,7 @@ def training_device(deterministic: bool, precision: str | None, local_rank: int 
         return torch.device("cpu")
     gpu = local_rank % torch.cuda.device_count() if gpus_shared() else local_rank
     check_bf16(precision, gpu)
-    device = torch.device("cuda", gpu)
-    torch.cuda.set_device(device)
-    return device
+    return torch.device("cuda", gpu)
 
 
 def check_shared_memory(workers: int, batch_bytes: int, shm: Path | None = None) -> None:

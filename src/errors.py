@@ -1,4 +1,6 @@
-"""Bad input ends a run with one line on stderr and exit code 2, never a traceback."""
+"""How a command ends: bad input with one line on stderr and exit code 2, never a traceback; a stop on a
+signal with EXIT_STOPPED; the process group after an error."""
+import gc
 import os
 import signal
 import sys
@@ -52,34 +54,48 @@ def before_a_silent_exit() -> None:
         time.sleep(60)
 
 
-def exit_on_error(main: Callable[[], None]) -> None:
-    """Run `main`; a UserError becomes `error: ...` and exit 2, a stop on a signal (src/stopping.py)
-    exit EXIT_STOPPED, Ctrl-C before training exit 130. The handlers of the stop signals that `main`
-    set are put back (a run inside a test process), unless it stopped on one."""
-    handlers, stopped = {number: signal.getsignal(number) for number in STOP_SIGNALS}, False
+def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None = None,
+                interrupted: str = "interrupted: the files last saved are intact; rerun with --resume") -> int:
+    """Run main(argv) as a command and return its exit code: 0; a UserError's line on stderr and
+    2; a stop on a signal (src/stopping.py: rank 0 said where and how to go on) EXIT_STOPPED; Ctrl-C
+    before training `interrupted` and 130. A process group left by an error is ended. Nothing else
+    of the process changes: main(argv) can run again in it."""
     try:
-        try:
-            main()
-        except Stopped:
-            stopped = True
-            raise
-        finally:  # first: a launcher's SIGTERM ends a rank that waits below, as before the run
-            if not stopped and threading.current_thread() is threading.main_thread():
-                for number, handler in handlers.items():
-                    signal.signal(number, handler)
+        main(argv)
+        return 0
     except UserError as error:
         if error.quiet:
             before_a_silent_exit()
         else:
             print(f"error: {one_line(error)}", file=sys.stderr)
-        sys.exit(2)
-    except Stopped:  # rank 0 said where and how to go on
-        # Ignored, not caught, as the process ends: Python puts back the default handlers as it
-        # finalises, and a launcher's SIGTERM to a rank that ends later than another would kill it.
-        if threading.current_thread() is threading.main_thread():
-            for number in STOP_SIGNALS:
-                signal.signal(number, signal.SIG_IGN)
-        sys.exit(EXIT_STOPPED)
+        return 2
+    except Stopped:
+        return EXIT_STOPPED
     except KeyboardInterrupt:
-        print("interrupted: the files last saved are intact; rerun with --resume", file=sys.stderr)
-        sys.exit(130)
+        print(interrupted, file=sys.stderr)
+        return 130
+    finally:
+        end_process_group()  # after an error (a run that ends well has ended it)
+
+
+def end_process_group() -> None:
+    """destroy_process_group() after an error, once what still held the group's tensors is freed:
+    measured, gloo ranks can abort at exit when the model outlives the group."""
+    import torch.distributed as dist  # here: a command without torch (predict --onnx) ends too
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def exit_on_error(main: Callable[[list[str] | None], None], **options) -> None:
+    """The command line's way to run main: run_command, then exit with its code (return on 0)."""
+    code = run_command(main, **options)
+    if code == 0:
+        return
+    if code == EXIT_STOPPED and threading.current_thread() is threading.main_thread():
+        # The stop signals are ignored, not caught, as the process ends: Python puts back the default
+        # handlers as it finalises, and a launcher's SIGTERM to a rank that ends later than another
+        # would kill it.
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+    sys.exit(code)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from src.cache import MappedArray, ensure_array
+from src.datasets import worker_options
 from src.models import head_of
 from src.ranks import is_first
 from src.transforms import model_inputs
@@ -122,7 +123,8 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
             # Pinned batches, and each batch's outputs copied to the host while the device computes
             # the next one: the GPU never waits for the host writing the file.
             loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers,
-                                pin_memory=device.type == "cuda", generator=torch.Generator())
+                                pin_memory=device.type == "cuda", generator=torch.Generator(),
+                                **(worker_options() if workers else {}))
             start, previous = 0, None  # the previous batch's outputs, on their way to the host
             for images, _ in tqdm(loader, desc=f"computing {args.arch}'s outputs for {len(dataset)} images",
                                   disable=not show, leave=False):

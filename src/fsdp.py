@@ -17,7 +17,6 @@ that each DDP process holds"); sizes only, no device is waited for.
 import math
 import re
 import types
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,8 +28,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -76,30 +73,20 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def shard_model(model: nn.Module, device: torch.device, compiled: bool = False) -> None:
-    """fully_shard each unit (fsdp_units), then the root, over all the ranks; the model must be on
-    `device` already. Call it before making the optimizer: fully_shard replaces the parameters.
-    compiled (--compile): torch.compile the units and what lies between them first (compile_units).
+def check_shardable(model: nn.Module) -> None:
+    """Refuse in one line what fully_shard would refuse with a traceback: non-contiguous weights
+    (--channels-last).
 
-    The weights stay float32 and --amp autocasts as in the other modes, rather than FSDP's
+    (The weights stay float32 and --amp autocasts as in the other modes, rather than FSDP's
     MixedPrecisionPolicy(param_dtype=...), which would halve the bytes gathered but casts every
     parameter: measured on the CPU (torch 2.14.1), any model with batch norm then fails (its
     weights in bfloat16, its running statistics in float32: "expected scalar type BFloat16 but
-    found Float"), and autocast keeps the numerics of train_ddp.py --amp, bit for bit.
+    found Float"), and autocast keeps the numerics of train_ddp.py --amp, bit for bit.)
     """
-    if not all(param.is_contiguous() for param in model.parameters()):  # before fully_shard's traceback
+    if not all(param.is_contiguous() for param in model.parameters()):
         raise UserError("--channels-last: FSDP shards contiguous weights only (torch 2.14.1: \"FSDP does not "
                         "support non-contiguous parameters yet\"); drop --channels-last",
                         quiet=dist.get_rank() != 0)
-    # The mesh of the training device, explicitly: fully_shard's default follows the machine's
-    # accelerator, which would be CUDA for a gloo run on the CPU of a machine with a GPU.
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    units = fsdp_units(model)
-    if compiled:
-        compile_units(model, units)
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def compile_units(model: nn.Module, units: list[nn.Module]) -> None:
@@ -197,52 +184,51 @@ def forwards_to_match(model: nn.Module, inputs: torch.Tensor, loader: DataLoader
         model(inputs)
 
 
-class Gathered:
-    """A whole state_dict standing in for a model or optimizer where src/checkpoint.py saves one."""
-
-    def __init__(self, state: dict):
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
 def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """Each optimizer parameter's name, in the order of a plain optimizer.state_dict()'s numbers."""
     name = {param: key for key, param in model.named_parameters()}
     return [name[param] for group in optimizer.param_groups for param in group["params"]]
 
 
-class Whole(NamedTuple):
-    """The whole state_dicts that save_epoch writes: the model's, the optimizer's, the average's."""
-    model: Gathered
-    optimizer: Gathered
-    average: Gathered
+OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer, average: WeightAverage) -> Whole:
-    """The model's, the optimizer's and the weight average's state_dict as one process holds them
-    (train_single.py's last.pth: whole tensors, the optimizer's numbered by parameter), on rank 0;
-    empty elsewhere. The average (--ema-decay) is gathered from each rank's averaged shards.
+def whole_model(model: nn.Module) -> dict:
+    """The model's whole state_dict on rank 0 (empty elsewhere), as one process holds it; every
+    rank must call it (each tensor is all-gathered; rank 0 moves each to the CPU before the next,
+    so no rank holds more than one whole tensor on the device). Never the live tensors: in a world
+    of one on the CPU, torch's gather hands back the parameters themselves (a one-shard DTensor's
+    full_tensor() is a view, and the CPU offload copies nothing), which the next step changes."""
+    state = get_model_state_dict(model, options=OPTIONS)
+    live = {tensor.untyped_storage().data_ptr() for tensor in _local_tensors(model)}
+    return {key: value.clone() if value.untyped_storage().data_ptr() in live else value
+            for key, value in state.items()}
 
-    Every rank must call it (each tensor is all-gathered). Rank 0 moves each gathered tensor to
-    the CPU before the next is gathered, so no rank holds more than one tensor whole on the device
-    and only rank 0 keeps the whole state, once.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
-    averaged = None
-    if average.on:
-        with average.swapped_in():
-            averaged = {"model": get_model_state_dict(model, options=options), "updates": average.count()}
-    by_name = get_optimizer_state_dict(model, optimizer, options=options)  # keyed by parameter name
+
+def _local_tensors(model: nn.Module) -> list[torch.Tensor]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict as one process holds it (train_single.py's last.pth: whole
+    tensors, numbered by parameter) on rank 0, empty elsewhere; every rank must call it."""
+    by_name = get_optimizer_state_dict(model, optimizer, options=OPTIONS)  # keyed by parameter name
     if not by_name:
-        return Whole(Gathered(model_state), Gathered({}), Gathered(averaged))
+        return {}
     number = {name: i for i, name in enumerate(_names(model, optimizer))}
-    return Whole(Gathered(model_state), Gathered({
-        "state": {number[name]: state for name, state in by_name["state"].items()},
-        "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
-                         for group in by_name["param_groups"]]}), Gathered(averaged))
+    return {"state": {number[name]: state for name, state in by_name["state"].items()},
+            "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
+                             for group in by_name["param_groups"]]}
+
+
+def whole_average(model: nn.Module, average: WeightAverage) -> dict | None:
+    """The weight average's state_dict (--ema-decay; None without), gathered from each rank's
+    averaged shards as whole_model gathers the weights; every rank must call it."""
+    if not average.on:
+        return None
+    with average.swapped_in():
+        return {"model": whole_model(model), "updates": average.count()}
 
 
 class WholeModel:

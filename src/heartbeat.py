@@ -3,8 +3,8 @@ without torchrun noticing, stopped with SIGSTOP, stuck in a disk read), the othe
 --dist-timeout with one line that says which rank, where it was and when it was last heard from,
 instead of a timeout traceback that names no one (docs/reliability.md).
 
-Every rank of a process group keeps where its main thread is (`at()`: the phase, the epoch, the
-micro-batch; a Python assignment, no device work), and a daemon thread writes it with the time into
+Every rank of a process group keeps where its main thread is (Heartbeat.at(): the phase, the
+epoch, the micro-batch; a Python assignment, no device work), and a daemon thread writes it with the time into
 the store of the launcher's rendezvous when it changed (looking every LOOK seconds) and at least
 every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its main thread
 keeps writing the same place. When this rank's own place has not changed for nearly --dist-timeout
@@ -28,24 +28,6 @@ EXIT_HUNG = 1
 ORDER = {"starting": 0, "training": 1, "validating": 2, "validating the average": 3, "saving": 4}
 END = 10 ** 9  # the index of a pass that has ended
 
-_place = ("starting", -1, 0, 0, False)  # (phase, epoch, index, step, loading)
-_changed = time.monotonic()
-_epoch = -1  # the epoch of the last training pass: a validation pass belongs to it
-_thread: "threading.Thread | None" = None
-_stop = threading.Event()
-
-
-def at(phase: str, epoch: int | None = None, index: int = 0, step: int = 0, loading: bool = False) -> None:
-    """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step` of
-    `epoch`, counted from 0; `loading`: waiting for that batch's data; index END: the pass is over).
-    Two assignments: cheap enough for every micro-batch."""
-    global _place, _changed, _epoch
-    if phase == "training":
-        _epoch = epoch
-    _place = (phase, _epoch if epoch is None else epoch, index, step, loading)
-    _changed = time.monotonic()
-
-
 def described(place: tuple) -> dict:
     """A place as a beat holds it: its order among the places of a run and its words."""
     phase, epoch, index, step, loading = place
@@ -58,49 +40,65 @@ def described(place: tuple) -> dict:
     return {"order": [epoch, ORDER[phase], index, 0 if loading else 1], "where": where}
 
 
-def start(store, rank: int, world_size: int, timeout_s: float) -> None:
-    """Begin writing this rank's beat into `store` (the launcher's, prefixed per attempt) and watching
-    for a collective that waits for a rank that does not come. A world of one needs neither."""
-    global _thread
-    if world_size < 2 or _thread is not None:
-        return
-    at("starting")
-    _stop.clear()
-    _thread = threading.Thread(target=_run, args=(store, rank, world_size, timeout_s), name="heartbeat",
-                               daemon=True)
-    _thread.start()
+class Heartbeat:
+    """This rank's beat in the launcher's store, and the watch for a collective that waits for a
+    rank that does not come (see the module's docstring). Use it as a context manager: the thread
+    runs inside the block. In a world of one (or without a store) it only keeps the place."""
 
+    def __init__(self, store=None, rank: int = 0, world_size: int = 1, timeout_s: float = 0.0):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.place = ("starting", -1, 0, 0, False)  # (phase, epoch, index, step, loading)
+        self.changed = time.monotonic()
+        self.epoch = -1  # the epoch of the last training pass: a validation pass belongs to it
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
 
-def stop() -> None:
-    """Stop the thread (before the process group ends)."""
-    global _thread
-    if _thread is not None:
-        _stop.set()
-        _thread.join(timeout=2 * BEAT)
-        _thread = None
+    def at(self, phase: str, epoch: int | None = None, index: int = 0, step: int = 0, loading: bool = False) -> None:
+        """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step`
+        of `epoch`, counted from 0; `loading`: waiting for that batch's data; index END: the pass is
+        over). Two assignments: cheap enough for every micro-batch."""
+        if phase == "training":
+            self.epoch = epoch
+        self.place = (phase, self.epoch if epoch is None else epoch, index, step, loading)
+        self.changed = time.monotonic()
+
+    def __enter__(self) -> "Heartbeat":
+        if self.store is not None and self.world_size > 1:
+            self.at("starting")
+            self.done.clear()
+            self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Stop the thread (before the process group ends)."""
+        if self.thread is not None:
+            self.done.set()
+            self.thread.join(timeout=2 * BEAT)
+            self.thread = None
+
+    def _run(self) -> None:
+        store, rank, timeout_s = self.store, self.rank, self.timeout_s
+        written, when = None, 0.0
+        try:
+            while not self.done.is_set():
+                place = self.place
+                if place is not written or time.monotonic() - when >= BEAT:
+                    store.set(f"beat/{rank}", json.dumps({**described(place), "time": time.time()}))
+                    written, when = place, time.monotonic()
+                if time.monotonic() - self.changed > timeout_s - margin(timeout_s):
+                    line, printer = judge(read_beats(store, self.world_size), rank, time.time(), timeout_s)
+                    if line is not None:
+                        _end(line if printer else None)
+                        return
+                self.done.wait(LOOK)
+        except Exception:  # the store went away (the launcher ended): nothing left to watch
+            return
 
 
 def margin(timeout_s: float) -> float:
     """How long before the collective's timeout the thread looks: a tenth of it, 5 s to 60 s."""
     return min(60.0, max(5.0, timeout_s / 10))
-
-
-def _run(store, rank: int, world_size: int, timeout_s: float) -> None:
-    written, when = None, 0.0
-    try:
-        while not _stop.is_set():
-            place = _place
-            if place is not written or time.monotonic() - when >= BEAT:
-                store.set(f"beat/{rank}", json.dumps({**described(place), "time": time.time()}))
-                written, when = place, time.monotonic()
-            if time.monotonic() - _changed > timeout_s - margin(timeout_s):
-                line, printer = judge(read_beats(store, world_size), rank, time.time(), timeout_s)
-                if line is not None:
-                    _end(line if printer else None)
-                    return
-            _stop.wait(LOOK)
-    except Exception:  # the store went away (the launcher ended): nothing left to watch
-        return
 
 
 def read_beats(store, world_size: int) -> list[dict | None]:

@@ -11,15 +11,6 @@ RECORD_KEYS = ("epoch", "train_loss", "train_acc", "train_samples", "val_loss", 
                "val_samples", "lr", "train_seconds", "data_wait_seconds", "val_seconds", "seconds")
 
 
-class History(list):
-    """The records of the finished epochs, and `partial`: where a resumed run goes on inside the
-    next epoch (src/checkpoint.py resume; None when it starts that epoch from its first step)."""
-
-    def __init__(self, records: list[dict] = (), partial: dict | None = None):
-        super().__init__(records)
-        self.partial = partial
-
-
 def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_seconds: float,
                  data_wait_seconds: float, lr: float, average_sums=None) -> dict:
     """One history.json record (`epoch` counts from 0, the record's from 1).

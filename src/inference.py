@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from src.cli import IMAGE_SIZES
-from src.datasets import CLASSES, DogCatTestDataset
+from src.datasets import CLASSES, DogCatTestDataset, worker_options
 from src.divergence import ADVICE, check_finite_weights
 from src.errors import UserError
 from src.history import evaluation_record, format_evaluation
@@ -169,7 +169,7 @@ def predict_files(model: torch.nn.Module, info: dict, files: list[Path], device:
     model.eval()
     sampler = ShardSampler(len(files), world_size, rank)
     loader = DataLoader(ImageFiles(files, info["image_size"]), batch_size=batch_size, sampler=sampler,
-                        num_workers=workers, pin_memory=device.type == "cuda")
+                        num_workers=workers, pin_memory=device.type == "cuda", **(worker_options() if workers else {}))
     chunks, broken = [], {}
     for images, indices, whys in tqdm(loader, desc="predicting", leave=False, disable=rank != 0):
         chunks.append(batch_probabilities(model, images, info, device, tta, amp_dtype, channels_last))

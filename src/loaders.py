@@ -1,30 +1,26 @@
-"""The train/validation split and the data loaders, built so that every mode sees the same batches
-(docs/modes.md, "The same batches", says why they are the same): EpochSampler gives each process
-its share of each epoch's seeded permutation, cut to whole global batches; ShardSampler gives it
-a contiguous, unpadded slice of the validation split.
+"""The train/validation split and what the scripts' DataLoaders share, built so that every mode sees
+the same batches (docs/modes.md, "The same batches", says why they are the same).
 
-The sampler yields (epoch, position) pairs rather than positions: loader workers keep their own
-copy of the dataset for the whole run (persistent workers), so the epoch that --augment draws
-from has to travel with each index.
+The scripts make their loaders themselves, with torch's samplers: train_single.py, train_dp.py and
+train_accelerate.py a RandomSampler whose generator is seeded with seed + epoch, train_ddp.py and
+train_fsdp.py a DistributedSampler(shuffle=True, seed=seed), which draws the same permutation of
+the training split from seed + epoch and gives rank r every W-th sample of it from the r-th: the
+k-th global batch is the same slice of the same permutation in every mode. Here: the validation
+shards (ShardSampler), the loader options, the checks of a batch against the data, and the
+skipping of a resumed epoch's finished steps.
 """
-import atexit
 import hashlib
-import multiprocessing
-import os
-import signal
 from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from src.augment import augment, crop_params
 from src.cache import cached
-from src.datasets import DogCatDataset, check_both_classes, load_labels
-from src.devices import available_cpus, check_shared_memory
-from src.dropout import sample_key
-from src.errors import STOP_SIGNALS, UserError
+from src.datasets import DogCatDataset, check_both_classes, load_labels, worker_options
+from src.devices import check_shared_memory
+from src.errors import UserError
 from src.ranks import from_rank_0, is_first
 from src.transforms import image_transform
 
@@ -39,71 +35,12 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
-class EpochSampler(Sampler[tuple[int, int]]):
-    """This rank's share of each epoch's seeded permutation of range(n), cut to whole global batches.
-
-    Yields (epoch, position); call set_epoch(epoch) before each epoch, and start_at(steps) after it
-    to go on inside the epoch (a resumed one).
-    """
-
-    def __init__(self, n: int, global_batch: int, seed: int, rank: int = 0, world_size: int = 1):
-        self.n, self.seed, self.rank, self.world_size = n, seed, rank, world_size
-        self.global_batch = global_batch
-        self.used = n // global_batch * global_batch
-        self.epoch, self.start = 0, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:  # accelerate's loader sets the same epoch again as it begins the pass
-            self.epoch, self.start = epoch, 0
-
-    def start_at(self, steps: int) -> None:
-        """Leave out this epoch's first `steps` optimizer steps: each took global_batch / world_size
-        of this rank's samples. They are never handed to the loader, so no image of theirs is read."""
-        self.start = steps * self.global_batch // self.world_size
-
-    def __iter__(self):
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        return iter([(self.epoch, i) for i in perm[:self.used].tolist()[self.rank::self.world_size][self.start:]])
-
-    def __len__(self) -> int:
-        return self.used // self.world_size - self.start
-
-
-def epoch_sampler(loader) -> EpochSampler | None:
-    """The EpochSampler under a training loader, also one that accelerate has wrapped (its batch
-    sampler holds the original batch sampler, which holds ours); None if there is none."""
-    found = [loader]
-    for _ in range(4):
-        for item in found:
-            if isinstance(item, EpochSampler):
-                return item
-        found = [getattr(item, name) for item in found for name in ("sampler", "batch_sampler")
-                 if getattr(item, name, None) is not None]
-    return None
-
-
-class TrainSplit(Dataset):
-    """The training images, indexed by (epoch, position in the split); each item is (image, label,
-    the sample's dropout key: src.dropout.sample_key); augmented with `augment`."""
-
-    def __init__(self, dataset: Dataset, indices: list[int], seed: int, augment: bool = False):
-        self.dataset, self.indices, self.seed, self.augment = dataset, indices, seed, augment
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, key: tuple[int, int]):
-        epoch, position = key
-        index = self.indices[position]
-        image, label = self.dataset[index]
-        if self.augment:
-            image = augment(image, crop_params(self.seed, epoch, index, image.shape[-1]))
-        return image, label, sample_key(self.seed, epoch, index)
-
-
 class ShardSampler(Sampler[int]):
     """A contiguous, unpadded 1/num_replicas share of range(n), in order; the shares differ by up to
-    one sample, and `largest` is the size of the largest."""
+    one sample, and `largest` is the size of the largest.
+
+    For validation, instead of DistributedSampler: that one pads the shares to equal sizes with
+    repeated samples, which the all-reduced sums would then count twice."""
 
     def __init__(self, n: int, num_replicas: int = 1, rank: int = 0):
         self.start = n * rank // num_replicas
@@ -117,75 +54,61 @@ class ShardSampler(Sampler[int]):
         return self.stop - self.start
 
 
-_ending_workers = False
+def loader_options(args, device: torch.device) -> dict:
+    """The DataLoader options every loader of a training script shares: --workers, pinned batches
+    for a GPU, where the workers start (src.datasets.worker_options).
 
-
-def ignore_stop_signals(worker_id: int | None = None) -> None:
-    """A DataLoader worker's worker_init_fn: the stop signals are its main process's to act on
-    (Ctrl-C in a terminal reaches the workers too, torchrun signals a worker's process group,
-    SLURM every process of the job step), and the steps before the stop need the workers."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
-
-
-def end_workers_at_exit() -> None:
-    """Once per process (make_loaders calls it): at exit, SIGKILL the daemonic children still alive
-    (DataLoader workers whose loader was not shut down, after an error). multiprocessing's own exit
-    ends them with SIGTERM, which they ignore, and then waits for them: forever. atexit runs this
-    before it (registered later)."""
-    global _ending_workers
-    if not _ending_workers:
-        _ending_workers = True
-        atexit.register(_kill_daemonic_children)
-
-
-def _kill_daemonic_children() -> None:
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-
-
-def default_workers(local_processes: int | None = None) -> int:
-    """The CPUs this process may use, shared among the processes on this node (LOCAL_WORLD_SIZE,
-    which torchrun and accelerate set, unless given)."""
-    if local_processes is None:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, available_cpus() // local_processes)
-
-
-def make_loaders(dataset: Dataset, train_idx: list[int], val_idx: list[int], batch_size: int,
-                 seed: int, workers: int, rank: int = 0, world_size: int = 1,
-                 pin_memory: bool = False, accumulate: int = 1, augment: bool = False,
-                 split: int = 1) -> tuple[DataLoader, DataLoader]:
-    """Loaders of this rank's share; call `train_loader.sampler.set_epoch(epoch)` every epoch.
-
-    `split`: the processes that share each batch (accelerate's split_batches), each loading its own
-    part of it.
+    The workers start anew for every pass (not persistent): each pass's workers get the training
+    split as it is then, with the epoch that set_epoch gave it, which their draws come from. The
+    loader's own generator: drawing its workers' base seed from the global one would shift
+    whatever draws from the global one after it, differently in a run that resumes.
     """
-    global_batch = batch_size * world_size * accumulate
-    if len(train_idx) < global_batch:
-        steps = f" x {accumulate} (--accumulate)" if accumulate > 1 else ""
-        raise UserError(f"--batch-size {batch_size} x {world_size} process(es){steps} = {global_batch} "
-                        f"is more than the {len(train_idx)} training images; lower --batch-size",
-                        quiet=rank != 0)  # every rank finds it: rank 0 says it
-    if len(val_idx) < world_size:
-        raise UserError(f"{world_size} processes but only {len(val_idx)} validation images; "
-                        "use fewer processes or more data", quiet=rank != 0)
-    check_shared_memory(workers, batch_size // split * dataset[train_idx[0]][0].nbytes)
-    if workers:
-        end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
-    train_set = TrainSplit(dataset, train_idx, seed, augment)
-    val_set = Subset(dataset, val_idx)
-    # Their own generator: drawing the workers' base seed from the global one would shift what
-    # dropout draws after it, differently in a run that resumes.
-    # The workers ignore the stop signals: the main process acts on them (src/stopping.py) and
-    # still needs its workers for the steps before it stops.
-    options = dict(batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                   persistent_workers=workers > 0, generator=torch.Generator(), worker_init_fn=ignore_stop_signals)
-    train_sampler = EpochSampler(len(train_set), global_batch, seed, rank, world_size)
-    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, **options)
-    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), world_size, rank), **options)
-    return train_loader, val_loader
+    options = {"num_workers": args.workers, "pin_memory": device.type == "cuda", "generator": torch.Generator()}
+    return {**options, **worker_options()} if args.workers else options
+
+
+def check_batches(data: "Data", args, processes: int = 1, split: int = 1) -> None:
+    """Refuse, before any work, a global batch larger than the training split, fewer validation
+    images than processes, or a /dev/shm too small for the loader workers' batches. `split`: the
+    processes that cut each loader batch (accelerate's split_batches)."""
+    global_batch = args.batch_size * processes * args.accumulate
+    if len(data.train_idx) < global_batch:
+        steps = f" x {args.accumulate} (--accumulate)" if args.accumulate > 1 else ""
+        raise UserError(f"--batch-size {args.batch_size} x {processes} process(es){steps} = {global_batch} "
+                        f"is more than the {len(data.train_idx)} training images; lower --batch-size",
+                        quiet=not is_first())  # every rank finds it: rank 0 says it
+    if len(data.val_idx) < processes:
+        raise UserError(f"{processes} processes but only {len(data.val_idx)} validation images; "
+                        "use fewer processes or more data", quiet=not is_first())
+    check_shared_memory(args.workers, args.batch_size * data.dataset[data.train_idx[0]][0].nbytes)
+
+
+class _SkipBatches(BatchSampler):
+    """A batch sampler that leaves out the first `skip` batches of another: their indices are
+    never handed to the workers, so no image of theirs is read."""
+
+    def __init__(self, batches: BatchSampler, skip: int):
+        self.batches, self.skip = batches, skip
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i >= self.skip:
+                yield batch
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches) - self.skip)
+
+
+def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
+    """`loader` without its first `batches` batches of this pass (a resumed epoch's finished steps),
+    as accelerate's Accelerator.skip_first_batches does for its loaders; `loader` itself when 0.
+    Its sampler stays the same object: set_epoch on it still applies."""
+    if not batches:
+        return loader
+    return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, batches),
+                      num_workers=loader.num_workers, pin_memory=loader.pin_memory, generator=loader.generator,
+                      **({"multiprocessing_context": loader.multiprocessing_context,
+                          "worker_init_fn": loader.worker_init_fn} if loader.num_workers else {}))
 
 
 def labelled_images(data_dir: Path, image_size: int, show_progress: bool = True,
@@ -204,12 +127,13 @@ class Data(NamedTuple):
     digest: str  # of the label table: --resume refuses other data
 
 
-def labelled_data(args) -> Data:
+def labelled_data(args, wait_seconds: float | None = None) -> Data:
     """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
 
     Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
     one scan instead of one per process, and the same table, so the same split, on every rank.
-    --workers decode the images when the cache has to be built.
+    --workers decode the images when the cache has to be built; `wait_seconds`: how long the
+    other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
     table = from_rank_0(lambda: load_labels(data_dir, show))
@@ -220,18 +144,8 @@ def labelled_data(args) -> Data:
             raise UserError(str(error), quiet=not show) from None
     dataset = labelled_images(data_dir, args.image_size, show, table)
     if args.cache:
-        dataset = cached(dataset, args.image_size, Path(args.cache), args.workers, show)
+        dataset = cached(dataset, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
     # surrogateescape: names that are not UTF-8 (read from disk that way) hash as their bytes
     digest = hashlib.sha256(table.to_csv(index=False).encode("utf-8", "surrogateescape")).hexdigest()
     return Data(dataset, train_idx, val_idx, digest)
-
-
-def run_loaders(dataset: Dataset, data: Data, args, device: torch.device, rank: int = 0,
-                world_size: int = 1, split: int = 1) -> tuple[DataLoader, DataLoader]:
-    """make_loaders for a training run's flags: `dataset` holds the images (or a frozen stage's
-    backbone outputs) of `data`'s split; `split`: the processes that cut each loader batch
-    (accelerate), so a loader batch is --batch-size x split."""
-    return make_loaders(dataset, data.train_idx, data.val_idx, args.batch_size * split, args.seed,
-                        args.workers, rank, world_size, pin_memory=device.type == "cuda",
-                        accumulate=args.accumulate, augment=args.augment, split=split)

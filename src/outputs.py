@@ -21,6 +21,7 @@ at a time in a folder, and each file written whole or not at all. No torch at im
   seconds would keep it and refuse torchrun's restart; a record lock belongs to the process alone.
   Advisory: it stops our own runs, not other programs; on NFS it needs the lock service (lockd).
 """
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 from src.errors import UserError, one_line
 
@@ -233,24 +234,30 @@ def check_can_write(path: Path, flag: str) -> None:
 
 LOCK_NAME = ".run.lock"
 
-_held: int | None = None  # the descriptor of the lock file this process holds
+class RunLock:
+    """The lock on a folder (LOCK_NAME in it), held from hold() until release() (or the end of the
+    process, however it ends)."""
+
+    def __init__(self, fd: int):
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        """Let go of the lock. (Closing any descriptor of the file drops a record lock too: this is
+        the only one opened while holding.)"""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
-def release() -> None:
-    """Let go of the lock this process holds, if any. (Closing any descriptor of the file would
-    drop a record lock too: the lock's descriptor is the only one this module opens while holding.)"""
-    global _held
-    if _held is not None:
-        os.close(_held)
-        _held = None
-
-
-def hold(folder: Path, flag: str = "--checkpoint") -> None:
-    """Lock `folder` (which exists) for this process until it ends, or refuse in one line naming
-    the run that holds it. A process holds one folder at a time: a new hold() releases the last
-    (a test may run several trainings in one process, one after the other)."""
-    global _held
-    release()
+def hold(folder: Path, flag: str = "--checkpoint") -> RunLock:
+    """Lock `folder` (which exists) until the returned lock is released or the process ends, or
+    refuse in one line naming the run that holds it."""
     path = Path(folder) / LOCK_NAME
     try:
         # O_NOFOLLOW: a link planted there must not make us truncate the file it points to.
@@ -266,7 +273,6 @@ def hold(folder: Path, flag: str = "--checkpoint") -> None:
             raise UserError(f"{flag} folder {folder}: cannot lock {path} ({error.strerror})") from None
         raise UserError(f"{flag} folder {folder} is in use by another run ({holder(path)}): wait for it "
                         f"to end, or pass another {flag}") from None
-    _held = fd
     who = (f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
            + " ".join(sys.argv))
     try:
@@ -274,6 +280,7 @@ def hold(folder: Path, flag: str = "--checkpoint") -> None:
         os.pwrite(fd, who.encode("utf-8", "surrogateescape") + b"\n", 0)
     except OSError:  # a full disk: the lock holds all the same, without its note
         pass
+    return RunLock(fd)
 
 
 def holder(path: Path) -> str:
@@ -297,23 +304,29 @@ def output_paths(args) -> dict[str, Path]:
             "last": folder / "last.pth", "history": folder / "history.json", "plot": Path(args.plot)}
 
 
-def check_writable(args) -> None:
-    """Fail before training, not after the first epoch, when an output cannot be written.
+@contextlib.contextmanager
+def lock_outputs(args) -> Iterator[None]:
+    """A training run's outputs, checked before any work, and their folder locked for the run.
 
-    Refuses outputs that are not regular files, or that are inputs or other outputs of the run
-    (src.outputs), tries each folder (src.outputs.probe_folder), locks the --checkpoint folder for
-    the run's life (src.outputs), refuses to start over another run's files there without
-    --resume or --overwrite, and removes the temporary files that a killed run of these outputs
-    left behind. Rank 0 checks; every rank gets its verdict. Under --evaluate, which writes
-    nothing, it does nothing (a save in progress in the folder is left alone).
+    Refuses outputs that are not regular files, or that are inputs or other outputs of the run,
+    tries each folder (probe_folder), locks the --checkpoint folder until the block ends (hold),
+    applies the rule of an earlier run's files there (_check_overwrite), and removes the temporary
+    files that a killed run of these outputs left behind. Rank 0 checks and holds the lock; every
+    rank gets its verdict. Under --evaluate, which writes nothing, it does nothing (a save in
+    progress in the folder is left alone).
     """
-    if args.evaluate:
-        return
-    from src.ranks import from_rank_0  # here: it loads torch.distributed
-    from_rank_0(lambda: _try_outputs(args))
+    held = []
+    if not args.evaluate:
+        from src.ranks import from_rank_0  # here: it loads torch.distributed
+        from_rank_0(lambda: held.append(_try_outputs(args)))
+    try:
+        yield
+    finally:
+        for lock in held:
+            lock.release()
 
 
-def _try_outputs(args) -> None:
+def _try_outputs(args) -> RunLock:
     paths = output_paths(args)
     data = Path(args.data_dir)
     weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
@@ -328,26 +341,41 @@ def _try_outputs(args) -> None:
             probe_folder(path.parent)
         except OSError as error:
             raise UserError(f"{flag}: cannot write to folder {path.parent} ({error.strerror})") from None
-    hold(paths["best"].parent)  # before the clean-up below: another run's temporary files are not stale
-    _check_overwrite(args, paths)
+    lock = hold(paths["best"].parent)  # before the clean-up below: another run's temporary files are not stale
+    try:
+        _check_overwrite(args, paths)
+    except BaseException:
+        lock.release()
+        raise
     for path in paths.values():
         for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
             stale.unlink(missing_ok=True)
+    return lock
 
 
 def _check_overwrite(args, paths: dict[str, Path]) -> None:
     """A new run does not replace an earlier run's files without being told: --resume continues
-    that run, --overwrite replaces it. (torchrun's restarted workers resume on their own.)"""
+    that run (from its last.pth: a folder of best.pth and history.json alone has nothing to go on
+    from, and a new run would replace them), --overwrite replaces it. (torchrun's restarted
+    workers and requeued SLURM jobs resume on their own.)"""
     from src.ranks import restarted
-    if args.resume or args.overwrite or restarted():
+    if restarted():
         return
     held = [paths[name] for name in ("best", "info", "last", "history") if os.path.lexists(paths[name])]
-    if not held:
+    if args.overwrite:
+        # The earlier run's resumable state goes now: a restart of this run must not resume it.
+        paths["last"].unlink(missing_ok=True)
+        return
+    if not held or (args.resume and paths["last"] in held):
         return
     try:
         epochs = f" of {len(json.loads(paths['history'].read_text()))} epoch(s)"
     except (OSError, ValueError, TypeError):
         epochs = ""
     names = ", ".join(path.name for path in held) + (epochs if paths["history"] in held else "")
+    if args.resume:
+        raise UserError(f"--resume: {paths['best'].parent} holds no last.pth to go on from, only the files of an "
+                        f"earlier run ({names}): pass --overwrite to start a new run there, replacing them, or "
+                        "another --checkpoint")
     raise UserError(f"{paths['best'].parent} holds the files of an earlier run ({names}): pass --resume to "
                     "continue that run, --overwrite to replace it, or another --checkpoint")

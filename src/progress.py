@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from src import heartbeat
 from src.fsdp import bytes_line, is_sharded, watch_rank_bytes
+from src.heartbeat import END
 from src.metrics import COUNT, LOSS
 from src.profiling import Profiler
 from src.ranks import is_first
@@ -34,6 +34,13 @@ def run_header(args, data, device, processes: int = 1) -> str:
     return (f"{args.arch} on {where}: {len(data.train_idx)} train / {len(data.val_idx)} val images, "
             f"batch {args.batch_size}" + (f" x {processes}" if processes > 1 else "")
             + (f" x {args.accumulate} micro-batches" if args.accumulate > 1 else ""))
+
+
+def close_bars() -> None:
+    """Close the progress bars on screen (rank 0's), so that a line printed next is whole and the
+    last one (a stop's line, src/state.py)."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 class TensorBoard:
@@ -59,35 +66,88 @@ class TensorBoard:
 
 
 class Progress:
-    """What a run shows and records as it goes; one per run, `pass_over()` for each pass over a loader."""
+    """What a run shows and records as it goes; one per run. Its training() and validation() iterate
+    over a loader's batches, timing the waits for data and showing the running loss and images/s."""
 
-    def __init__(self, args: argparse.Namespace, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-                 batch_images: int, device: torch.device, log: Log | None = None):
-        """`batch_images`: the images of one micro-batch over all processes; `log`: where step and
-        epoch scalars go (accelerate's Accelerator.log; by default TensorBoard in --log-dir)."""
-        self.args, self.optimizer, self.steps_per_epoch = args, optimizer, steps_per_epoch
-        self.batch_images, self.device, self.show = batch_images, device, is_first()
+    def __init__(self, args: argparse.Namespace, state, batch_images: int, device: torch.device,
+                 log: Log | None = None):
+        """`state`: the run's src.state.TrainingState (the optimizer, the steps of an epoch, where a
+        resumed epoch goes on, the heartbeat, the epoch's data-wait clock); `batch_images`: the
+        images of one micro-batch over all processes; `log`: where step and epoch scalars go
+        (accelerate's Accelerator.log; by default TensorBoard in --log-dir)."""
+        self.args, self.state, self.batch_images, self.device, self.show = args, state, batch_images, device, is_first()
         self.tensorboard = TensorBoard(args.log_dir) if log is None else None
         self.log = log or self.tensorboard
         # Sharded parameters (FSDP): the bytes rank 0 holds at its fullest step, said by run_end().
-        self.held = watch_rank_bytes(optimizer) if self.show and is_sharded(optimizer) else None
+        self.held = watch_rank_bytes(state.optimizer) if self.show and is_sharded(state.optimizer) else None
         self.profiler = Profiler(args, device) if args.profile and self.show else None
         # Host copies of the running sums, made once: allocating pinned memory inside a step could wait.
         pinned = device.type == "cuda"
         self.buffers = [torch.zeros(4, pin_memory=pinned) for _ in range(4)]
         self.copies = 0  # copies started: the next one goes into buffers[copies % 4]
-        self.stops = None  # the run's src.stopping.Stops, which the scripts set
+        self.title = ""
 
-    def pass_over(self, loader: DataLoader, desc: str, epoch: int | None = None) -> "LoaderPass":
-        """One pass over loader, shown and timed; `epoch` for training passes, None for validation."""
-        return LoaderPass(self, loader, desc, epoch)
+    def training(self, loader: DataLoader, epoch: int, sums: torch.Tensor) -> Iterator[tuple[int, tuple]]:
+        """(micro-batch index in the epoch, batch) for the epoch's training micro-batches from the
+        state's place on (a resumed epoch's finished steps are not in `loader`: skip_first_batches),
+        up to the epoch's last whole optimizer step; `sums`: the running metric sums, read for the
+        bar and TensorBoard without waiting for the device."""
+        self.title = f"epoch {epoch + 1}/{self.args.epochs}"
+        accumulate = self.args.accumulate
+        first, total = self.state.step * accumulate, self.state.steps_per_epoch * accumulate
+        profiler = self.profiler if self.profiler and not self.profiler.done else None
+        yield from self._pass(loader, f"{self.title} train", sums, first, total, epoch, profiler)
+        if profiler is not None:
+            profiler.finish()
+
+    def validation(self, loader: DataLoader, what: str, sums: torch.Tensor) -> Iterator[tuple]:
+        """The batches of a validation pass: `what` is "val", "average" (the weight average's) or, for
+        --evaluate, "validation"."""
+        desc = f"{self.title} {what}" if self.title else what
+        for _, batch in self._pass(loader, desc, sums, 0, len(loader), None, None):
+            yield batch
+
+    def _pass(self, loader, desc: str, sums: torch.Tensor, first: int, total: int, epoch: int | None,
+              profiler) -> Iterator[tuple[int, tuple]]:
+        training, state, heartbeat = epoch is not None, self.state, self.state.heartbeat
+        accumulate = self.args.accumulate if training else 1
+        every = self.args.log_every * accumulate  # micro-batches between reports
+        phase = "training" if training else "validating the average" if desc.endswith("average") else "validating"
+        pending = collections.deque()  # copies of sums in flight: (host copy, event, micro-batch, time)
+        # the last copy that arrived: (sums, micro-batch, time); a resumed epoch's finished steps' sums
+        last = (state.partial["sums"], first, None) if training and first and state.partial else None
+        bar = tqdm(total=total, initial=first, desc=desc, leave=False, disable=not self.show)
+        iterator = iter(loader)
+        try:
+            for index in range(first, total):
+                heartbeat.at(phase, epoch, index, index // accumulate, loading=True)
+                start = time.perf_counter()
+                with torch.profiler.record_function("data wait"):
+                    batch = next(iterator, None)
+                if training:
+                    state.data_wait += time.perf_counter() - start
+                if batch is None:
+                    break
+                heartbeat.at(phase, epoch, index, index // accumulate)
+                yield index, batch
+                bar.update()
+                if profiler is not None:
+                    profiler.step(state.data_wait, total - first)
+                if (index + 1) % every == 0 or index + 1 == total:
+                    if len(pending) < len(self.buffers):  # else skip: every buffer is still in flight
+                        pending.append(self._copy(sums, index + 1))
+                    while pending and (pending[0][1] is None or pending[0][1].query()):
+                        host, _, done, at = pending.popleft()
+                        last = self._report(bar, host.clone(), done, at, last, epoch)
+        finally:
+            bar.close()
+        heartbeat.at(phase, epoch, END)
 
     def epoch_end(self, record: dict) -> None:
         """Every field of the epoch's history record as a TensorBoard scalar, at its epoch."""
         if self.log is not None:
             self.log({f"epoch/{name}": value for name, value in record.items() if name != "epoch"},
                      record["epoch"])
-
 
     def run_end(self) -> None:
         """The end of the run: TensorBoard's files flushed; under FSDP, rank 0 prints the bytes it held."""
@@ -96,94 +156,29 @@ class Progress:
         if self.held is not None:
             print(bytes_line(self.held))
 
-
-class LoaderPass:
-    """One pass over a loader: yields its batches, timing the waits for data and reporting the
-    running loss and images/s as it goes."""
-
-    def __init__(self, progress: Progress, loader: DataLoader, desc: str, epoch: int | None):
-        self.progress, self.loader, self.desc, self.epoch = progress, loader, desc, epoch
-        self.data_wait = 0.0  # seconds this process waited for the loader in this pass
-        self.began, self.resumed_seconds = time.time(), 0.0  # and those of a resumed epoch's finished steps
-        self.resumed_sums = None  # a resumed epoch's sums of its finished steps, on the host
-
-    def resumed(self, sums: torch.Tensor, train_seconds: float, data_wait_seconds: float) -> None:
-        """This pass goes on in an epoch whose first steps a stopped run took (src/stopping.py)."""
-        self.resumed_sums, self.resumed_seconds, self.data_wait = sums, train_seconds, data_wait_seconds
-
-    def seconds(self) -> float:
-        """The seconds of this pass so far, with a resumed epoch's earlier ones."""
-        return self.resumed_seconds + time.time() - self.began
-
-    def batches(self, sums: torch.Tensor) -> Iterator:
-        """The loader's batches; `sums` is the pass's running metric sums (batch_sums), read for
-        the progress bar and TensorBoard without waiting for the device."""
-        progress, training = self.progress, self.epoch is not None
-        accumulate = progress.args.accumulate
-        every = progress.args.log_every * accumulate  # micro-batches between reports
-        stops = progress.stops if training else None
-        first = stops.begin(self, sums) if stops is not None else 0  # micro-batches a resumed epoch has done
-        total = first + len(self.loader)
-        phase = "training" if training else "validating the average" if self.desc.endswith("average") else "validating"
-        pending = collections.deque()  # copies of sums in flight: (host copy, event, step, time)
-        last = (self.resumed_sums, first, None) if first else None  # the last copy that arrived: (sums, step, time)
-        bar = tqdm(total=total, initial=first, desc=self.desc, leave=False, disable=not progress.show)
-        profiler = progress.profiler if training and progress.profiler and not progress.profiler.done else None
-        iterator = iter(self.loader)
-        try:
-            for step in range(first, total + 1):
-                heartbeat.at(phase, self.epoch, step, step // accumulate, loading=True)
-                start = time.perf_counter()
-                with torch.profiler.record_function("data wait"):
-                    batch = next(iterator, None)
-                self.data_wait += time.perf_counter() - start
-                if batch is None:
-                    break
-                heartbeat.at(phase, self.epoch, step, step // accumulate)
-                yield batch
-                bar.update()
-                if profiler is not None:
-                    profiler.step(self.data_wait, len(self.loader))
-                if (step + 1) % every == 0 or step + 1 == total:
-                    if len(pending) < len(progress.buffers):  # else skip: every buffer is still in flight
-                        pending.append(self._copy(sums, step + 1))
-                    while pending and (pending[0][1] is None or pending[0][1].query()):
-                        host, _, done, at = pending.popleft()
-                        last = self._report(bar, host.clone(), done, at, last, training)
-                if stops is not None and (step + 1) % accumulate == 0:
-                    where = stops.after_step(self, (step + 1) // accumulate, sums)  # may save last.pth
-                    if where is not None:
-                        bar.close()
-                        stops.stopped(where, barrier=True)
-        finally:
-            bar.close()
-        heartbeat.at(phase, self.epoch, heartbeat.END)
-        if profiler is not None:
-            profiler.finish()
-
-    def _copy(self, sums: torch.Tensor, step: int) -> tuple:
-        host = self.progress.buffers[self.progress.copies % len(self.progress.buffers)]
-        self.progress.copies += 1
+    def _copy(self, sums: torch.Tensor, index: int) -> tuple:
+        host = self.buffers[self.copies % len(self.buffers)]
+        self.copies += 1
         host.copy_(sums.detach(), non_blocking=True)
         event = None
         if sums.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        return host, event, step, time.perf_counter()
+        return host, event, index, time.perf_counter()
 
-    def _report(self, bar: tqdm, sums: torch.Tensor, step: int, at: float, last: tuple | None,
-                training: bool) -> tuple:
+    def _report(self, bar: tqdm, sums: torch.Tensor, index: int, at: float, last: tuple | None,
+                epoch: int | None) -> tuple:
         """The loss and images/s since the last report, on the bar and (training) in TensorBoard."""
-        before_sums, before_step, before_at = last if last else (torch.zeros(4), 0, None)
+        before_sums, before_index, before_at = last if last else (torch.zeros(4), 0, None)
         seen = (sums - before_sums)[COUNT].item()
         loss = (sums - before_sums)[LOSS].item() / max(seen, 1)
         values = {"loss": loss}
         if before_at is not None and at > before_at:
-            values["images_per_s"] = (step - before_step) * self.progress.batch_images / (at - before_at)
+            values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)
         bar.set_postfix({"loss": f"{loss:.3g}", **({"img/s": f"{values['images_per_s']:.0f}"}
                                                   if "images_per_s" in values else {})})
-        if training and self.progress.log is not None:
-            optimizer_step = self.epoch * self.progress.steps_per_epoch + step // self.progress.args.accumulate
-            values["lr"] = self.progress.optimizer.param_groups[0]["lr"]
-            self.progress.log({f"step/{name}": value for name, value in values.items()}, optimizer_step)
-        return sums, step, at
+        if epoch is not None and self.log is not None:
+            optimizer_step = epoch * self.state.steps_per_epoch + index // self.args.accumulate
+            values["lr"] = self.state.optimizer.param_groups[0]["lr"]
+            self.log({f"step/{name}": value for name, value in values.items()}, optimizer_step)
+        return sums, index, at

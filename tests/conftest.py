@@ -133,15 +133,6 @@ def shared_dataset(request, name: str, **sizes) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_timeout(monkeypatch):
-    """A script's main() run in this process sets DIST_TIMEOUT_MINUTES (src.cli.dist_timeout) for
-    its cache wait; without this the next test in the worker would inherit it (a test of the wait
-    then waited its 60 minutes)."""
-    monkeypatch.setenv("DIST_TIMEOUT_MINUTES", "unset")
-    monkeypatch.delenv("DIST_TIMEOUT_MINUTES")  # undone in reverse: set back, then removed
-
-
 @pytest.fixture(scope="session")
 def small_data(request) -> Path:
     """240 training and 30 test images of about 64 px."""
@@ -610,3 +601,57 @@ def untrained(tmp_path_factory) -> Path:
 def tiny_data(request) -> Path:
     """40 labelled images and 6 test images of about 40 px (copy it before changing it)."""
     return shared_dataset(request, "tiny40", n_train=40, n_test=6, size=40, seed=5)
+
+
+def script_pass(script, net, loader, args, optimizer, scaler, schedule, model=None, frozen: bool = False,
+                accelerator=None, steps: int | None = None, epoch: int = 0, average=None, state=None):
+    """One epoch of a script's own train_epoch over `loader` (its training loader, set for the epoch),
+    with the TrainingState and Progress that the script makes around it; returns the sums. `model`:
+    the plain model under `net` (`net` itself by default); `steps`: the optimizer steps of the
+    epoch (all the loader's whole steps by default); `accelerator`: train_accelerate.py's."""
+    from src.ema import WeightAverage
+    from src.progress import Progress
+    from src.state import TrainingState
+    model = net if model is None else model
+    steps = len(loader) // args.accumulate if steps is None else steps
+    if state is None:
+        average = WeightAverage(model, optimizer, None) if average is None else average
+        state = TrainingState(args, {}, model, optimizer, scaler, schedule, average, steps)
+    progress = Progress(args, state, args.batch_size, torch.device("cpu"))
+    extra = (accelerator,) if accelerator is not None else ()
+    return script.train_epoch(*extra, net, loader, epoch, progress, state, args, torch.device("cpu"), frozen)
+
+
+def script_loader(script, dataset, args, epoch: int = 0, rank: int = 0, world_size: int = 1, val_idx=(0,)):
+    """`script`'s training loader over all of `dataset` (a list of (image, label)), set for `epoch`
+    as its loop sets it."""
+    from src.loaders import Data
+    data = Data(dataset, list(range(len(dataset))), list(val_idx), "")
+    name = script.__name__
+    extra = (rank, world_size) if name in ("train_ddp", "train_fsdp") else (world_size,) if name == "train_accelerate" else ()
+    loader = script.loaders(dataset, data, args, torch.device("cpu"), *extra)[0]
+    if name in ("train_ddp", "train_fsdp"):
+        loader.sampler.set_epoch(epoch)
+    else:
+        loader.sampler.generator.manual_seed(args.seed + epoch)
+    loader.dataset.set_epoch(epoch)
+    return loader
+
+
+def shard_as_train_fsdp(model, device=None, compiled: bool = False) -> None:
+    """fully_shard as train_fsdp.py's train() does it (each unit, then the root), in the process
+    group this process is in."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from src.fsdp import check_shardable, compile_units, fsdp_units
+    device = device or torch.device("cpu")
+    check_shardable(model)
+    units = fsdp_units(model)
+    if compiled:
+        compile_units(model, units)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)

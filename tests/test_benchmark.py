@@ -224,7 +224,7 @@ def test_loader_alone_counts_whole_rounds_of_workers(monkeypatch):
     """The same loader without time: 4 workers x 4 images every 80 ms is exactly 200 images/s. A
     clock over part of a round (6 batches from the 9th: two rounds' arrivals, 6 batches) would say 300."""
     loader = _InStep(workers=4, batch=4, seconds=0.08)
-    monkeypatch.setattr(benchmark, "make_loaders", lambda *args, **kwargs: (loader, None))
+    monkeypatch.setattr(benchmark, "training_loader", lambda *args, **kwargs: loader)
     monkeypatch.setattr(benchmark, "time", SimpleNamespace(perf_counter=lambda: loader.now))
     assert loader_alone(list(range(100)), batch=4, workers=4, max_batches=6) == pytest.approx(200, rel=1e-9)
 
@@ -286,16 +286,23 @@ def test_breakdown_partitions_host_and_gpu_time():
     assert result["device"]["in_flight_seconds"] == pytest.approx(170e-6)
 
 
+def _state(args, model, optimizer, steps: int):
+    """A training state as the scripts make it, for Progress."""
+    from src.ema import WeightAverage
+    from src.state import TrainingState
+    return TrainingState(args, {}, model, optimizer, None, None, WeightAverage(model, optimizer, None), steps)
+
+
 @pytest.mark.parametrize("batches, steps", [(12, 6), (4, 1)])
 def test_profile_fits_the_pass(tmp_path, batches, steps):
     """Through the training loop's Steps: a pass too short for the usual schedule gets a shorter one."""
-    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1,
+    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1, epochs=1,
                            accumulate=1)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(2 * batches, 4), torch.zeros(2 * batches, dtype=torch.long))
-    progress = Progress(args, optimizer, batches, 2, torch.device("cpu"))
-    for inputs, labels in progress.pass_over(DataLoader(data, batch_size=2), "train", epoch=0).batches(torch.zeros(4)):
+    progress = Progress(args, _state(args, model, optimizer, batches), 2, torch.device("cpu"))
+    for _, (inputs, labels) in progress.training(DataLoader(data, batch_size=2), 0, torch.zeros(4)):
         torch.nn.functional.cross_entropy(model(inputs), labels).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -310,13 +317,13 @@ def test_the_profile_finds_the_data_wait_the_loop_clocked(tmp_path):
     profiler's "data wait" ranges, which src/progress.py opens inside the same clocked interval,
     hold that time but for the range's own entry and exit (microseconds a step). A renamed range
     gives 0 (the mode runs of test_watch wait about 15 ms in all: too little to tell)."""
-    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1,
+    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1, epochs=1,
                            accumulate=1)
     model = torch.nn.Linear(3 * 8 * 8, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    progress = Progress(args, optimizer, 12, 2, torch.device("cpu"))
+    progress = Progress(args, _state(args, model, optimizer, 12), 2, torch.device("cpu"))
     loader = DataLoader(SlowImages(24, delay=0.01), batch_size=2)
-    for images, labels in progress.pass_over(loader, "train", epoch=0).batches(torch.zeros(4)):
+    for _, (images, labels) in progress.training(loader, 0, torch.zeros(4)):
         torch.nn.functional.cross_entropy(model(images.flatten(1).float()), labels).backward()
         optimizer.step()
         optimizer.zero_grad()

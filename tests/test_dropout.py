@@ -190,15 +190,20 @@ def test_per_process_masks_would_end_outside_the_tolerance(runs, far):
 def test_the_loader_hands_each_sample_its_key_for_its_epoch():
     """TrainSplit gives each training sample sample_key(seed, epoch, index in the data set): other
     epochs draw other masks, every rank and --workers value the same ones."""
-    from src.loaders import make_loaders
+    from types import SimpleNamespace
+
+    import train_ddp
+    from src.loaders import Data
     dataset = [(torch.zeros(3, 4, 4, dtype=torch.uint8), i % 2) for i in range(12)]
     train = [1, 3, 4, 6, 8, 9, 10, 11]
+    args = SimpleNamespace(batch_size=2, seed=7, workers=0, augment=False, accumulate=1)
     seen = {}
     for epoch in (0, 1):
         for rank in (0, 1):
-            loader, _ = make_loaders(dataset, train, [0, 2], 2, 7, 0, rank=rank, world_size=2)
+            loader = train_ddp.loaders(dataset, Data(dataset, train, [0, 2], ""), args, torch.device("cpu"), rank, 2)[0]
             loader.sampler.set_epoch(epoch)
-            for (_, position), key in zip(loader.sampler, (k for _, _, keys in loader for k in keys.tolist())):
+            loader.dataset.set_epoch(epoch)
+            for position, key in zip(loader.sampler, (k for _, _, keys in loader for k in keys.tolist())):
                 seen[(epoch, train[position])] = key
     assert seen == {(epoch, index): dropout.sample_key(7, epoch, index) for epoch in (0, 1) for index in train}
     assert len(set(seen.values())) == len(seen)

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 from conftest import MICRO, PROCESSES, recipe_run, weights
 
-from src.checkpoint import save_epoch
 from src.ema import WeightAverage, decay_at
 from src.history import best_choice
+from src.state import TrainingState
 
 
 def test_the_decay_warms_up_then_holds():
@@ -86,16 +86,15 @@ def test_best_pth_holds_the_average_when_it_validates_better(tmp_path):
     average.average = [torch.full_like(p, 7.0) for p in average.average]
     args = Namespace(checkpoint=str(tmp_path / "best.pth"), plot=str(tmp_path / "c.png"), best_by="val_acc")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    history = []
+    state = TrainingState(args, {"arch": "x"}, model, optimizer, None, schedule, average, 1)
     picked = []
     for record in (_record(1, 0.8, 0.5, 0.7, 0.6), _record(2, 0.8, 0.5, 0.9, 0.3), _record(3, 0.85, 0.4, 0.8, 0.4)):
-        history.append({**record, "train_loss": 0, "train_acc": 0})
-        is_best = save_epoch(args, history, model, optimizer, None, schedule, {"arch": "x"}, average)
+        is_best = state.save_epoch({**record, "train_loss": 0, "train_acc": 0})
         info = json.loads((tmp_path / "best.json").read_text())
         picked.append((is_best, info["epoch"], info["weights"]))
     assert picked == [(True, 1, "weights"), (True, 2, "average"), (False, 2, "average")]
     assert torch.equal(weights(tmp_path)["weight"], torch.full((2, 2), 7.0))
-    assert best_choice(history, "val_acc")[1] == "average"
+    assert best_choice(state.history, "val_acc")[1] == "average"
     last = weights(tmp_path, "last.pth")
     assert torch.equal(last["average"]["model"]["weight"], torch.full((2, 2), 7.0))
     assert torch.equal(last["model"]["weight"], model.weight.detach())

@@ -36,6 +36,7 @@ from conftest import (
     python,
     recipe_run,
     run,
+    shard_as_train_fsdp,
     weights,
 )
 
@@ -44,9 +45,10 @@ import train_fsdp
 import train_single
 from src.accelerate_checks import check_accelerator
 from src.cli import parse_args
-from src.fsdp import fsdp_units, rank_bytes, shard_model
+from src.errors import end_process_group
+from src.fsdp import fsdp_units, rank_bytes
+from src.loaders import Data
 from src.models import build_model, head_of
-from src.process_group import end_process_group
 from src.recipe import make_optimizer, make_schedule
 
 
@@ -226,7 +228,7 @@ def test_each_vgg16_rank_holds_half_of_what_a_ddp_rank_holds():
     the real ones). VGG16's parameters all have an even first dimension, so each rank holds
     exactly half of each; the issue's bound is 0.55."""
     ddp, _ = _vgg16_step("gloo", 1, nn.parallel.DistributedDataParallel)
-    fsdp, model = _vgg16_step("fake", 2, lambda model: shard_model(model, torch.device("cpu")) or model)
+    fsdp, model = _vgg16_step("fake", 2, lambda model: shard_as_train_fsdp(model) or model)
     assert ddp["parameters"] == (138_357_544 - 4096 * 998 - 998) * 4  # torchvision's, less 998 classes
     assert ddp == {"parameters": ddp["parameters"], "gradients": ddp["parameters"], "optimizer": ddp["parameters"]}
     assert {key: 2 * value for key, value in fsdp.items()} == ddp
@@ -245,8 +247,9 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
     validation batch less runs a forward more, as every forward gathers. With the GPU's kernel
     choices (AS_ON_GPU=1: fused optimizers, but not SGD's, which has no DTensor version)."""
     monkeypatch.setenv("AS_ON_GPU", "1")
-    from src.loaders import make_loaders
+    from src.ema import WeightAverage
     from src.progress import Progress
+    from src.state import TrainingState
 
     def counted(name: str) -> list:
         """The `src` of each call of torch.distributed.NAME from now on."""
@@ -267,16 +270,17 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
             torch.manual_seed(0)
             model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                                   nn.Flatten(), nn.Linear(4, 2))
-            shard_model(model, device)
+            shard_as_train_fsdp(model, device)
             optimizer = make_optimizer(model, args, device)
             schedule = make_schedule(optimizer, args, 2)
-            loader, val_loader = make_loaders(dataset, list(range(4 * accumulate * 2)), [8, 9, 10, 11, 12], 2, 0, 0,
-                                              world_size=2, accumulate=accumulate)
+            data = Data(dataset, list(range(4 * accumulate * 2)), [8, 9, 10, 11, 12], "")
+            loader, val_loader = train_fsdp.loaders(dataset, data, args, device, 0, 2)
             loader.sampler.set_epoch(0)
-            progress = Progress(args, optimizer, 2, 4, device)
             reduce_scatters.clear()
-            train_fsdp.train_epoch(model, progress.pass_over(loader, "train", 0), device, args, optimizer,
-                                   torch.amp.GradScaler("cpu", enabled=False), schedule)
+            state = TrainingState(args, {}, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), schedule,
+                                  WeightAverage(model, optimizer, None), 2)
+            progress = Progress(args, state, 4, device)
+            train_fsdp.train_epoch(model, loader, 0, progress, state, args, device)
             assert schedule.last_epoch == 2 and len(loader) == 2 * accumulate  # 2 optimizer steps
             if accumulate == 1:
                 per_two_steps = len(reduce_scatters)
@@ -284,7 +288,7 @@ def test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers(monkeypat
         assert len(reduce_scatters) == per_two_steps, "one reduce-scatter a step, not one a micro-batch"
         forwards = []
         model.register_forward_hook(lambda module, inputs, output: forwards.append(len(inputs[0])))
-        train_fsdp.evaluate(model, progress.pass_over(val_loader, "val"), device, args)
+        train_fsdp.evaluate(model, val_loader, "val", progress, args, device)
         assert broadcasts == [0, 0, 0]  # running mean, variance and batch count, from rank 0
         # Rank 0's 2 of the 5 validation images are one batch, rank 1's 3 two: one forward more.
         assert forwards == [2, 2]
@@ -298,12 +302,12 @@ def test_every_rank_runs_as_many_validation_forwards(images, batch):
     shard has a batch less runs one forward more after its own (7 images in batches of 2 over 3
     ranks: 2, 2 and 3 images, so 1, 1 and 2 batches), counted against the loaders of every rank."""
     from src.fsdp import forwards_to_match
-    from src.loaders import make_loaders
 
     dataset = [(torch.zeros(1), 0) for _ in range(images)]
     for world_size in (2, 3):
-        train = [0] * batch * world_size  # enough for a global batch
-        loaders = [make_loaders(dataset, train, list(range(images)), batch, 0, 0, rank, world_size)[1]
+        data = Data(dataset, [0] * batch * world_size, list(range(images)), "")
+        args = SimpleNamespace(batch_size=batch, seed=0, workers=0, augment=False)
+        loaders = [train_fsdp.loaders(dataset, data, args, torch.device("cpu"), rank, world_size)[1]
                    for rank in range(world_size)]
         forwards = []
         for loader in loaders:
@@ -398,7 +402,7 @@ def test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_
             if mode == "ddp":
                 net = torch.compile(nn.parallel.DistributedDataParallel(model))
             else:
-                shard_model(model, torch.device("cpu"), compiled=True)
+                shard_as_train_fsdp(model, compiled=True)
                 net = torch.compile(model)
             with torch._dynamo.config.patch(recompile_limit=2):
                 net(torch.randn(2, 3, 32, 32)).sum().backward()
@@ -465,3 +469,43 @@ def test_accelerate_launch_use_fsdp_is_refused_once(exact_data, tmp_path):
     assert "run torchrun --nproc_per_node=2 train_fsdp.py" in result.stderr
     assert "exitcode  : 2" in result.stderr  # as the launcher reports it
     assert not (tmp_path / "out").exists()
+
+
+def _same_state(a: Path, b: Path) -> None:
+    """Two runs' last.pth hold the same weights, average (and its count) and optimizer state, bit for bit."""
+    first, second = weights(a, "last.pth"), weights(b, "last.pth")
+    for part in ("model",):
+        assert all(torch.equal(first[part][k], second[part][k]) for k in first[part]), part
+    assert first["average"]["updates"] == second["average"]["updates"]
+    assert all(torch.equal(first["average"]["model"][k], second["average"]["model"][k]) for k in first["model"])
+    for number, state in first["optimizer"]["state"].items():
+        assert all(torch.equal(value, second["optimizer"]["state"][number][key]) for key, value in state.items())
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_fsdp_run_resumed_with_ema_ends_bit_for_bit_as_the_straight_one(processes, exact_data, tmp_path,
+                                                                          monkeypatch, capsys):
+    """--ema-decay under FSDP: two epochs straight, and one epoch then --resume to two, end with the
+    same weights, average, update count and momentum, bit for bit (loading a sharded optimizer steps
+    it once with zero gradients, and the average's hook counted that step: 6 updates became 7 and the
+    average moved). The saved average is not the weights: in a world of one torch's gather hands back
+    the live parameters, which swapping the weights back in turned into the weights."""
+    flags = ["--data-dir", str(exact_data), *EXACT, *VAL, "--batch-size", str(2 * B // processes),
+             "--ema-decay", "0.9", "--momentum", "0.9"]
+
+    def train(folder, *extra):
+        if processes == 1:
+            code, _, err = in_process(train_fsdp.main, [*flags, *outputs(tmp_path / folder), *extra], monkeypatch,
+                                      capsys)
+            assert code == 0, err[-3000:]
+        else:
+            result = run(["torchrun", "--standalone", "--nproc_per_node=2", "train_fsdp.py", *flags,
+                          *outputs(tmp_path / folder), *extra])
+            assert result.returncode == 0, result.stderr[-3000:]
+    train("straight", "--epochs", "2")
+    train("resumed", "--epochs", "1")
+    train("resumed", "--epochs", "2", "--resume")
+    _same_state(tmp_path / "straight", tmp_path / "resumed")
+    last = weights(tmp_path / "straight", "last.pth")
+    assert last["average"]["updates"] == 2 * (100 // (2 * B))
+    assert distance(last["average"]["model"], last["model"]) > 0, "the average is not the weights"

@@ -21,7 +21,7 @@ from conftest import (
 
 import train_accelerate
 import train_single
-from src.checkpoint import resume, run_info
+from src.checkpoint import load_last, run_info
 from src.cli import parse_args
 from src.history import RECORD_KEYS
 from src.outputs import atomic_torch_save
@@ -236,7 +236,7 @@ def test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw(tmp_path, m
     monkeypatch.setenv("AS_ON_GPU", "1")
     gpu_model = nn.Linear(4, 2).to("meta")
     fused = make_optimizer(gpu_model, args, torch.device("meta"))
-    assert resume(args, info, gpu_model, fused, None, make_schedule(fused, args, 1)) == [RECORD]
+    assert load_last(args, info, gpu_model, fused, None, make_schedule(fused, args, 1)).history == [RECORD]
     assert [group["fused"] for group in fused.param_groups] == [True, True]
     assert {state["step"].device.type for state in fused.state.values()} == {"meta"}
 

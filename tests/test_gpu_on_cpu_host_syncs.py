@@ -6,18 +6,17 @@ import traceback
 import pytest
 import torch
 import torch.nn as nn
-from conftest import (
-    mode_run,
-)
+from conftest import mode_run, script_loader, script_pass
 from torch.overrides import TorchFunctionMode
 
 import train_dp
 import train_single
 from src.cli import parse_args
-from src.loaders import make_loaders
+from src.ema import WeightAverage
+from src.loaders import Data
 from src.progress import Progress
 from src.recipe import make_optimizer, make_schedule
-from src.stopping import Stops
+from src.state import TrainingState
 
 
 class HostWaits(TorchFunctionMode):
@@ -72,17 +71,16 @@ def test_no_tensor_is_built_from_python_values_inside_a_step(amp, monkeypatch, s
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(64)]
-    loader, _ = make_loaders(dataset, list(range(64)), [0], 4, 0, 0, accumulate=2, augment=True)
+    loader = script_loader(train_single, dataset, args)
     device = torch.device("cpu")
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, 8)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")
-    progress = Progress(args, optimizer, 8, 4, device)
-    progress.stops = Stops(args, [], lambda partial: pytest.fail("no step checkpoint asked for"))
+    state = TrainingState(args, {}, model, optimizer, scaler, schedule, WeightAverage(model, optimizer, None), 8)
+    state.save_step = lambda sums: pytest.fail("no step checkpoint asked for")
     mode = HostWaits()
-    loader.sampler.set_epoch(0)
-    loader_pass = progress.pass_over(_Watched(loader, mode), "test", 0)
-    train_single.train_epoch(model, loader_pass, device, args, optimizer, scaler, schedule)
+    with state.stop_signals():
+        script_pass(train_single, model, _Watched(loader, mode), args, optimizer, scaler, schedule, state=state)
     assert schedule.last_epoch == 8
     assert mode.calls == []
 
@@ -97,10 +95,12 @@ def test_channels_last_reaches_the_model_through_the_loop(script):
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 2) for i in range(8)]
     for flag in ([], ["--channels-last"]):
         args = parse_args("", ["--batch-size", "4", *flag])
-        _, loader = make_loaders(dataset, list(range(8)), list(range(8)), 4, 0, 0)
+        data = Data(dataset, list(range(8)), list(range(8)), "")
         device = torch.device("cpu")
-        progress = Progress(args, torch.optim.SGD(model.parameters(), lr=0.1), 2, 4, device)
-        script.evaluate(model, progress.pass_over(loader, "val"), device, args)
+        loader = script.loaders(dataset, data, args, device)[1]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = TrainingState(args, {}, model, optimizer, None, None, WeightAverage(model, optimizer, None), 2)
+        script.evaluate(model, loader, "val", Progress(args, state, 4, device), args, device)
     assert seen == [False, False, True, True]
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from accelerate.utils import InitProcessGroupKwargs
 from conftest import (
     EXACT,
@@ -28,9 +29,9 @@ import train_accelerate
 import train_ddp
 import train_single
 from src.cli import parse_args
-from src.devices import available_cpus, check_gpus, check_shared_memory, training_device
+from src.devices import available_cpus, check_gpus, check_shared_memory, default_workers, training_device
 from src.errors import UserError
-from src.loaders import default_workers, labelled_images
+from src.loaders import labelled_images
 from src.tools import predict
 from src.tools.synthetic import write_dataset
 
@@ -60,7 +61,7 @@ def test_accelerate_with_more_processes_than_gpus_is_one_line(exact_data, tmp_pa
                      capsys, "2 processes on this node but only 1 GPU(s): run accelerate launch --num_processes 1")
 
 
-def test_several_processes_may_share_a_gpu_when_asked(fake_gpus, monkeypatch, restore_numerics):
+def test_several_processes_may_share_a_gpu_when_asked(fake_gpus, monkeypatch, restore_numerics, tmp_path):
     """SHARE_GPUS=1 (make test-gpu on one GPU): two ranks on GPU 0 over gloo; NCCL refuses that."""
     fake_gpus(1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
@@ -70,10 +71,9 @@ def test_several_processes_may_share_a_gpu_when_asked(fake_gpus, monkeypatch, re
     check_gpus(2)
     assert training_device(False, None, local_rank=1) == torch.device("cuda", 0)
     monkeypatch.setattr(process_group, "training_device", lambda *a: torch.device("cuda", 0))
-    assert _dist_timeout_of(train_ddp, [], monkeypatch)["backend"] == "gloo"
+    assert _dist_timeout_of(train_ddp, [], monkeypatch, tmp_path)["backend"] == "gloo"
     monkeypatch.delenv("SHARE_GPUS")
-    monkeypatch.setenv("DIST_TIMEOUT_MINUTES", "unset")
-    assert _dist_timeout_of(train_ddp, [], monkeypatch)["backend"] == "nccl"
+    assert _dist_timeout_of(train_ddp, [], monkeypatch, tmp_path)["backend"] == "nccl"
 
 
 def test_a_small_dev_shm_is_one_line_before_training(tmpfs, exact_data, tmp_path, monkeypatch, capsys):
@@ -148,57 +148,71 @@ def test_default_workers_follow_a_containers_cpu_quota(tmp_path):
     assert available_cpus(tmp_path) == cpus
 
 
-def _dist_timeout_of(script, argv, monkeypatch) -> dict:
-    """What the process group of train_ddp.py (and train_fsdp.py) and of predict under torchrun,
-    and train_accelerate.py's Accelerator() get as timeouts."""
-    seen = {}
-    if script in (train_ddp, predict):
-        processes = "2" if script is predict else "1"  # predict alone joins no group
-        for name, value in (("RANK", "0"), ("WORLD_SIZE", processes), ("LOCAL_RANK", "0"),
-                            ("LOCAL_WORLD_SIZE", processes)):
-            monkeypatch.setenv(name, value)
+INIT_PROCESS_GROUP = dist.init_process_group
 
-        def store(timeout):
-            seen["store"] = timeout
-            return None, 0, int(processes)
-        monkeypatch.setattr(process_group, "torchrun_store", store)
+
+def _dist_timeout_of(script, argv, monkeypatch, folder) -> dict:
+    """What the process group of train_ddp.py (and train_fsdp.py) and of predict under torchrun,
+    and train_accelerate.py's Accelerator() get as timeouts, and how long the scripts' processes
+    wait for their node's --cache (labelled_data's wait_seconds)."""
+    seen = {}
+
+    def data(args, wait_seconds=None):
+        seen["cache wait"] = wait_seconds
+        raise Asked()
+    if script is predict:
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
+                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(process_group, "torchrun_store", lambda args: (None, 0, 2))
         monkeypatch.setattr(process_group.dist, "init_process_group",
                             lambda backend, **kwargs: seen.update(backend=backend, group=kwargs["timeout"]))
-        if script is predict:
-            process_group.join_process_group(predict.parse_args(argv), world_of_one=False)
-        else:
-            process_group.join_process_group(parse_args("", argv, distributed=True))
+        process_group.join_process_group(predict.parse_args(argv))
+        return seen
+    if script is train_ddp:
+        def recorded(backend, **kwargs):
+            seen.update(backend=backend, group=kwargs["timeout"])
+            INIT_PROCESS_GROUP("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        monkeypatch.setattr(train_ddp.dist, "init_process_group", recorded)
     else:
+        made = train_accelerate.Accelerator
+
         def accelerator(**kwargs):
             seen["group"] = [h.timeout for h in kwargs["kwargs_handlers"] if isinstance(h, InitProcessGroupKwargs)][0]
-            raise Asked()
+            return made(**kwargs)
         monkeypatch.setattr(train_accelerate, "Accelerator", accelerator)
-        monkeypatch.setattr("sys.argv", ["train_accelerate.py", *argv])
+    monkeypatch.setattr(script, "labelled_data", data)
+    try:
         with pytest.raises(Asked):
-            train_accelerate.main()
-    seen["cache wait"] = os.environ["DIST_TIMEOUT_MINUTES"]
+            script.main([*argv, *outputs(folder)])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(reset_partial_state=True)
+    seen["cache wait"] = timedelta(seconds=seen["cache wait"])
     return seen
 
 
 @pytest.mark.parametrize("script", [train_ddp, train_accelerate, predict])
-def test_dist_timeout_sets_the_process_group_and_the_cache_wait(script, monkeypatch, restore_numerics):
+def test_dist_timeout_sets_the_process_group_and_the_cache_wait(script, monkeypatch, restore_numerics, tmp_path):
     """A node still building its --cache keeps the others waiting in their next collective: the
-    timeout is --dist-timeout (60 minutes by default), and so is the node's own wait for its cache."""
-    monkeypatch.setenv("DIST_TIMEOUT_MINUTES", "unset")  # given back after the test
-    for argv, minutes in (([], 60), (["--dist-timeout", "90"], 90)):
-        seen = _dist_timeout_of(script, argv, monkeypatch)
-        assert seen.pop("cache wait") == str(minutes)
+    timeout is --dist-timeout (60 minutes by default), and so is the node's own wait for its cache
+    (predict builds none)."""
+    for argv, minutes in (([], 60), (["--dist-timeout", "90"], 90), (["--dist-timeout", "0.5"], 0.5)):
+        seen = _dist_timeout_of(script, argv, monkeypatch, tmp_path)
         assert set(seen.values()) - {"gloo"} == {timedelta(minutes=minutes)}
+        assert ("cache wait" in seen) == (script is not predict)
 
 
 def test_a_cache_wait_gives_up_after_dist_timeout(tmp_path, monkeypatch):
     import src.cache as cache
     monkeypatch.setattr(cache, "WAIT_SECONDS", 30)
-    monkeypatch.setenv("DIST_TIMEOUT_MINUTES", "0.01")
     monkeypatch.setenv("LOCAL_RANK", "1")
     start = time.monotonic()
     with pytest.raises(UserError, match="waited 0 min for .*a.u8, which the first process of this node builds"):
-        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, None, "--cache", "x")
+        cache.ensure_array(tmp_path / "a.u8", tmp_path / "a.json", "key", (4,), np.uint8, None, "--cache", "x",
+                           wait_seconds=0.6)
     assert time.monotonic() - start < 10
 
 

@@ -38,13 +38,9 @@ def test_the_scripts_pass_deterministic_on(script, monkeypatch):
         raise Asked(deterministic)
     monkeypatch.setattr("src.devices.configure_numerics", configure)
     monkeypatch.setattr(train_accelerate, "configure_numerics", configure)
-    if script is train_ddp:  # as torchrun sets them (a world of one would set them for good)
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            monkeypatch.setenv(name, "1" if "WORLD" in name else "0")
     for flags, expected in ((["--deterministic"], True), ([], False)):
-        monkeypatch.setattr("sys.argv", ["script.py", *flags])
         with pytest.raises(Asked) as asked:
-            script.main()
+            script.main(flags)
         assert asked.value.args == (expected,)
 
 
@@ -61,12 +57,11 @@ def test_deterministic_survives_accelerates_tf32_for_dynamo(monkeypatch, restore
     def stop(args):
         raise Asked(torch.backends.cuda.matmul.allow_tf32)
     monkeypatch.setattr(train_accelerate, "Accelerator", DynamoAccelerator)
-    monkeypatch.setattr(train_accelerate, "check_writable", stop)
-    monkeypatch.setattr("sys.argv", ["train_accelerate.py", "--deterministic"])
+    monkeypatch.setattr(train_accelerate, "lock_outputs", stop)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         with pytest.raises(Asked) as asked:
-            train_accelerate.main()
+            train_accelerate.main(["--deterministic"])
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert asked.value.args == (False,)

@@ -51,16 +51,16 @@ def test_the_places_of_a_run_are_ordered_as_every_rank_goes_through_them():
 
 
 def test_a_rank_stopped_with_sigstop_is_named_within_the_timeout(exact_data, tmp_path):
-    """Two DDP processes, a timeout of 30 s (the DIST_TIMEOUT_SECONDS test hook; --dist-timeout
-    counts minutes): rank 1 stops itself with SIGSTOP at its 3rd optimizer step; rank 0 waits for it
+    """Two DDP processes, a timeout of 30 s (--dist-timeout 0.5): rank 1 stops itself with SIGSTOP at
+    its 3rd optimizer step; rank 0 waits for it
     in the next step's gradient all-reduce and, before gloo's timeout, says which rank, where and
     how long ago, in one line, and ends; torchrun ends the job. The stopped process is killed at
     the end whatever happens."""
     stop_log = tmp_path / "stopped"
     env = {**os.environ, "PYTHONPATH": HOOKS, "PYTHONUNBUFFERED": "1", "STOP_AT_STEP": "3", "STOP_RANK": "1",
-           "STOP_LOG": str(stop_log), "DIST_TIMEOUT_SECONDS": str(TIMEOUT), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+           "STOP_LOG": str(stop_log), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     command = [*TORCHRUN, "train_ddp.py", "--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "1",
-               "--batch-size", str(B), *outputs(tmp_path / "out")]
+               "--batch-size", str(B), "--dist-timeout", str(TIMEOUT / 60), *outputs(tmp_path / "out")]
     with open(tmp_path / "stderr", "w") as stderr:
         launch = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                   stderr=stderr)

@@ -1,9 +1,17 @@
-"""The split and the samplers: the same global batches in every mode, each validation sample once."""
+"""The split and the scripts' loaders: the same global batches in every mode, each validation sample
+once, a resumed epoch's finished steps skipped without reading them."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import train_accelerate
+import train_ddp
+import train_single
 from src.errors import UserError
-from src.loaders import EpochSampler, make_loaders, split_indices
+from src.loaders import Data, check_batches, skip_first_batches, split_indices
+
+CPU = torch.device("cpu")
 
 
 def test_split_is_seeded_disjoint_and_complete():
@@ -20,28 +28,64 @@ def test_split_that_would_be_empty_is_refused(fraction, n):
         split_indices(n, fraction, seed=0)
 
 
-def _batches(n, batch_size, world_size, epoch, seed=7, accumulate=1):
-    """Per optimizer step, the set of dataset indices that all ranks together train on."""
-    data = [(torch.zeros(1), i) for i in range(n)]  # the label is the sample's index
+def _args(batch_size: int, seed: int = 7, accumulate: int = 1, workers: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(batch_size=batch_size, seed=seed, accumulate=accumulate, workers=workers, augment=False)
+
+
+def _data(n: int, dataset=None) -> Data:
+    """n training samples whose label is their index, and as many validation samples after them."""
+    dataset = dataset or [(torch.zeros(1), i) for i in range(2 * n)]
+    return Data(dataset, list(range(n)), list(range(n, 2 * n)), "")
+
+
+def epoch_loader(mode: str, data: Data, args, epoch: int, rank: int = 0, world_size: int = 1):
+    """The training loader that `mode`'s script makes, set for `epoch` as its loop sets it."""
+    if mode == "ddp":
+        loader = train_ddp.loaders(data.dataset, data, args, CPU, rank, world_size)[0]
+    else:
+        make = train_single.loaders if mode == "single" else train_accelerate.loaders
+        loader = make(data.dataset, data, args, CPU, *([world_size] if mode == "accelerate" else []))[0]
+    return set_epoch(mode, loader, args, epoch)
+
+
+def set_epoch(mode: str, loader, args, epoch: int):
+    """What the script's loop does to its training loader before an epoch's pass."""
+    if mode == "ddp":
+        loader.sampler.set_epoch(epoch)
+    else:
+        loader.sampler.generator.manual_seed(args.seed + epoch)
+    loader.dataset.set_epoch(epoch)
+    return loader
+
+
+def _steps(mode: str, n: int, batch_size: int, world_size: int, epoch: int, accumulate: int = 1) -> list[list[int]]:
+    """Per optimizer step of an epoch, the sorted dataset indices that all ranks together train on
+    (the micro-batches up to the epoch's last whole step, as src.progress hands them out)."""
+    data, args = _data(n), _args(batch_size, accumulate=accumulate)
+    steps = n // (batch_size * world_size * accumulate)
+    if mode == "accelerate":  # one loader of world_size x batch_size, cut by accelerate among the processes
+        loader = epoch_loader(mode, data, args, epoch, world_size=world_size)
+        micro = [labels.tolist() for _, labels, _ in loader][:steps * accumulate]
+        return [sorted(sum(micro[i:i + accumulate], [])) for i in range(0, len(micro), accumulate)]
     per_rank = []
     for rank in range(world_size):
-        loader, _ = make_loaders(data, list(range(n)), list(range(world_size)), batch_size, seed,
-                                 workers=0, rank=rank, world_size=world_size, accumulate=accumulate)
-        loader.sampler.set_epoch(epoch)
-        micro = [labels.tolist() for _, labels, _ in loader]
+        loader = epoch_loader(mode, data, args, epoch, rank, world_size)
+        micro = [labels.tolist() for _, labels, _ in loader][:steps * accumulate]
+        assert len(micro) == steps * accumulate  # every rank has its micro-batches of every step
         per_rank.append([sum(micro[i:i + accumulate], []) for i in range(0, len(micro), accumulate)])
-    assert len({len(batches) for batches in per_rank}) == 1
     return [sorted(sum(step, [])) for step in zip(*per_rank)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ddp_global_batches_equal_single_process_batches(world_size):
+def test_ddp_and_accelerate_global_batches_equal_the_single_process_batches(world_size):
     n, batch = 103, 5
     for epoch in range(3):
-        single = _batches(n, batch * world_size, 1, epoch)
-        assert _batches(n, batch, world_size, epoch) == single
-        assert len(single) == n // (batch * world_size)
-    assert _batches(n, batch, 1, 0) != _batches(n, batch, 1, 1), "reshuffled each epoch"
+        single = _steps("single", n, batch * world_size, 1, epoch)
+        assert len(single) == n // (batch * world_size) and all(len(step) == batch * world_size for step in single)
+        assert _steps("ddp", n, batch, world_size, epoch) == single
+        assert _steps("accelerate", n, batch, world_size, epoch) == single
+    assert _steps("single", n, batch, 1, 0) != _steps("single", n, batch, 1, 1), "reshuffled each epoch"
+    assert _steps("ddp", n, batch, 2, 0) != _steps("ddp", n, batch, 2, 1), "reshuffled each epoch"
 
 
 @pytest.mark.parametrize("world_size, accumulate", [(1, 4), (2, 2), (4, 1)])
@@ -49,74 +93,58 @@ def test_accumulation_takes_the_steps_of_more_processes(world_size, accumulate):
     """--accumulate N with W processes of B images: the steps of N * W processes."""
     n, batch = 103, 5
     for epoch in range(2):
-        steps = _batches(n, batch, world_size, epoch, accumulate=accumulate)
-        assert steps == _batches(n, batch * 4, 1, epoch)
+        steps = _steps("ddp", n, batch, world_size, epoch, accumulate=accumulate)
+        assert steps == _steps("single", n, batch * 4, 1, epoch)
+        assert steps == _steps("single", n, batch * world_size, 1, epoch, accumulate=accumulate)
         assert len(steps) == n // (batch * 4) and all(len(step) == batch * 4 for step in steps)
-
-
-def test_the_sampler_matches_distributed_samplers_order():
-    """Our sampler yields DistributedSampler's seeded permutation (and the epoch with each index)."""
-    from torch.utils.data import DistributedSampler
-    for rank in (0, 1):
-        ours = EpochSampler(103, 10, seed=7, rank=rank, world_size=2)
-        theirs = DistributedSampler(range(103), num_replicas=2, rank=rank, seed=7, drop_last=True)
-        for epoch in (0, 3):
-            ours.set_epoch(epoch)
-            theirs.set_epoch(epoch)
-            assert [(epoch, i) for i in list(theirs)[:len(ours)]] == list(ours)
 
 
 @pytest.mark.parametrize("n, world_size", [(101, 2), (101, 3), (7, 4), (5, 5)])
 def test_validation_shards_cover_every_sample_once(n, world_size):
-    """The validation loaders make_loaders gives each rank: together every validation sample,
-    each once (no padding, which would count a sample twice), whatever the number of ranks."""
-    data = [(torch.zeros(1), i) for i in range(2 * n)]  # the label is the sample's index
-    val_idx = list(range(n, 2 * n))
+    """The validation loaders train_ddp.py gives each rank: together every validation sample, each
+    once (no padding, which would count a sample twice), whatever the number of ranks."""
+    data = _data(n)
     seen = []
     for rank in range(world_size):
-        _, val_loader = make_loaders(data, list(range(n)), val_idx, 1, 0, 0, rank=rank, world_size=world_size)
+        val_loader = train_ddp.loaders(data.dataset, data, _args(1), CPU, rank, world_size)[1]
         seen += [label for _, labels in val_loader for label in labels.tolist()]
-    assert sorted(seen) == val_idx
+    assert sorted(seen) == data.val_idx
 
 
 def test_too_large_a_batch_or_too_many_processes():
-    data = [(torch.zeros(1), i) for i in range(10)]
+    data = Data([(torch.zeros(1), i) for i in range(10)], list(range(10)), [0, 1], "")
     with pytest.raises(UserError, match="--batch-size 6 x 2 process"):
-        make_loaders(data, list(range(10)), [0, 1], 6, 0, 0, rank=0, world_size=2)
-    # Every rank checks before any collective (so none waits for the others); rank 0 alone says it.
-    for rank in range(3):
-        with pytest.raises(UserError, match="3 processes but only 2 validation images") as error:
-            make_loaders(data, list(range(8)), [8, 9], 1, 0, 0, rank=rank, world_size=3)
-        assert error.value.quiet == (rank != 0)
+        check_batches(data, _args(6), 2)
+    with pytest.raises(UserError, match=r"--batch-size 3 x 2 process\(es\) x 2 \(--accumulate\) = 12"):
+        check_batches(data, _args(3, accumulate=2), 2)
+    with pytest.raises(UserError, match="3 processes but only 2 validation images"):
+        check_batches(data, _args(1), 3)
 
 
-@pytest.mark.parametrize("world_size, accumulate", [(1, 1), (2, 2), (3, 1)])
-def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(world_size, accumulate):
-    """start_at(k) after set_epoch: each rank's loader hands out what an uninterrupted epoch hands
-    out after its k-th optimizer step, and the data set reads none of the samples before; accelerate
-    sets the same epoch again as its loader begins (kept), the next epoch starts from its first step."""
+@pytest.mark.parametrize("mode, world_size, accumulate", [("single", 1, 1), ("ddp", 2, 2), ("ddp", 3, 1)])
+def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(mode, world_size, accumulate):
+    """skip_first_batches(loader, k x --accumulate): each rank's loader hands out what an
+    uninterrupted epoch hands out after its k-th optimizer step, and the data set reads none of
+    the samples before; the next epoch's loader starts from its first step."""
     n, batch, k = 103, 5, 2
     reads = []
 
     class Counted(torch.utils.data.Dataset):
         def __len__(self):
-            return n
+            return 2 * n
 
         def __getitem__(self, index):
             reads.append(index)
             return torch.zeros(1), index
 
+    data = _data(n, Counted())
     for rank in range(world_size):
-        loader, _ = make_loaders(Counted(), list(range(n)), list(range(world_size)), batch, 7, workers=0, rank=rank,
-                                 world_size=world_size, accumulate=accumulate)
-        loader.sampler.set_epoch(3)
+        args = _args(batch, accumulate=accumulate)
+        loader = epoch_loader(mode, data, args, 3, rank, world_size)
         whole = [labels.tolist() for _, labels, _ in loader]
         reads.clear()
-        loader.sampler.set_epoch(3)
-        loader.sampler.start_at(k)
-        loader.sampler.set_epoch(3)
-        assert len(loader) == len(whole) - k * accumulate
-        assert [labels.tolist() for _, labels, _ in loader] == whole[k * accumulate:]
+        skipped = skip_first_batches(set_epoch(mode, loader, args, 3), k * accumulate)
+        assert len(skipped) == len(whole) - k * accumulate
+        assert [labels.tolist() for _, labels, _ in skipped] == whole[k * accumulate:]
         assert sorted(reads) == sorted(sum(whole[k * accumulate:], []))
-        loader.sampler.set_epoch(4)
-        assert len(loader) == len(whole)
+        assert skip_first_batches(loader, 0) is loader

@@ -17,14 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import fails_in_process
+from conftest import fails_in_process, script_loader, script_pass, shard_as_train_fsdp
 from torch.distributed.tensor import DTensor
 
 from src.cli import parse_args
 from src.data_parallel import AutocastDataParallel
 from src.freeze import set_frozen
-from src.loaders import make_loaders
-from src.progress import Progress
 from src.recipe import make_optimizer, make_schedule
 
 N, LR = 8, 0.1
@@ -57,36 +55,34 @@ def script_step(script: str, model: nn.Module, *argv: str, frozen: bool = False,
     args = parse_args("", ["--lr", str(LR), "--workers", "0", "--log-every", "1000", *argv])
     args.batch_size = N // args.accumulate
     images, labels = _batch()
-    loader, _ = make_loaders([(images[i], int(labels[i])) for i in range(N)], list(range(N)), [0],
-                             args.batch_size, 0, 0, accumulate=args.accumulate)
+    dataset = [(images[i], int(labels[i])) for i in range(N)]
+    module = importlib.import_module(f"train_{script}")
     device = torch.device("cpu")
     optimizer = make_optimizer(model, args, device)
     schedule = make_schedule(optimizer, args, 1)
-    progress = Progress(args, optimizer, 1, args.batch_size, device)
-    train_epoch = importlib.import_module(f"train_{script}").train_epoch
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")  # as the scripts make it
     if script == "single":
-        train_epoch(model, progress.pass_over(loader, "test", 0), device, args, optimizer, scaler, schedule, frozen)
+        script_pass(module, model, script_loader(module, dataset, args), args, optimizer, scaler, schedule, frozen=frozen)
     elif script == "dp":
-        train_epoch(AutocastDataParallel(model), progress.pass_over(loader, "test", 0), device, args, optimizer, scaler,
-                    schedule, frozen)
+        script_pass(module, AutocastDataParallel(model), script_loader(module, dataset, args), args, optimizer, scaler,
+                    schedule, model=model, frozen=frozen)
     elif script == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            train_epoch(DDP(model), progress.pass_over(loader, "test", 0), device, args, optimizer, scaler,
-                        schedule, frozen)
+            script_pass(module, DDP(model), script_loader(module, dataset, args), args, optimizer, scaler, schedule,
+                        model=model, frozen=frozen)
         finally:
             dist.destroy_process_group()
     elif script == "fsdp":  # a world of one: the script's own steps on the sharded model
-        from src.fsdp import shard_model
         plain = copy.deepcopy(model)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            shard_model(model, device)  # before the optimizer, as the script does
+            shard_as_train_fsdp(model, device)  # before the optimizer, as the script does
             optimizer = make_optimizer(model, args, device)
             schedule = make_schedule(optimizer, args, 1)
-            train_epoch(model, progress.pass_over(loader, "test", 0), device, args, optimizer, scaler, schedule, frozen)
+            script_pass(module, model, script_loader(module, dataset, args), args, optimizer, scaler, schedule,
+                        frozen=frozen)
             plain.load_state_dict({key: value.full_tensor() if isinstance(value, DTensor) else value
                                    for key, value in model.state_dict().items()})
         finally:
@@ -100,10 +96,11 @@ def script_step(script: str, model: nn.Module, *argv: str, frozen: bool = False,
                                   mixed_precision=mixed_precision,
                                   dataloader_config=DataLoaderConfiguration(split_batches=True))
         try:
+            loader = script_loader(module, dataset, args)
             net, loader = accelerator.prepare(model, loader)
-            optimizer = accelerator.prepare(optimizer)
-            train_epoch(accelerator, net, progress.pass_over(loader, "test", 0), device, args, optimizer,
-                        schedule, frozen)
+            prepared = accelerator.prepare(optimizer)
+            script_pass(module, net, loader, args, prepared, accelerator.scaler, schedule, model=model,
+                        frozen=frozen, accelerator=accelerator)
         finally:
             AcceleratorState._reset_state(True)  # the next Accelerator() starts from nothing
             GradientState._reset_state()

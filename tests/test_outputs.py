@@ -21,10 +21,11 @@ import pytest
 import torch
 from conftest import ROOT, TINY, fails_in_process, history, in_process, outputs, run
 
+import train_ddp
 import train_dp
 import train_single
 from src.cli import parse_args
-from src.outputs import check_writable
+from src.outputs import lock_outputs
 from src.tools import export, predict, prepare, synthetic
 
 
@@ -209,14 +210,12 @@ def _holder(folder: Path, fork: bool = False) -> tuple[subprocess.Popen, int | N
 
 
 def _lock_is_free(folder: Path) -> bool:
-    from src import outputs as run_lock
+    from src.outputs import hold
     try:
-        run_lock.hold(folder)
+        hold(folder).release()
         return True
     except Exception:
         return False
-    finally:
-        run_lock.release()
 
 
 @pytest.mark.parametrize("main", [train_single.main, train_dp.main])
@@ -279,9 +278,9 @@ def test_the_lock_goes_with_the_process_however_it_ends(tmp_path):
 
 def test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told(tiny_data, tmp_path, monkeypatch, capsys):
     """A run at val acc 0.90 was silently replaced by a --lr 0 run. The line says what the folder
-    holds and both ways on; --resume, --overwrite and torchrun's restarted workers (which resume
-    on their own) pass; --overwrite replaces the files."""
-    from src.outputs import release
+    holds and both ways on; --overwrite and torchrun's restarted workers (which resume on their
+    own) pass, --resume too where there is a last.pth to go on from (not here: it says so);
+    --overwrite replaces the files."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "best.pth").write_bytes(b"an earlier run's model")
@@ -292,11 +291,14 @@ def test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told(tiny_data,
                  "--resume to continue that run, --overwrite to replace it, or another --checkpoint")
     _train_fails([*argv, "--resume", "--overwrite"], monkeypatch, capsys, "pass one of them")
     assert (out / "best.pth").read_bytes() == b"an earlier run's model"
-    for flags, restarts in ((["--overwrite"], "0"), (["--resume"], "0"), ([], "1")):
+    for flags, restarts in ((["--overwrite"], "0"), ([], "1")):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
-        check_writable(parse_args("", [*TINY, *argv, *flags]))
-        release()
+        with lock_outputs(parse_args("", [*TINY, *argv, *flags])):
+            pass
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    _train_fails([*argv, "--resume"], monkeypatch, capsys,
+                 f"--resume: {out} holds no last.pth to go on from, only the files of an earlier run (best.pth, "
+                 "history.json of 3 epoch(s)): pass --overwrite to start a new run there")
     code, _, err = in_process(train_single.main, [*TINY, *argv, "--overwrite"], monkeypatch, capsys)
     assert code == 0, err
     assert [r["epoch"] for r in history(out)] == [1] and "features.0.weight" in torch.load(out / "best.pth")
@@ -307,15 +309,14 @@ def test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_anoth
     """"Inside --data-dir's train/" is a path below that folder, not any path that starts with its
     name (train_curves.png, trainings/); two names of one file (a hard link: the test's stand-in
     for a bind mount) are one output."""
-    from src.outputs import release
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     for plot, checkpoint in ((data / "train_curves.png", data / "trainings" / "best.pth"),
                              (data / "train.png", tmp_path / "out" / "best.pth")):
         checkpoint.parent.mkdir(exist_ok=True)
-        check_writable(parse_args("", [*TINY, "--data-dir", str(data), "--plot", str(plot), "--checkpoint",
-                                       str(checkpoint)]))
-        release()
+        with lock_outputs(parse_args("", [*TINY, "--data-dir", str(data), "--plot", str(plot), "--checkpoint",
+                                          str(checkpoint)])):
+            pass
     out = tmp_path / "other"
     out.mkdir()
     (out / "best.pth").write_bytes(b"an earlier run's model")
@@ -324,23 +325,22 @@ def test_an_output_beside_the_inputs_is_not_inside_them_and_a_hard_link_of_anoth
                  monkeypatch, capsys, f"--plot {tmp_path / 'curves.png'} is also where --checkpoint writes")
 
 
-def test_a_new_hold_lets_go_of_the_folder_held_before(tmp_path):
+def test_a_run_lets_go_of_its_folder_when_it_ends(tmp_path):
     """A process that trains twice (one run after the other, as a notebook or these tests do)
-    holds the second run's folder only: another process may take the first one's."""
-    from src import outputs as run_lock
+    holds each run's folder for that run only: once its block has ended another process may take
+    the first one, while the second is held."""
+    from src.outputs import hold
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    try:
-        run_lock.hold(first)
-        run_lock.hold(second)
+    with hold(first):
+        pass
+    with hold(second):
         take = "import sys; from pathlib import Path; from src.outputs import hold; hold(Path(sys.argv[1]))"
         taken = [subprocess.run([sys.executable, "-c", take, str(folder)], cwd=ROOT, capture_output=True, text=True)
                  for folder in (first, second)]
         assert taken[0].returncode == 0, taken[0].stderr
         assert taken[1].returncode != 0 and "is in use by another run" in taken[1].stderr
-    finally:
-        run_lock.release()
 
 
 def test_a_run_stopped_in_its_first_epoch_is_not_replaced_unless_told(tiny_data, tmp_path, monkeypatch, capsys):
@@ -396,3 +396,29 @@ def test_synthetic_writes_only_where_it_may(tmp_path, tmpfs, monkeypatch, capsys
     disk = tmpfs("disk", "size=64k")
     fails(disk / "set", f"cannot write the synthetic set to {disk / 'set'} (No space left on device)",
           "--train", "200", "--size", "64")
+
+
+def test_overwrite_removes_the_earlier_runs_last_pth_before_any_work(tiny_data, tmp_path, monkeypatch):
+    """--overwrite replaces an earlier run: its last.pth goes at the start, so that a torchrun restart
+    of the new run (which resumes from last.pth without being asked) cannot resume the old one; the
+    earlier best.pth and history stay until the new run's first epoch replaces them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("best.pth", "last.pth", "history.json"):
+        (out / name).write_bytes(b"an earlier run's " + name.encode())
+    with lock_outputs(parse_args("", [*TINY, "--data-dir", str(tiny_data), *outputs(out), "--overwrite"])):
+        pass
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == ["best.pth", "history.json"]
+
+
+def test_launcher_variables_in_part_are_one_line(exact_data, tmp_path, monkeypatch, capsys):
+    """RANK and WORLD_SIZE without LOCAL_RANK and the rest (what some cluster launchers give a plain
+    `python train_ddp.py`, or a leftover `export RANK=0`) ended in a KeyError traceback."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    _train_fails(["--data-dir", str(exact_data), *outputs(tmp_path)], monkeypatch, capsys,
+                 "RANK, WORLD_SIZE set in the environment but not LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+                 "MASTER_PORT: launch with torchrun", main=train_ddp.main)
+    assert not any(tmp_path.iterdir())

@@ -7,13 +7,15 @@ Each share is checked against its expected value within 6 standard deviations of
 or uniform draw it is (a false alarm about once in 10^8 runs); the draws are seeded, so a run
 that passes passes every time."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import train_ddp
 from src.augment import crop_params
-from src.loaders import EpochSampler, split_indices
+from src.loaders import Data, split_indices
 
 SIZE = 224  # at 224 px the rounding of a crop's sides moves its area by < 1 %
 N = 4000
@@ -81,18 +83,22 @@ def test_augmentation_draws_anew_each_epoch_and_for_each_seed():
 
 
 def test_training_order_is_a_new_uniform_permutation_each_epoch_on_every_rank():
-    """EpochSampler over 300 epochs of 10 samples, 2 ranks, batches of 2 per rank: each sample is a
-    rank's first draw as often as any other, each rank's share changes from epoch to epoch (a
-    sample stays on its rank half of the time), and the ranks' shares are disjoint."""
+    """train_ddp.py's sampler over 300 epochs of 10 samples, 2 ranks, batches of 2 per rank (an
+    epoch's 2 optimizer steps take 4 samples of each rank's): each sample is a rank's first draw
+    as often as any other, each rank's share changes from epoch to epoch (a sample stays on its
+    rank half of the time), and the ranks' shares are disjoint."""
     epochs, n = 300, 10
     firsts = np.zeros((2, n))
     same_rank, before = 0, None
+    args = SimpleNamespace(batch_size=2, seed=5, workers=0, augment=False, accumulate=1)
+    dataset = [(torch.zeros(1), i) for i in range(n + 2)]
+    data = Data(dataset, list(range(n)), [n, n + 1], "")
+    samplers = [train_ddp.loaders(dataset, data, args, torch.device("cpu"), rank, 2)[0].sampler for rank in (0, 1)]
     for epoch in range(epochs):
         shares = []
         for rank in (0, 1):
-            sampler = EpochSampler(n, 4, seed=5, rank=rank, world_size=2)
-            sampler.set_epoch(epoch)
-            shares.append([index for _, index in sampler])
+            samplers[rank].set_epoch(epoch)
+            shares.append(list(samplers[rank])[:4])
             firsts[rank, shares[-1][0]] += 1
         assert not set(shares[0]) & set(shares[1]) and len(shares[0]) == len(shares[1]) == 4
         if before is not None:

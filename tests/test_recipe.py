@@ -3,6 +3,7 @@ and cosine schedule, weight decay, label smoothing, clipping and gradient accumu
 once over two epochs; each flag's effect and its bad values."""
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,14 +23,17 @@ from conftest import (
     last_model,
     python,
     recipe_run,
+    script_loader,
+    script_pass,
     weights,
 )
 from torch.utils.data import TensorDataset
 
-from src.augment import augment, crop_params
+import train_ddp
+import train_single
+from src.augment import TrainSplit, augment, crop_params
 from src.cli import parse_args
 from src.history import best_record
-from src.loaders import TrainSplit, make_loaders
 from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
 
 
@@ -82,19 +86,22 @@ BEST_SO_FAR = {"val_acc": [1, 2, 2, 4], "val_log_loss": [1, 1, 3, 3]}
 def test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by(best_by, tmp_path):
     """save_epoch over a history written by hand: best.pth and best.json hold the epoch that
     --best-by picks, rewritten only when an epoch beats it; last.pth is every epoch's."""
-    from src.checkpoint import save_epoch
+    from src.ema import WeightAverage
+    from src.state import TrainingState
     args = parse_args("", ["--checkpoint", str(tmp_path / "best.pth"), "--plot", str(tmp_path / "curves.png"),
                            "--best-by", best_by])
     model = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = make_schedule(optimizer, args, 1)
-    records, told = [], []
+    state = TrainingState(args, {"arch": "test"}, model, optimizer, None, schedule,
+                          WeightAverage(model, optimizer, None), 1)
+    told = []
     for epoch, (acc, log_loss) in enumerate(SCORES, 1):
-        records.append({"epoch": epoch, "train_loss": 0.5, "train_acc": 0.5, "val_loss": log_loss,
-                        "val_acc": acc, "val_log_loss": log_loss})
+        record = {"epoch": epoch, "train_loss": 0.5, "train_acc": 0.5, "val_loss": log_loss,
+                  "val_acc": acc, "val_log_loss": log_loss}
         with torch.no_grad():
             model.weight.fill_(epoch)  # the weights say which epoch wrote them
-        told.append(save_epoch(args, records, model, optimizer, None, schedule, {"arch": "test"}))
+        told.append(state.save_epoch(record))
         best = BEST_SO_FAR[best_by][epoch - 1]
         assert torch.equal(torch.load(tmp_path / "best.pth", weights_only=True)["weight"], torch.full((2, 2), best))
         assert json.loads((tmp_path / "best.json").read_text())["epoch"] == best
@@ -152,8 +159,6 @@ def test_resume_in_the_middle_of_the_schedule_equals_the_straight_run(exact_data
 # In-process: each flag changes what train_single.py's loop does.
 
 def _train_one_epoch(**flags) -> dict:
-    import train_single
-    from src.progress import Progress
     argv = ["--lr", "0.1", "--batch-size", "4"]
     for name, value in flags.items():
         argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
@@ -162,16 +167,13 @@ def _train_one_epoch(**flags) -> dict:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     data = TensorDataset(torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8), torch.arange(32) % 2)
     dataset = [(image, int(label)) for image, label in data]
-    loader, _ = make_loaders(dataset, list(range(32)), [0], args.batch_size, 0, 0,
-                             accumulate=args.accumulate, augment=args.augment)
     device = torch.device("cpu")
     optimizer = make_optimizer(model, args, device)
     steps = steps_per_epoch(32, args.batch_size * args.accumulate)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    progress = Progress(args, optimizer, steps, args.batch_size, device)
-    loader.sampler.set_epoch(0)
-    train_single.train_epoch(model, progress.pass_over(loader, "test", 0), device, args, optimizer, scaler, schedule)
+    script_pass(train_single, model, script_loader(train_single, dataset, args), args, optimizer, scaler, schedule,
+                steps=steps)
     return {**model.state_dict(), "steps": torch.tensor(schedule.last_epoch)}
 
 
@@ -207,11 +209,11 @@ def test_one_samples_augmentation_is_the_same_whatever_the_workers_or_the_rank()
     dataset = [(images[i], i % 2) for i in range(24)]
 
     def seen(workers, rank, world, epoch):
-        loader, _ = make_loaders(dataset, list(range(24)), [0, 1], 4, 7, workers, rank, world, augment=True)
-        loader.sampler.set_epoch(epoch)
+        args = SimpleNamespace(batch_size=4, seed=7, workers=workers, augment=True, accumulate=1)
+        loader = script_loader(train_ddp, dataset, args, epoch, rank, world, val_idx=[0, 1])
         split = loader.dataset
-        return {split.indices[position]: image for batch_keys, (batch, _, _) in
-                zip(_batches(loader.sampler, 4), loader) for (_, position), image in zip(batch_keys, batch)}
+        return {split.indices[position]: image for batch_positions, (batch, _, _) in
+                zip(_batches(loader.sampler, 4), loader) for position, image in zip(batch_positions, batch)}
 
     one = seen(0, 0, 1, 3)
     assert len(one) == 24
@@ -232,8 +234,9 @@ def _batches(sampler, size):
 
 def test_train_split_without_augment_is_the_plain_image():
     images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
-    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3], seed=1)
-    assert torch.equal(split[(5, 1)][0], images[3])
+    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3], SimpleNamespace(seed=1, augment=False))
+    split.set_epoch(5)
+    assert torch.equal(split[1][0], images[3])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -271,8 +274,6 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step():
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import train_ddp
-    from src.progress import Progress
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         args = parse_args("", ["--batch-size", "4", "--accumulate", "2", "--log-every", "1000"])
@@ -287,13 +288,11 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step():
             return done
         ddp.register_comm_hook(None, count)
         dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), i % 2) for i in range(16)]
-        loader, _ = make_loaders(dataset, list(range(16)), [0], 4, 0, 0, accumulate=2)
         device = torch.device("cpu")
         optimizer = make_optimizer(ddp, args, device)
         schedule = make_schedule(optimizer, args, 2)
-        loader.sampler.set_epoch(0)
-        loader_pass = Progress(args, optimizer, 2, 4, device).pass_over(loader, "test", 0)
-        train_ddp.train_epoch(ddp, loader_pass, device, args, optimizer, torch.amp.GradScaler("cpu", enabled=False), schedule)
+        script_pass(train_ddp, ddp, script_loader(train_ddp, dataset, args), args, optimizer,
+                    torch.amp.GradScaler("cpu", enabled=False), schedule, model=ddp.module)
         assert schedule.last_epoch == 2  # 4 micro-batches, 2 optimizer steps
         assert all_reduces == [0, 0], "one bucket, all-reduced once per step"
     finally:

@@ -4,6 +4,7 @@ found during training. DDP's --resume on nodes without a shared disk: test_modes
 signals under torchrun, step checkpoints in every mode: test_stopping.py."""
 import shlex
 import shutil
+import sys
 import time
 from argparse import Namespace
 
@@ -160,7 +161,7 @@ def test_resume_refuses_another_run(change, message, runs, tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     with pytest.raises(UserError) as caught:
-        checkpoint.resume(args, info, model, optimizer, None, schedule)
+        checkpoint.load_last(args, info, model, optimizer, None, schedule)
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -261,3 +262,21 @@ def test_image_that_turns_unreadable_during_training(exact_data, tmp_path, monke
                                                 *outputs(tmp_path / "out"), "--workers", "1"],
                             monkeypatch, capsys, "error: cannot read image")
     assert names[5] in last and "src.tools.prepare" in last
+
+
+def test_the_loader_workers_end_with_a_killed_training_process(exact_data, tmp_path):
+    """SIGKILL of train_single.py in its 2nd step, with a loader worker: the worker (a child of the
+    fork server, not of the training process) and the fork server end with it, so nothing is left
+    holding the output that the user's shell or launcher waits on (the command's pipes here: run()
+    returns once every holder has closed them)."""
+    kill_log = tmp_path / "killed"
+    start = time.time()
+    result = run([sys.executable, "train_single.py", *_flags(exact_data, tmp_path / "out", 2 * B, 1)],
+                 env={"PYTHONPATH": HOOKS, "KILL_AT_STEP": "2", "KILL_RANK": "0", "KILL_LOG": str(kill_log)},
+                 timeout=120)
+    ended = time.time()
+    assert result.returncode == -9, result.stderr[-3000:]
+    killed = float(kill_log.read_text())
+    # The worker's watch wakes when the process ends (a pidfd; else it looks every second): the
+    # pipes close at once, not after the test's timeout. 30 s covers a loaded machine.
+    assert start < killed and ended - killed < 30

@@ -15,7 +15,7 @@ from src.recipe import make_optimizer, make_schedule
 
 
 def _resume(out, flags: list[str]):
-    """checkpoint.resume() with `flags` into a model, optimizer, schedule and weight average made as
+    """checkpoint.load_last() with `flags` into a model, optimizer, schedule and weight average made as
     the scripts make them; returns (history, what it printed)."""
     args = parse_args("", [*flags, "--checkpoint", str(out / "best.pth"), "--plot", str(out / "curves.png")])
     saved = weights(out, "last.pth")["info"]
@@ -24,8 +24,8 @@ def _resume(out, flags: list[str]):
     model = build_model(args.arch, args.weights, args.dropout)
     optimizer = make_optimizer(model, args, torch.device("cpu"))
     schedule = make_schedule(optimizer, args, 5)
-    return checkpoint.resume(args, info, model, optimizer, None, schedule,
-                             WeightAverage(model, optimizer, args.ema_decay))
+    return checkpoint.load_last(args, info, model, optimizer, None, schedule,
+                                WeightAverage(model, optimizer, args.ema_decay)).history
 
 
 @pytest.mark.parametrize("epochs, said", [(2, "after epoch 2 of 2: nothing left to train"),

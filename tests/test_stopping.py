@@ -31,6 +31,8 @@ from conftest import (
     resumable_run,
     run,
     same_end,
+    script_loader,
+    script_pass,
     stop_line,
     weights,
 )
@@ -38,13 +40,12 @@ from conftest import (
 import train_dp
 import train_single
 from src.cli import parse_args
+from src.ema import WeightAverage
 from src.errors import Stopped
-from src.loaders import make_loaders
 from src.metrics import COUNT
-from src.progress import Progress
 from src.ranks import restarted
 from src.recipe import make_optimizer, make_schedule
-from src.stopping import Stops
+from src.state import TrainingState
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
 # torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
@@ -191,21 +192,21 @@ def test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job(monkeypatch):
         assert restarted() is expected, (torchrun, slurm)
 
 
-def _tiny_run(args, stops_save, signal_at: int | None):
-    """train_single.train_epoch over 48 images of a tiny model, with a Stops; SIGTERM to this
-    process as micro-batch `signal_at` (from 0) is handed out."""
+def _tiny_run(args, saved: list, signal_at: int | None):
+    """train_single.train_epoch over 48 images of a tiny model, inside the training state's stop
+    signals, its step checkpoints recorded in `saved` as (epoch, step, the sums) instead of written;
+    SIGTERM to this process as micro-batch `signal_at` (from 0) is handed out."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(48)]
-    loader, _ = make_loaders(dataset, list(range(48)), [0], args.batch_size, 0, 0, accumulate=args.accumulate)
+    loader = script_loader(train_single, dataset, args)
     device = torch.device("cpu")
     optimizer = make_optimizer(model, args, device)
     steps = 48 // (args.batch_size * args.accumulate)
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    progress = Progress(args, optimizer, steps, args.batch_size, device)
-    progress.stops = Stops(args, [], stops_save)
-    loader.sampler.set_epoch(0)
+    state = TrainingState(args, {}, model, optimizer, scaler, schedule, WeightAverage(model, optimizer, None), steps)
+    state.save_step = lambda sums: saved.append((state.epoch, state.step, sums.clone()))
 
     class Signalling:
         def __len__(self):
@@ -216,8 +217,8 @@ def _tiny_run(args, stops_save, signal_at: int | None):
                 if i == signal_at:
                     os.kill(os.getpid(), signal.SIGTERM)
                 yield batch
-    train_single.train_epoch(model, progress.pass_over(Signalling(), "test", 0), device, args, optimizer, scaler,
-                             schedule)
+    with state.stop_signals():
+        script_pass(train_single, model, Signalling(), args, optimizer, scaler, schedule, state=state)
     return schedule
 
 
@@ -228,12 +229,12 @@ def test_a_signal_between_micro_batches_stops_after_the_optimizer_step(stop_sign
     args = parse_args("", ["--batch-size", "4", "--accumulate", "3", *outputs(tmp_path)])
     saved = []
     with pytest.raises(Stopped):
-        _tiny_run(args, saved.append, signal_at=4)
-    assert [(p["epoch"], p["step"]) for p in saved] == [(0, 2)] and saved[0]["sums"][0, COUNT] == 24
+        _tiny_run(args, saved, signal_at=4)
+    assert [(epoch, step) for epoch, step, _ in saved] == [(0, 2)] and saved[0][2][COUNT] == 24
     args = parse_args("", ["--batch-size", "4", "--accumulate", "1", "--save-every-steps", "5", *outputs(tmp_path)])
     saved.clear()
-    schedule = _tiny_run(args, saved.append, signal_at=None)
-    assert schedule.last_epoch == 12 and [p["step"] for p in saved] == [5, 10]
+    schedule = _tiny_run(args, saved, signal_at=None)
+    assert schedule.last_epoch == 12 and [step for _, step, _ in saved] == [5, 10]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -33,8 +33,8 @@ import torch.nn as nn
 import torchvision
 from conftest import HOOKS, TINY, outputs, read_predictions, write_checkpoint
 
+from src.errors import end_process_group
 from src.metrics import batch_sums
-from src.process_group import end_process_group
 
 VAL_FRACTION = "0.225"  # tiny_data's 40 images: 31 train, 9 validation (4 on rank 0, 5 on rank 1)
 FLAGS = [*TINY, "--batch-size", "4", "--val-fraction", VAL_FRACTION, "--epochs", "2"]
@@ -132,28 +132,33 @@ def fsdp_validation(rank: int, folder: Path, data: Path):
     """A sharded model of odd sizes (its shards uneven: 3 rows on rank 0, 2 on rank 1) validates
     9 samples in batches of 2 (4 on rank 0: 2 batches, 5 on rank 1: 3), then its whole state is
     gathered onto rank 0."""
+    from conftest import shard_as_train_fsdp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     import train_fsdp
     from src.cli import parse_args
     from src.ema import WeightAverage
-    from src.fsdp import gather_state, shard_model
-    from src.loaders import make_loaders
+    from src.loaders import Data
     from src.progress import Progress
     from src.recipe import make_optimizer
+    from src.state import TrainingState
     _plain_group(rank)
     model, inputs, labels = _odd_model_and_samples()
     forwards = []
     model.register_forward_hook(lambda module, args, output: forwards.append(len(args[0])))
-    shard_model(model, torch.device("cpu"))
-    args = parse_args("", ["--workers", "0", "--log-every", "1000"])
+    shard_as_train_fsdp(model)
+    args = parse_args("", ["--workers", "0", "--log-every", "1000", "--batch-size", "2"])
     dataset = [(inputs[i], int(labels[i])) for i in range(len(inputs))]
-    _, val_loader = make_loaders(dataset, list(range(len(inputs))), list(range(len(inputs))), 2, 0, 0, rank, 2)
+    data = Data(dataset, list(range(len(inputs))), list(range(len(inputs))), "")
+    val_loader = train_fsdp.loaders(dataset, data, args, torch.device("cpu"), rank, 2)[1]
     optimizer = make_optimizer(model, args, torch.device("cpu"))
-    progress = Progress(args, optimizer, 1, 2, torch.device("cpu"))
-    sums = train_fsdp.evaluate(model, progress.pass_over(val_loader, "val"), torch.device("cpu"), args)
+    state = TrainingState(args, {}, model, optimizer, None, None, WeightAverage(model, optimizer, None), 1)
+    sums = train_fsdp.evaluate(model, val_loader, "val", Progress(args, state, 2, torch.device("cpu")), args,
+                               torch.device("cpu"))
     shapes = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
-    whole = gather_state(model, optimizer, WeightAverage(model, optimizer, None))
-    return {"forwards": forwards, "sums": sums, "shapes": shapes,
-            "state": whole.model.state_dict() if rank == 0 else None}
+    # what train_fsdp.py gathers for best.pth
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"forwards": forwards, "sums": sums, "shapes": shapes, "state": whole if rank == 0 else None}
 
 
 def _odd_model_and_samples() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -169,7 +174,7 @@ def restart(rank: int, folder: Path, data: Path):
     reduces and ends; in attempt 1 rank 0 joins the same store at once and rank 1 RESTART_DELAY s
     after it, as a restarted worker may (with the dead attempt's keys in reach, rank 0 would take
     rank 1's old address and fail to connect), and they reduce again."""
-    from src.process_group import join_process_group
+    from src.process_group import torchrun_store
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store at MASTER_PORT is the agent's (the test's)
     os.environ["MASTER_PORT"] = os.environ["AGENT_PORT"]
     done, joining = [], folder / "attempt1.rank0"
@@ -181,7 +186,8 @@ def restart(rank: int, folder: Path, data: Path):
             while not joining.exists():
                 time.sleep(0.05)
             time.sleep(RESTART_DELAY)
-        join_process_group(SimpleNamespace(dist_timeout=1, amp="no", deterministic=False))
+        store, rank_, world_size = torchrun_store(SimpleNamespace(dist_timeout=1))  # as train_ddp.py joins
+        dist.init_process_group("gloo", store=store, rank=rank_, world_size=world_size)
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
         done.append(total.item())

@@ -41,12 +41,13 @@ from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.devices import (
     configure_numerics,  # noqa: E402
+    default_workers,  # noqa: E402
     hardware,
 )
 from src.dropout import set_samples, units  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
-from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
+from src.loaders import Data, labelled_images, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
 from src.outputs import atomic_write_text  # noqa: E402
 from src.profiling import FIGURES  # noqa: E402
@@ -198,6 +199,18 @@ def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batc
     return None if features is None else (len(images), seconds)
 
 
+def training_loader(dataset, batch: int, workers: int, augment: bool = False):
+    """train_single.py's training loader over 80% of `dataset` (seed 42), set for epoch 0."""
+    from train_single import loaders  # the script's own: what is measured is what it loads
+    train_idx, val_idx = split_indices(len(dataset), 0.2, 42)
+    args = argparse.Namespace(batch_size=batch, seed=42, workers=workers, augment=augment)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loader = loaders(dataset, Data(dataset, train_idx, val_idx, ""), args, device)[0]
+    loader.sampler.generator.manual_seed(42)
+    loader.dataset.set_epoch(0)
+    return loader
+
+
 def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool = False,
                  max_batches: int = 40) -> float:
     """Images/s the training loader delivers (one process; default workers unless given).
@@ -211,10 +224,7 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
     the same stay in step, a round arriving at once).
     """
     workers = default_workers() if workers is None else workers
-    train_idx, val_idx = split_indices(len(dataset), 0.2, 42)
-    loader, _ = make_loaders(dataset, train_idx, val_idx, batch, 42, workers,
-                             pin_memory=torch.cuda.is_available(), augment=augment)
-    loader.sampler.set_epoch(0)
+    loader = training_loader(dataset, batch, workers, augment)
     depth = (loader.prefetch_factor or 0) * workers
     counted = -(-max_batches // max(workers, 1)) * max(workers, 1)
     arrivals = []  # (time, images) of each batch as it arrives
@@ -422,8 +432,8 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     return markdown
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -231,8 +231,8 @@ def write_outputs(rows: dict[str, dict], histories: dict[str, list[dict]], args,
     return markdown
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     start = time.perf_counter()
     try:
         args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,7 @@ def export(checkpoint: Path, output: Path, image_paths: list[Path], count: int) 
     print(line)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("model/best.pth"),
                         help="best.pth, with its best.json beside it")
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--images", type=Path, nargs="+", default=[Path("data")],
                         help="image files or folders to check the export on")
     parser.add_argument("--check", type=at_least(1), default=16, help="how many images to check it on")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401

@@ -192,30 +192,32 @@ def predict_torch(args, files: list[Path] | None) -> Predictions | None:
     """With the checkpoint and torch, the files (None: Kaggle's test images) shared out over the
     processes of a launcher; rank 0 gets the predictions, the others None."""
     from src.cli import amp_dtype
+    from src.devices import default_workers
+    from src.errors import end_process_group
     from src.inference import (
         kaggle_test_files,
         load_checkpoint,
         predict_files,
     )
-    from src.loaders import default_workers
-    from src.process_group import end_process_group, join_process_group
+    from src.process_group import join_process_group
     from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
 
-    rank, world_size, device = join_process_group(args, world_of_one=False)
+    rank, world_size, device, heartbeat = join_process_group(args)
     try:
-        try:
-            if files is None:
-                files = kaggle_test_files(args.data_dir / "test")[1]
-            from_rank_0(lambda: check_output(args, files))
-            model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
-        except UserError as error:  # every rank finds it: the first says it
-            raise UserError(str(error), quiet=error.quiet or not is_first()) from None
-        model.to(device, memory_format=memory_format(args))
-        workers = default_workers() if args.workers is None else args.workers
-        start = time.time()
-        result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
-                               amp_dtype(args), args.channels_last, rank, world_size)
+        with heartbeat:  # under torchrun: names a rank that stops answering
+            try:
+                if files is None:
+                    files = kaggle_test_files(args.data_dir / "test")[1]
+                from_rank_0(lambda: check_output(args, files))
+                model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
+            except UserError as error:  # every rank finds it: the first says it
+                raise UserError(str(error), quiet=error.quiet or not is_first()) from None
+            model.to(device, memory_format=memory_format(args))
+            workers = default_workers() if args.workers is None else args.workers
+            start = time.time()
+            result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
+                                   amp_dtype(args), args.channels_last, rank, world_size)
     finally:
         end_process_group()
     if result is None:
@@ -223,8 +225,8 @@ def predict_torch(args, files: list[Path] | None) -> Predictions | None:
     return Predictions(files, result[0].numpy(), result[1], info["classes"], time.time() - start)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     try:
         files, others = find_images(args.paths) if args.paths else (None, 0)
     except UserError as error:  # under torchrun every rank finds it: the first says it

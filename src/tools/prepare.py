@@ -16,8 +16,9 @@ from pathlib import Path
 from src.cache import build_cache, cache_paths
 from src.cli import OneLineParser, at_least
 from src.datasets import scan_train_dir
+from src.devices import default_workers
 from src.errors import UserError, exit_on_error
-from src.loaders import default_workers, labelled_images
+from src.loaders import labelled_images
 from src.outputs import atomic_write_text, check_outputs
 from src.safe_csv import csv_text
 from src.terminal import shown
@@ -35,12 +36,12 @@ def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[
     return len(frame) - dogs, dogs, rejected
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("data_dir", type=Path, help="folder holding train/")
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
     parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cats, dogs, rejected = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")

@@ -41,11 +41,11 @@ from PIL import Image
 from src.checkpoint import RESUME_KEYS, flag_of
 from src.cli import OneLineParser, at_least
 from src.datasets import CLASSES
-from src.devices import hardware, training_device
+from src.devices import default_workers, hardware, training_device
 from src.errors import UserError, exit_on_error
 from src.history import best_record
 from src.inference import load_checkpoint, predict_files, read_info
-from src.loaders import default_workers, labelled_data
+from src.loaders import labelled_data
 from src.metrics import EPS, batch_sums, summarize
 from src.outputs import atomic_write_text, check_can_write
 from src.plot import plt
@@ -417,8 +417,8 @@ def render(context: dict) -> str:
     return environment.get_template(TEMPLATE).render(context)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     runs = [read_run(folder, number) for number, folder in enumerate(args.runs, start=1)]
     check_output(args.output)
     predictions = read_predictions(args.predictions) if args.predictions else None

@@ -21,8 +21,6 @@ starts (a second signal during the stop's save).
 STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
-DIST_TIMEOUT_SECONDS=s: the process group's timeout (and so the heartbeat's) is s seconds instead
-of --dist-timeout's minutes (whose least, 1, would keep a test of a hung rank waiting a minute).
 
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests monkeypatch torch.cuda instead).
@@ -166,17 +164,6 @@ if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
 
-if os.environ.get("DIST_TIMEOUT_SECONDS"):
-    def _short_timeout(cli):
-        from datetime import timedelta
-        minutes = cli.dist_timeout
-
-        def dist_timeout(args):
-            minutes(args)  # what it sets for the cache wait
-            return timedelta(seconds=float(os.environ["DIST_TIMEOUT_SECONDS"]))
-        cli.dist_timeout = dist_timeout
-    _after_import("src.cli", _short_timeout)
-
 if os.environ.get("FAKE_GPUS"):
     import torch
     torch.cuda.is_available = lambda: True
@@ -221,9 +208,15 @@ if os.environ.get("AUGMENT_SEED_SHIFT"):
     _after_import("src.augment", _shift)
 
 if os.environ.get("NO_RESHUFFLE"):
-    def _no_reshuffle(loaders):
-        loaders.EpochSampler.set_epoch = lambda self, epoch: None
-    _after_import("src.loaders", _no_reshuffle)
+    import torch.utils.data as _data
+    _iterate = _data.RandomSampler.__iter__
+
+    def _first_order_always(self):  # the generator's state at the first epoch, at every epoch
+        if not hasattr(self, "first_state"):
+            self.first_state = self.generator.get_state()
+        self.generator.set_state(self.first_state)
+        return _iterate(self)
+    _data.RandomSampler.__iter__ = _first_order_always
 
 if os.environ.get("COPY_LAST"):
     import shutil

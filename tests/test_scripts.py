@@ -1,0 +1,132 @@
+"""Each script teaches its mode: the mode's own torch or accelerate calls stand in its code (read
+from the syntax tree, so a comment naming them does not count), written as their documentation
+writes them, and none of the other modes' calls; the saving and stopping are in its loop; it is a
+top-to-bottom recipe of at most 200 lines. (`diff train_single.py train_ddp.py` shows DDP: the
+diffs may grow, as long as what they show is the mode.)"""
+import ast
+
+import pytest
+import torch.nn as nn
+from conftest import ROOT
+
+SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp.py", "train_fsdp.py", "train_accelerate.py"]
+MOST_LINES = 200
+
+# The calls each mode is known by, as the script writes them (the callee's dotted name).
+PROCESS_GROUP = {"dist.init_process_group", "DistributedSampler", "set_epoch", "dist.all_reduce",
+                 "dist.destroy_process_group"}
+OWN = {
+    "train_single.py": {"RandomSampler"},
+    "train_dp.py": {"RandomSampler", "AutocastDataParallel"},
+    "train_ddp.py": PROCESS_GROUP | {"torch.cuda.set_device", "DDP", "model.no_sync"},
+    "train_fsdp.py": PROCESS_GROUP | {"torch.cuda.set_device", "fully_shard", "init_device_mesh",
+                                      "model.set_requires_gradient_sync", "get_model_state_dict", "StateDictOptions"},
+    "train_accelerate.py": {"Accelerator", "accelerator.prepare", "accelerator.accumulate", "accelerator.backward",
+                            "accelerator.clip_grad_norm_", "accelerator.reduce", "accelerator.gather_for_metrics",
+                            "accelerator.get_state_dict", "accelerator.skip_first_batches", "accelerator.end_training"},
+}
+# Calls that belong to one mode alone: no other script may make them.
+MODE_ONLY = {
+    "AutocastDataParallel": "train_dp.py", "DDP": "train_ddp.py", "model.no_sync": "train_ddp.py",
+    "fully_shard": "train_fsdp.py", "get_model_state_dict": "train_fsdp.py",
+    "model.set_requires_gradient_sync": "train_fsdp.py", "Accelerator": "train_accelerate.py",
+    "accelerator.prepare": "train_accelerate.py", "accelerator.gather_for_metrics": "train_accelerate.py",
+}
+# The training state's verbs, which every script calls where the reader sees them (src/state.py).
+STATE_VERBS = {"state.resume", "state.epoch_sums", "state.stop_agreed", "state.checkpoint_due", "state.save_step",
+               "state.stop", "state.record", "state.save_epoch", "state.stop_signals"}
+
+
+def dotted(node: ast.AST) -> str | None:
+    """`a.b.c` for a Name or an Attribute chain of Names, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else None
+    return None
+
+
+def calls(script: str) -> dict[str, list[ast.Call]]:
+    """Every call in a script's code, by the callee's dotted name (and by its last name alone)."""
+    found: dict[str, list[ast.Call]] = {}
+    for node in ast.walk(ast.parse((ROOT / script).read_text())):
+        if isinstance(node, ast.Call):
+            name = dotted(node.func)
+            if name:
+                found.setdefault(name, []).append(node)
+                if "." in name:
+                    found.setdefault(name.rsplit(".", 1)[-1], []).append(node)
+    return found
+
+
+def keywords(call: ast.Call) -> dict[str, str]:
+    return {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_calls_its_modes_api_and_no_other_modes(script):
+    made = calls(script)
+    missing = sorted(name for name in OWN[script] if name not in made)
+    assert not missing, f"{script} does not call {missing}"
+    foreign = sorted(name for name, owner in MODE_ONLY.items() if owner != script and name in made)
+    assert not foreign, f"{script} calls {foreign}, another mode's"
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
+def test_the_distributed_sampler_is_written_as_torch_documents_it(script):
+    """DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
+    drop_last=True), and set_epoch(epoch) on it in the epoch loop; the process group and its end."""
+    made = calls(script)
+    (sampler,) = made["DistributedSampler"]
+    assert keywords(sampler) == {"num_replicas": "world_size", "rank": "rank", "shuffle": "True",
+                                 "seed": "args.seed", "drop_last": "True"}
+    assert [ast.unparse(call.args[0]) for call in made["set_epoch"]] == ["epoch", "epoch"]  # sampler and split
+    (init,) = made["dist.init_process_group"]
+    assert {"store", "rank", "world_size", "timeout"} <= keywords(init).keys()
+    assert len(made["dist.destroy_process_group"]) == 1 and len(made["dist.all_reduce"]) == 2
+
+
+def test_fsdp_shards_each_unit_and_the_root_and_gathers_best_pth_with_torchs_call():
+    made = calls("train_fsdp.py")
+    assert sorted(ast.unparse(call.args[0]) for call in made["fully_shard"]) == ["model", "unit"]
+    (gather,) = made["get_model_state_dict"]
+    assert ast.unparse(gather) == ("get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+                                   "cpu_offload=True))")
+
+
+def test_data_parallel_is_torchs_data_parallel():
+    from src.data_parallel import AutocastDataParallel
+    assert issubclass(AutocastDataParallel, nn.DataParallel)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_saves_and_stops_in_its_own_loop(script):
+    """The training state's verbs are the script's calls: after an optimizer step (save_step, stop),
+    after validation (save_epoch); the progress bar only shows (src/progress.py calls none of them)."""
+    made = calls(script)
+    missing = sorted(verb for verb in STATE_VERBS if verb not in made)
+    assert not missing, f"{script} does not call {missing}"
+    progress = calls("src/progress.py")
+    assert not [name for name in progress for verb in STATE_VERBS if name.endswith(verb)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_is_a_short_recipe(script):
+    """At most MOST_LINES lines; the functions a reader meets in order: its loaders, one epoch's
+    training, validation, the run, main."""
+    text = (ROOT / script).read_text()
+    assert len(text.splitlines()) <= MOST_LINES, f"{script}: {len(text.splitlines())} lines"
+    functions = [node.name for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)]
+    assert functions == ["loaders", "train_epoch", "evaluate", "train", "main"], functions
+
+
+def test_readmes_table_names_each_modes_calls():
+    """README's "What differs between the modes" table names the calls the scripts make."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## What differs between the modes"):readme.index("## Flags")]
+    for name in ["init_process_group", "set_device", "DistributedSampler", "set_epoch", "DDP(", "no_sync", "all_reduce",
+                 "destroy_process_group", "fully_shard", "get_model_state_dict", "set_requires_gradient_sync",
+                 "Accelerator(", "prepare", "accumulate", "backward", "gather_for_metrics", "get_state_dict",
+                 "skip_first_batches", "RandomSampler", "DataParallel", "save_step", "save_epoch", "stop_agreed"]:
+        assert name in table, name
