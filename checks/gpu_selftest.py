@@ -25,9 +25,11 @@ and, --quick, 3 minutes):
    first step (and the same without its zero momentum, which must end NaN), fused AdamW's step
    count, a CPU AdamW state resumed into fused AdamW, every GPU's dropout seed, DataParallel's
    replicas in bf16 (two replicas in threads on one GPU; on 2+ GPUs real DataParallel: dtype,
-   channels-last weights, distinct dropout masks), pinned host copies; FSDP's peak memory under
-   --amp (a figure); and one launch: train_accelerate.py --deterministic with a dynamo backend,
-   which must find TF32 matmuls turned on by Accelerator() and off at its first step;
+   channels-last weights, distinct dropout masks), pinned host copies, --sync-bn's layer against
+   torch's SyncBatchNorm (the same results; no host synchronisation in its training step, where
+   torch's mask makes some); FSDP's peak memory under --amp (a figure); and one launch:
+   train_accelerate.py --deterministic with a dynamo backend, which must find TF32 matmuls turned
+   on by Accelerator() and off at its first step;
 2. agreement (4 launches): train_single.py vs two DDP ranks and two FSDP2 ranks sharing GPU 0 over
    gloo (SHARE_GPUS=1) at the same global batch, within the CPU suite's TOLERANCE of the distance
    to another global batch (a fourth launch); on 2+ GPUs DDP, FSDP2, accelerate and DataParallel
@@ -823,6 +825,80 @@ def _accelerate_tf32(launch: Launches) -> list[str]:
     return [line]
 
 
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # c10's warning, once per host synchronisation
+
+
+def _sync_batch_norm(device) -> list[str]:
+    """--sync-bn's layer (src/batch_norm.py) against torch's SyncBatchNorm function (what
+    nn.SyncBatchNorm's training forward calls), in a world of one over NCCL, two training steps in
+    float32 and in fp16 channels-last with momentum=None (a cumulative average). Both run torch's
+    kernels on the same numbers: the outputs, gradients and running statistics agree to a rounding
+    (momentum=None's average is a float32 lerp in ours, the kernel's (1 - f) r + f m in torch's: a
+    few roundings of the largest value, 4 u). Our second step runs under
+    set_sync_debug_mode("error"): a host synchronisation raises; torch's runs under "warn", its
+    synchronisations counted (its mask: a figure); a read-back under "error" must raise (the control)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNorm
+
+    from src.batch_norm import synced_batch_norm
+    lines = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ones(1, device=device).sum().item()
+        control = "did not raise"
+    except RuntimeError:
+        control = "raised"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        for case, dtype, layout, momentum in (("float32", torch.float32, torch.contiguous_format, 0.1),
+                                              ("fp16 channels-last, momentum=None", torch.float16, torch.channels_last, None)):
+            torch.manual_seed(0)
+            x = (torch.randn(16, 8, 6, 6, device=device) * 3 + 1).to(dtype=dtype, memory_format=layout)
+            grads = [torch.randn_like(x) for _ in range(2)]
+            ends, syncs = {}, 0
+            for kind in ("torch", "ours"):
+                bn = nn.BatchNorm2d(8, momentum=momentum).to(device).train()
+                with torch.no_grad():
+                    bn.weight.copy_(torch.linspace(0.5, 2.0, 8))
+                    bn.bias.copy_(torch.linspace(-0.3, 0.3, 8))
+                for step in range(2):  # the first sets up NCCL's communicator and the kernels: not watched
+                    mine = x.clone().requires_grad_()
+                    bn.zero_grad()
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        torch.cuda.set_sync_debug_mode(("warn" if kind == "torch" else "error") if step else "default")
+                        try:
+                            if kind == "torch":
+                                factor = momentum if momentum is not None else 1 / (step + 1)
+                                y = TorchSyncBatchNorm.apply(mine, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                                                             bn.eps, factor, dist.group.WORLD, 1)
+                            else:
+                                y = synced_batch_norm(bn, mine)
+                            y.backward(grads[step])
+                        finally:
+                            torch.cuda.set_sync_debug_mode("default")
+                    if kind == "torch" and step:
+                        syncs = sum(SYNC_MESSAGE in str(warning.message) for warning in caught)
+                ends[kind] = {"y": y, "dx": mine.grad, "dw": bn.weight.grad, "db": bn.bias.grad,
+                              "running mean": bn.running_mean, "running var": bn.running_var}
+            off = {name: ((ends["ours"][name].float() - ref.float()).abs().max()
+                          / (4 * torch.finfo(ref.dtype).eps / 2 * ref.float().abs().max())).item()  # 4 u
+                   for name, ref in ends["torch"].items()}
+            line = (f"--sync-bn's layer against torch's SyncBatchNorm ({case}, a world of one over NCCL): "
+                    f"the largest difference {max(off.values()):.3g} of its bound ({max(off, key=off.get)}); "
+                    f"our training step ran under set_sync_debug_mode('error'), torch's made {syncs} host "
+                    f"synchronisation(s) (its mask); a read-back under 'error' {control} (the control)")
+            lines.append(line)
+            assert max(off.values()) <= 1 and control == "raised", lines
+    finally:
+        dist.destroy_process_group()
+    return lines
+
+
 MEMORY_BATCH, MEMORY_SIZE = 8, 32  # VGG16 at 32 px: its weights, not its activations, fill the memory
 
 
@@ -880,7 +956,7 @@ def on_the_gpu(launch: Launches, gpus: int) -> Result:
     result = Result()
     parts = {"fused optimizers": lambda: _fused_optimizers(device), "resume": lambda: _resume_on_the_gpu(device),
              "DataParallel": lambda: _data_parallel(gpus, device), "pinned": lambda: _pinned(device),
-             "accelerate's TF32": lambda: _accelerate_tf32(launch)}
+             "accelerate's TF32": lambda: _accelerate_tf32(launch), "--sync-bn's layer": lambda: _sync_batch_norm(device)}
     for name, part in parts.items():
         try:
             result.lines += part()
