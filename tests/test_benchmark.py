@@ -403,3 +403,56 @@ def test_the_torch_dropout_step_draws_from_the_generator_and_the_runs_step_does_
         before = torch.get_rng_state()
         step()
         assert (not torch.equal(before, torch.get_rng_state())) == torch_dropout
+
+
+def test_dropout_seconds_times_torchs_dropout_and_the_per_sample_one_alternately_on_one_thread():
+    """dropout_seconds on a clock of the test's: rounds alternate torch's nn.Dropout (which draws
+    from the generator) and the per-sample one, each timed around one forward and backward on one
+    thread, the best round of each returned; the process's threads given back."""
+    durations = iter([5.0, 3.0, 2.0, 6.0, 4.0, 1.0])  # torch's, ours, torch's, ours, ...
+    now, threads, draws = [0.0], [], []
+
+    def clock() -> float:
+        threads.append(torch.get_num_threads())
+        draws.append(torch.get_rng_state())
+        if len(threads) % 2 == 0:  # a stop: the round's duration has passed
+            now[0] += next(durations)
+        return now[0]
+    before = torch.get_num_threads()
+    assert benchmark.dropout_seconds((4, 30), 0.5, rounds=3, clock=clock) == (2.0, 1.0)
+    assert set(threads) == {1} and torch.get_num_threads() == before
+    # the generator moves during torch's rounds (start, stop) only
+    moved = [not torch.equal(draws[i], draws[i + 1]) for i in range(0, len(draws), 2)]
+    assert moved == [True, False] * 3
+
+
+def test_the_dropout_cost_table_shows_its_timings_and_counts(monkeypatch):
+    """--dropout-cost's table: each shape's milliseconds and ratio those of its timings (given
+    here), its check ticked where the ratio is at most 3; the stochastic-depth rows count the
+    model's dropout units as torchvision's model has them, and torchvision's ops: 4 per call of a
+    unit with p > 0 (torchvision's stochastic_depth: empty, bernoulli_, div_ and the product;
+    nn.Dropout on a CPU the same four, ATen's _dropout_impl), the calls counted here by hooks."""
+    timings = iter([(0.004, 0.002), (0.010, 0.0451)])
+    monkeypatch.setattr(benchmark, "dropout_seconds", lambda shape, p, rounds: next(timings))
+    monkeypatch.setattr(benchmark, "DEPTH_MODELS", ("efficientnet_b0",))
+    markdown, results = benchmark.dropout_report(5)
+    assert "| 50 x 4096 (VGG16's classifier) | 0.5 | 4.000 | 2.000 | 0.50 | 4 / " in markdown
+    assert "| 8 x 197 x 768 (a ViT-B/16 block's activations) | 0.1 | 10.000 | 45.100 | 4.51 | 4 / " in markdown
+    assert markdown.split("Checks:")[1].split() == (
+        "- [x] per-sample dropout at 50 x 4096: 0.50x torch's time (target <= 3) "
+        "- [ ] per-sample dropout at 8 x 197 x 768: 4.51x torch's time (target <= 3)").split()
+    assert [met for _, met in results] == [True, False]
+    assert "`python -m src.tools.benchmark --dropout-cost --steps 5`" in markdown
+
+    import torchvision
+    from torchvision.ops import StochasticDepth
+    torch.manual_seed(0)
+    plain = torchvision.models.efficientnet_b0(num_classes=2).train()
+    found = [m for m in plain.modules() if isinstance(m, (torch.nn.Dropout, StochasticDepth))]
+    calls = []
+    for module in found:
+        module.register_forward_hook(lambda module, *_: calls.append(module.p > 0))
+    with torch.no_grad():
+        plain(torch.randn(2, 3, 64, 64))
+    row = re.search(r"^\| efficientnet_b0 \| (\d+) \| (\d+) \| (\d+) \+ (\d+) \|$", markdown, re.M)
+    assert int(row.group(1)) == len(found) and int(row.group(2)) == 4 * sum(calls)
