@@ -353,6 +353,22 @@ def test_the_triton_kernel_draws_the_old_masks():
     assert done.returncode == 0 and done.stdout.strip() == "same masks", done.stderr[-3000:]
 
 
+def test_the_triton_kernel_compiles_for_an_h100():
+    """The interpreter runs the kernel as Python; Triton's compiler, which a GPU runs, types it: it
+    compiles for an H100 (sm_90, no GPU needed to compile) to a cubin whose arithmetic on the hash
+    is int32 (the wrapping multiplications the masks need)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {"per_sample": "*i32", "kept": "*i1", "elements": "i32", "threshold": "i32", "BLOCK": "constexpr"}
+    kernel = triton.compile(ASTSource(fn=dropout._kept_kernel, signature=signature, constexprs={"BLOCK": 1024}),
+                            target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"]
+    # the hash's four multiplications, on blocks of 1024 int32
+    multiplications = [line for line in kernel.asm["ttir"].splitlines() if "arith.muli" in line and "tensor<" in line]
+    assert len(multiplications) == 4 and all("tensor<1024xi32>" in line for line in multiplications), multiplications
+
+
 def test_a_compiled_model_draws_the_old_masks():
     """Under torch.compile the per-element work is traced (the compiler fuses it with the model's):
     the old formula's masks, and the eager model's outputs and gradients, for two batch sizes
