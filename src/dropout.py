@@ -28,8 +28,9 @@ How it is computed, cheaply (the bits are the formula's, whichever path):
 - on a CUDA GPU with Triton, that per-element work is one kernel that writes the mask (the
   per-element part computed in it); under torch.compile the ops are traced, and compiled with
   the model's;
-- the mask is applied by torch's own dropout kernels (native_dropout_backward: on a GPU one fused
-  kernel each way), with the mask kept as bool for the backward.
+- the mask is applied on a GPU by torch's own dropout kernel (native_dropout_backward: one fused
+  kernel forward, one backward), on a CPU through a uint8 view of it; it is kept as bool for the
+  backward.
 
 torchvision's stochastic depth (StochasticDepth, mode "row": EfficientNet, ConvNeXt, Swin, MaxViT)
 drops a whole residual branch per sample, drawn the same way (element 0 of its unit): set_samples
