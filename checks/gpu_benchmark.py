@@ -10,9 +10,11 @@ DISTINCT of them drawn on every core and each written under several names: JPEG 
 what the size and quality make it cost, whatever the picture. Each leg trains --epochs 2 and
 reports the second (the first also pays for cuDNN's autotuning, the cache build and compilation);
 a leg that cannot finish before --deadline is not started, one still running then is stopped and
-reports the epochs it finished. Writes OUT/benchmark.md and OUT/benchmark.json (per leg: its
-command, epochs, seconds, images/s, MFU; the GPU, torch, CUDA, the CPUs), and the runs' logs in
-OUT/runs/LEG/log.txt.
+reports the epochs it finished. The MFU counts the FLOPs of a training image as torch's
+FlopCounterMode does (train_flops: VGG16 at 224 px, 30.9 GFLOP forward and 92.6 forward and
+backward, twice its 46.3 G multiply-adds). Writes OUT/benchmark.md and OUT/benchmark.json (per leg:
+its command, epochs, seconds, images/s, MFU; the GPU, torch, CUDA, the CPUs), and the runs' logs
+in OUT/runs/LEG/log.txt.
 """
 import argparse
 import json
@@ -33,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "checks"))
 
 BLOG_EPOCH_SECONDS = 4 * 60 + 35  # the post's epoch, on one GPU
-TRAIN_GFLOP = 46.5  # VGG16 at 224 px, forward and backward, per training image (3 x 15.5)
 # Dense bfloat16 peaks (FLOP/s) from NVIDIA's data sheets, by a name the GPU's name holds.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 LEGS = {  # name: extra flags; the order is the order they run in
@@ -100,6 +101,25 @@ def loader_workers(batch_size: int, image_size: int, cores: int) -> tuple[int, s
     return workers, f"/dev/shm has {free / 2**20:.0f} MB free, {need / 2**20:.2f} MB a worker"
 
 
+def train_flops(arch: str, image_size: int) -> tuple[int, int]:
+    """(forward, forward and backward) FLOPs of one training image of `arch` at `image_size` px, as
+    torch's FlopCounterMode counts them (a multiply-add is 2 FLOPs; the first layer computes no
+    gradient of its input): on the meta device, so no memory and no arithmetic. In evaluation
+    mode: a training forward's dropout and batch statistics add no counted FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from src.models import build_model
+    with torch.device("meta"):
+        model = build_model(arch, "none")
+    model.eval()
+    image = torch.empty(1, 3, image_size, image_size, device="meta")
+    with FlopCounterMode(display=False) as forward:
+        model(image)
+    with FlopCounterMode(display=False) as both:
+        model(image).sum().backward()
+    return forward.get_total_flops(), both.get_total_flops()
+
+
 def leg_command(name: str, shape: dict, data: Path, out: Path, workers: int, epochs: int = 2) -> list[str]:
     """train_single.py for the leg `name`."""
     flags = [flag.replace("{cache}", str(out / "cache")) for flag in LEGS[name]]
@@ -109,9 +129,10 @@ def leg_command(name: str, shape: dict, data: Path, out: Path, workers: int, epo
             "--checkpoint", str(out / "runs" / name / "best.pth"), "--plot", str(out / "runs" / name / "curves.png")]
 
 
-def leg_figures(history: list[dict], peak: float | None) -> dict:
+def leg_figures(history: list[dict], peak: float | None, flops: float) -> dict:
     """A leg's figures from its history.json: each epoch's seconds, and the last epoch's (the
-    second, unless the leg was stopped) training images/s, MFU, data wait and seconds."""
+    second, unless the leg was stopped) training images/s, MFU (`flops` per training image at the
+    `peak` FLOP/s), data wait and seconds."""
     if not history:
         return {"epochs": 0}
     last = history[-1]
@@ -120,7 +141,7 @@ def leg_figures(history: list[dict], peak: float | None) -> dict:
             "reported epoch": len(history), "seconds": last["seconds"], "train seconds": last["train_seconds"],
             "val seconds": last["val_seconds"], "train images/s": rate,
             "data wait share": last["data_wait_seconds"] / last["train_seconds"],
-            "MFU": rate * TRAIN_GFLOP * 1e9 / peak if peak else None,
+            "MFU": rate * flops / peak if peak else None,
             "blog epoch / this epoch": BLOG_EPOCH_SECONDS / last["seconds"], "val acc": last["val_acc"]}
 
 
@@ -166,6 +187,8 @@ def write_report(out: Path, report: dict) -> str:
              f"80% train; {report['shape']['arch']} at {report['shape']['image_size']} px, batch "
              f"{report['shape']['batch_size']}, --amp bf16 --channels-last, {report['workers']} loader workers "
              f"({report['workers why']}); the post: {BLOG_EPOCH_SECONDS} s an epoch", "",
+             f"MFU: {report['train GFLOP per image']:.1f} GFLOP per training image ({report['forward GFLOP per image']:.1f} "
+             "forward), as torch's FlopCounterMode counts one image's forward and backward", "",
              "| leg | outcome | epoch 1 s | reported epoch s | post's epoch / it | train images/s | MFU | data wait |",
              "|---|---|---|---|---|---|---|---|"]
     for name, leg in report["legs"].items():
@@ -211,10 +234,12 @@ def main() -> int:
     written = write_images(data, shape["images"], shape["distinct"], shape["size"])
     workers, why = loader_workers(shape["batch_size"], shape["image_size"], written["cores"])
     peak, peak_line = peak_flops()
+    forward, flops = train_flops(shape["arch"], shape["image_size"])
     report = {"date": date.today().isoformat(), "machine": hardware(), "torch": torch.__version__,
               "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
               "peak": peak_line, "dry run": args.dry_run, "shape": shape, "data": written, "workers": workers,
-              "workers why": why, "blog epoch seconds": BLOG_EPOCH_SECONDS, "train GFLOP per image": TRAIN_GFLOP,
+              "workers why": why, "blog epoch seconds": BLOG_EPOCH_SECONDS,
+              "train GFLOP per image": flops / 1e9, "forward GFLOP per image": forward / 1e9,
               "legs": {}}
     for name in legs:
         command = leg_command(name, shape, data, out, workers)
@@ -227,7 +252,7 @@ def main() -> int:
             history_file = out / "runs" / name / "history.json"
             history = json.loads(history_file.read_text()) if history_file.exists() else []
             report["legs"][name] = {"command": command, "outcome": outcome, "wall seconds": wall,
-                                    "figures": leg_figures(history, peak)}
+                                    "figures": leg_figures(history, peak, flops)}
         write_report(out, report)
         print(f"leg {name}: {report['legs'][name]['outcome']}", flush=True)
     print(write_report(out, report))

@@ -16,10 +16,19 @@ Resize, against the draft decode, at --image-size and at 224 px) and the time to
 The fsdp run's note gives the bytes its rank 0 held against a DDP rank's.
 Writes OUT/benchmark.csv, OUT/benchmark.md and OUT/benchmark.png. Without --data-dir it writes a
 synthetic set of Kaggle-size (about 500x400) JPEGs into OUT/data.
+
+    python -m src.tools.benchmark --dropout-cost [--steps N]
+
+measures per-sample dropout alone (src/dropout.py) against torch's nn.Dropout instead: forward and
+backward at VGG16's classifier (50 x 4096) and a ViT-B/16 block's activations (8 x 197 x 768), on
+one thread, best of N alternating rounds, with the aten ops of each forward; and the aten ops
+that stochastic depth dispatches in a training forward of EfficientNet-B0, ConvNeXt-T and Swin-T
+(on a GPU each op but a view is a kernel launch). It prints a table and writes nothing.
 """
 import argparse
 import csv
 import json
+import math
 import multiprocessing
 import shutil
 import sys
@@ -33,7 +42,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from src.cache import cached  # noqa: E402
 from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
@@ -44,7 +55,7 @@ from src.devices import (
     default_workers,  # noqa: E402
     hardware,
 )
-from src.dropout import set_samples, units  # noqa: E402
+from src.dropout import per_sample, sample_key, set_samples, units  # noqa: E402
 from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import Data, labelled_images, split_indices  # noqa: E402
@@ -78,7 +89,10 @@ def parse_args(argv: list[str] | None = None):
         help="autocast in every mode (accelerate: --mixed_precision)")
     add("--channels-last", action="store_true")
     add("--modes", default=",".join(MODES), help="comma-separated subset of the runs")
-    add("--steps", type=at_least(1), default=20, help="timed steps of the bare-step ceilings")
+    add("--steps", type=at_least(1), default=20,
+        help="timed steps of the bare-step ceilings (with --dropout-cost: rounds)")
+    add("--dropout-cost", action="store_true",
+        help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
     args = parser.parse_args(argv)
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
@@ -172,6 +186,115 @@ def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bo
             loss.backward()
             optimizer.step()
     return step
+
+
+# Per-sample dropout (src/dropout.py) against torch's own, alone: --dropout-cost.
+DROPOUT_SHAPES = (("VGG16's classifier", (50, 4096), 0.5),  # torchvision's p
+                  ("a ViT-B/16 block's activations", (8, 197, 768), 0.1))  # the ViT paper's p
+DEPTH_MODELS = ("efficientnet_b0", "convnext_tiny", "swin_t")  # torchvision's stochastic-depth families
+DROPOUT_TARGET = 3.0  # at most this many times torch's dropout's time
+
+
+def dropout_seconds(shape: tuple[int, ...], p: float, rounds: int, clock=time.perf_counter) -> tuple[float, float]:
+    """(torch's nn.Dropout, the runs' per-sample dropout): seconds of one forward and backward of
+    activations of `shape` on one thread, the best of `rounds` rounds that alternate the two (so
+    that other work on the machine slows both alike)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torchs, ours = nn.Dropout(p), per_sample(nn.Dropout(p))
+        set_samples(ours, torch.tensor([sample_key(0, 0, index) for index in range(shape[0])]))
+        x, grad = torch.randn(shape, requires_grad=True), torch.randn(shape)
+        best = [math.inf, math.inf]
+        for _ in range(rounds):
+            for i, layer in enumerate((torchs, ours)):
+                x.grad = None
+                start = clock()
+                layer(x).backward(grad)
+                best[i] = min(best[i], clock() - start)
+        return best[0], best[1]
+    finally:
+        torch.set_num_threads(threads)
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is on and `counting` is true."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting, self.ops = True, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += self.counting
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(call) -> int:
+    """The aten ops that call() dispatches."""
+    with OpCount() as count:
+        call()
+    return count.ops
+
+
+def depth_ops(arch: str, torchs: bool, size: int = 64) -> tuple[int, int, int]:
+    """(dropout units, aten ops of set_samples, aten ops inside the units) of one training forward
+    of `arch` (2 images of `size` px), with its per-sample dropout, or with torchvision's own
+    (torchs; set_samples then does nothing). The batch's second forward: the first also fills
+    the per-shape caches."""
+    torch.manual_seed(0)
+    model = build_model(arch, "none").train()
+    found = units(model)
+    if torchs:
+        for layer in found:
+            layer.__class__ = type(layer).__mro__[1]  # nn.Dropout, torchvision's StochasticDepth
+    images, keys = torch.randn(2, 3, size, size), torch.tensor([sample_key(0, 0, 0), sample_key(0, 0, 1)])
+    count = OpCount()
+
+    def switch(on: bool):
+        def hook(*_):
+            count.counting = on
+        return hook
+    for layer in found:
+        layer.register_forward_pre_hook(switch(True))
+        layer.register_forward_hook(switch(False))
+    with torch.no_grad():
+        for _ in range(2):
+            batch = ops_of(lambda: set_samples(model, keys)) if not torchs else 0
+            count.counting, count.ops = False, 0
+            with count:
+                model(images)
+    return len(found), batch, count.ops
+
+
+def dropout_report(rounds: int) -> tuple[str, list[tuple[str, bool]]]:
+    """--dropout-cost's Markdown, and its checks (statement, met)."""
+    lines = [f"Per-sample dropout against torch's, {date.today().isoformat()}, {hardware()}", "",
+             f"`python -m src.tools.benchmark --dropout-cost --steps {rounds}`", "",
+             f"Forward and backward on one thread, best of {rounds} alternating rounds:", "",
+             "| activations | p | torch's nn.Dropout ms | per-sample ms | per-sample / torch's "
+             "| aten ops per forward, torch's / per-sample |", "|---|---|---|---|---|---|"]
+    results = []
+    for name, shape, p in DROPOUT_SHAPES:
+        torchs, ours = dropout_seconds(shape, p, rounds)
+        x, keys = torch.ones(shape), torch.tensor([sample_key(0, 0, index) for index in range(shape[0])])
+        layer = per_sample(nn.Dropout(p))
+        set_samples(layer, keys)
+        layer(x)  # the per-shape cache filled, as after a first batch
+        ops = f"{ops_of(lambda: nn.Dropout(p)(x))} / {ops_of(lambda: layer(x))}"
+        size = " x ".join(map(str, shape))
+        lines.append(f"| {size} ({name}) | {p} | {1e3 * torchs:.3f} | {1e3 * ours:.3f} | {ours / torchs:.2f} | {ops} |")
+        results.append((f"per-sample dropout at {size}: {ours / torchs:.2f}x torch's time "
+                        f"(target <= {DROPOUT_TARGET:g})", ours / torchs <= DROPOUT_TARGET))
+    lines += ["", "Stochastic depth, aten ops of one training forward at 64 px, batch 2 (set_samples: once per "
+              "batch for all units; on a GPU each op but a view is a kernel launch):", "",
+              "| model | dropout units | torchvision's, in the units | per-sample, set_samples + in the units |",
+              "|---|---|---|---|"]
+    for arch in DEPTH_MODELS:
+        count, _, torchs = depth_ops(arch, torchs=True)
+        _, batch, ours = depth_ops(arch, torchs=False)
+        lines.append(f"| {arch} | {count} | {torchs} | {batch} + {ours} |")
+    lines += ["", "Checks:"] + [f"- [{mark}] {text}" for text, mark in ((t, "x" if m else " ") for t, m in results)]
+    return "\n".join(lines) + "\n", results
 
 
 def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batch: int,
@@ -434,6 +557,9 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.dropout_cost:
+        print(dropout_report(args.steps)[0], end="")
+        return
     try:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
