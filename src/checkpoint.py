@@ -28,11 +28,15 @@ from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
 
+# Recipe flags younger than some last.pth files, with their defaults: a last.pth without the key was
+# trained with the default, which it then resumes with.
+ADDED_LATER = {"auto_augment": None, "ra_magnitude": 9, "augmix_severity": 3, "random_erase": 0.0,
+               "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
 # What must match for --resume to continue the same run. --accumulate is not among them: the
 # same global batch in other micro-batches takes the same steps.
 RECIPE_FLAGS = ("lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_epochs",
                 "label_smoothing", "clip_grad_norm", "augment", "dropout", "best_by", "freeze",
-                "freeze_epochs", "sync_bn", "ema_decay")
+                "freeze_epochs", "sync_bn", "ema_decay") + tuple(ADDED_LATER)
 RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data") + RECIPE_FLAGS
 # How each key is spelled on the command line, where it is not --key.
 FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}
@@ -246,10 +250,11 @@ def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, sched
             raise TypeError(f"its info is a {type(saved).__name__}, not a dict")
         _check_history(state)
         for key in RESUME_KEYS + (("epochs",) if args.lr_schedule != "constant" else ()):
-            if saved.get(key) != info[key]:
+            trained = saved.get(key, ADDED_LATER.get(key))
+            if trained != info[key]:
                 flag = flag_of(key)
                 why = " (the schedule spans the run)" if key == "epochs" else ""
-                raise UserError(f"{state['from']} was trained with {flag} {_shown(key, saved.get(key))}, "
+                raise UserError(f"{state['from']} was trained with {flag} {_shown(key, trained)}, "
                                 f"not {_shown(key, info[key])}{why}; "
                                 "use the same flags to resume, or delete it to start over")
         if state["epoch"] > args.epochs:

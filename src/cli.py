@@ -35,6 +35,12 @@ def at_least(minimum: int):
 # weights were trained at (518 px, ViT-H/14); best.json's image_size is held to the same range.
 IMAGE_SIZES = (32, 2048)
 
+# --auto-augment's policies (src/augment.py), the reference script's names; RandAugment's magnitude
+# is a bin of its 31 (num_magnitude_bins), AugMix's severity what v2.AugMix accepts.
+POLICIES = ("ta_wide", "ra", "augmix")
+RA_MAGNITUDES = (0, 30)
+AUGMIX_SEVERITIES = (1, 10)
+
 
 def between(minimum: int, maximum: int):
     """An int in [minimum, maximum]."""
@@ -135,6 +141,21 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
     add = recipe.add_argument
     add("--augment", action="store_true",
         help="random resized crop and horizontal flip of training images, drawn per (seed, epoch, image)")
+    add("--auto-augment", choices=POLICIES, default=None,
+        help="torchvision's TrivialAugmentWide, RandAugment or AugMix on training images, drawn per "
+             "(seed, epoch, image)")
+    add("--ra-magnitude", type=between(*RA_MAGNITUDES), default=9,
+        help="the magnitude (bin) of --auto-augment ra's operations")
+    add("--augmix-severity", type=between(*AUGMIX_SEVERITIES), default=3,
+        help="the severity of --auto-augment augmix's operations")
+    add("--random-erase", metavar="P", type=_fraction(False, False), default=0.0,
+        help="erase a random box of a training image with probability P (filled with the mean)")
+    add("--mixup-alpha", metavar="A", type=_non_negative, default=0.0,
+        help="MixUp each training image with a partner drawn per (seed, epoch, image), lambda from "
+             "Beta(A, A); 0: off")
+    add("--cutmix-alpha", metavar="A", type=_non_negative, default=0.0,
+        help="CutMix each training image with a partner, as --mixup-alpha (with both: one of the two "
+             "per image, half and half); 0: off")
     add("--optimizer", choices=["sgd", "adamw"], default="sgd", help="SGD with --momentum, or AdamW")
     add("--weight-decay", type=_non_negative, default=0.0,
         help="decoupled for AdamW, L2 for SGD; never on biases and normalisation weights")

@@ -55,7 +55,7 @@ try:  # CUDA builds of torch ship Triton; without it the GPU takes the ops' path
 except ImportError:
     triton = None
 
-DROPOUT = 1  # the stream of derive_seed that dropout keys come from (augmentation uses none)
+DROPOUT = 1  # the stream of derive_seed that dropout keys come from (augmentation's: src/augment.py)
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # offsets the element counter, so that element 0 does not hash to 0
 _BITS = 24  # the resolution of the keep test: p is rounded up to a multiple of 2^-24

@@ -5,11 +5,13 @@ epochs in stages that every script's loop runs through.
 A frozen backbone's parameters get no gradient (so DDP leaves them out of its all-reduce and the
 optimizer gives them no state and no weight decay), and it runs in eval mode: dropout off, batch
 norm statistics fixed. Its output for an image, the input of the last layer, is then the same
-in every epoch; with --cache (and without --augment, which changes the images every epoch) it is
-computed once for every image, by the first process of each node, and kept memory-mapped in
-DIR/features_{arch}_{size}px.{key}.f32 (the key covers the pixel cache's and the backbone's
-weights, so nodes with other images or weights never share a file). The frozen epochs then
-train the last layer alone on those vectors. best.pth is the whole model either way.
+in every epoch; with --cache it is computed once for every image, by the first process of each
+node, and kept memory-mapped in DIR/features_{arch}_{size}px.{key}.f32 (the key covers the pixel
+cache's and the backbone's weights, so nodes with other images or weights never share a file).
+The frozen epochs then train the last layer alone on those vectors. Not with any flag that
+changes or mixes the training images every epoch (--augment, --auto-augment, --random-erase,
+--mixup-alpha, --cutmix-alpha: src.augment.augments): those epochs train from the images. best.pth
+is the whole model either way.
 
 Stages: consecutive epochs that train the same thing from the same data. Without --freeze and
 --freeze-epochs one stage holds every epoch; with them the frozen epochs come first, training the
@@ -26,6 +28,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from src.augment import augments
 from src.cache import MappedArray, ensure_array
 from src.datasets import worker_options
 from src.models import head_of
@@ -94,10 +97,11 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
             print("--freeze without --cache runs the frozen backbone on every image in every epoch; "
                   "--cache DIR computes its outputs once")
         return None
-    if args.augment:
+    changing = augments(args)
+    if changing:
         if show:
-            print("--freeze with --augment trains from the images: the backbone's outputs change "
-                  "with every augmented image, so they are not cached")
+            print(f"--freeze with {' '.join(changing)} trains from the images: the backbone's outputs change "
+                  "with every augmented or mixed image, so they are not cached")
         return None
     was_training = model.training
     model.eval()

@@ -11,13 +11,23 @@ EPS = 0.005
 LOSS, CORRECT, COUNT, LOG_LOSS = range(4)
 
 
-def batch_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[summed cross-entropy, correct predictions, samples, summed clipped log loss] of one batch."""
+def batch_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[summed cross-entropy, correct predictions, samples, summed clipped log loss] of one batch.
+
+    targets: the labels (int64, (batch,)), or soft labels ((batch, 2), --mixup-alpha and
+    --cutmix-alpha's mixed targets). With soft labels the loss is F.cross_entropy's with them (a
+    mixed sample's is lambda x CE(a) + (1 - lambda) x CE(b)), the log loss is weighted the same
+    way, and a prediction counts as correct when it is the dominant label, the target's argmax
+    (class 0 where lambda is exactly 1/2).
+    """
     logits = logits.detach().float()
-    loss = F.cross_entropy(logits, labels, reduction="sum")
+    soft = targets.is_floating_point()
+    loss = F.cross_entropy(logits, targets.float() if soft else targets, reduction="sum")
+    labels = targets.argmax(dim=1) if soft else targets
     correct = (logits.argmax(dim=1) == labels).sum()
     p_dog = logits.softmax(dim=1)[:, 1].clamp(EPS, 1 - EPS)
-    log_loss = -torch.where(labels == 1, p_dog.log(), (1 - p_dog).log()).sum()
+    w_dog = targets[:, 1].float() if soft else (labels == 1).float()
+    log_loss = -(w_dog * p_dog.log() + (1 - w_dog) * (1 - p_dog).log()).sum()
     # The count as a device op: torch.tensor(len(labels), device=cuda) would be a blocking copy.
     count = torch.ones_like(p_dog).sum()
     return torch.stack([loss, correct.float(), count, log_loss])
