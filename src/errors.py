@@ -52,10 +52,16 @@ def before_a_silent_exit() -> None:
         time.sleep(60)
 
 
-def exit_on_error(main: Callable[[], None]) -> None:
+# What Ctrl-C outside a run's steps says by default: the training scripts' advice. Each tool
+# passes its own (a tool has no --resume; its outputs are written whole or not at all).
+INTERRUPTED = "interrupted: the files last saved are intact; rerun with --resume"
+
+
+def exit_on_error(main: Callable[[], None], interrupted: str = INTERRUPTED) -> None:
     """Run `main`; a UserError becomes `error: ...` and exit 2, a stop on a signal (src/stopping.py)
-    exit EXIT_STOPPED, Ctrl-C before training exit 130. The handlers of the stop signals that `main`
-    set are put back (a run inside a test process), unless it stopped on one."""
+    exit EXIT_STOPPED, Ctrl-C before training exit 130 with the line `interrupted` (what the
+    command left and how to go on). The handlers of the stop signals that `main` set are put back
+    (a run inside a test process), unless it stopped on one."""
     handlers, stopped = {number: signal.getsignal(number) for number in STOP_SIGNALS}, False
     try:
         try:
@@ -81,5 +87,5 @@ def exit_on_error(main: Callable[[], None]) -> None:
                 signal.signal(number, signal.SIG_IGN)
         sys.exit(EXIT_STOPPED)
     except KeyboardInterrupt:
-        print("interrupted: the files last saved are intact; rerun with --resume", file=sys.stderr)
+        print(interrupted, file=sys.stderr)
         sys.exit(130)
