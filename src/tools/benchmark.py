@@ -16,9 +16,13 @@ Resize, against the draft decode, at --image-size and at 224 px) and the time to
 The fsdp run's note gives the bytes its rank 0 held against a DDP rank's.
 Writes OUT/benchmark.csv, OUT/benchmark.md and OUT/benchmark.png. Without --data-dir it writes a
 synthetic set of Kaggle-size (about 500x400) JPEGs into OUT/data.
+OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
+a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
+where a run is in progress (src.outputs.claim_folder).
 """
 import argparse
 import csv
+import io
 import json
 import multiprocessing
 import shutil
@@ -48,7 +52,7 @@ from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import default_workers, labelled_images, make_loaders, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
-from src.outputs import atomic_write_text  # noqa: E402
+from src.outputs import atomic_write, atomic_write_text, claim_folder  # noqa: E402
 from src.profiling import FIGURES  # noqa: E402
 from src.recipe import make_optimizer  # noqa: E402
 from src.tools.commands import run_script  # noqa: E402
@@ -57,6 +61,9 @@ from src.transforms import image_transform, memory_format, normalize  # noqa: E4
 
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
+MARK = ".benchmark"  # says that this tool wrote the --out-dir, and may write it again
+WRITES = ("data", "runs", "cache", "features", "benchmark.csv", "benchmark.md", "benchmark.png")
+INTERRUPTED = "interrupted: the tables were not written; run the command again (the runs start over)"
 MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
 
@@ -362,11 +369,12 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
 
 def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     out = args.out_dir
-    with open(out / "benchmark.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows.values():
-            writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows.values():
+        writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    atomic_write_text(out / "benchmark.csv", table.getvalue())
 
     def cell(value, digits=1):
         return "" if value is None else f"{value:.{digits}f}"
@@ -387,7 +395,7 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     lines += [""] + [f"- {note}" for note in notes]
     lines += ["", "Checks:"] + [f"- [{'x' if met else ' '}] {text}" for text, met in results]
     markdown = "\n".join(lines) + "\n"
-    (out / "benchmark.md").write_text(markdown)
+    atomic_write_text(out / "benchmark.md", markdown)
 
     names = list(rows)
     runs = [n for n in names if "train_seconds" in rows[n]]
@@ -417,23 +425,19 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     parts.legend(loc="lower right", fontsize="small")
     parts.grid(axis="x", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(out / "benchmark.png")
+    atomic_write(out / "benchmark.png", lambda file: figure.savefig(file, format="png"))
     plt.close(figure)
     return markdown
 
 
 def main() -> None:
     args = parse_args()
-    try:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"--out-dir {args.out_dir}: cannot create it ({error.strerror})") from None
+    claim_folder(args.out_dir, MARK, WRITES, "src.tools.benchmark", "the benchmark", "--out-dir ")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = args.out_dir / "data"
-        if len(list((data_dir / "train").glob("*.jpg"))) != args.images:
-            shutil.rmtree(data_dir, ignore_errors=True)
+        if len(list((data_dir / "train").glob("*.jpg"))) != args.images:  # write_dataset replaces its own set only
             print(f"writing {args.images} synthetic Kaggle-size images to {data_dir}", flush=True)
             write_dataset(data_dir, n_train=args.images, n_test=0, size=500, seed=0)
     jpegs = labelled_images(data_dir, args.image_size)
@@ -509,4 +513,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)
