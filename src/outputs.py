@@ -273,7 +273,7 @@ def check_can_write(path: Path, flag: str) -> None:
     name or its temporary file's cannot be made there (probe_names)."""
     path = Path(path)
     try:
-        if path.is_dir():
+        if os.path.isdir(path):  # False for a name too long to look up: probe_names says why
             raise IsADirectoryError(21, "it is a folder")
         probe_folder(path.parent)
         probe_names(path)
