@@ -85,6 +85,7 @@ def test_predictions_come_back_unguarded_and_images_only_from_the_folders_of_the
     rows = [[name, 0.5, "dog"] for name in names] + [[str(outside / "secret.jpg"), 0.5, "dog"],
                                                      ["../outside/secret.jpg", 0.5, "dog"]]
     (csv_folder / "p.csv").write_text(csv_text(["path", "p_dog", "label"], rows))
+    monkeypatch.chdir(csv_folder)  # the current folder holds no image of outside/ (tmp_path may be below ours)
     page = tmp_path / "page.html"
     code, out, err = in_process(report.main, [str(run), "--output", str(page), "--predictions",
                                               str(csv_folder / "p.csv")], monkeypatch, capsys)
