@@ -37,7 +37,7 @@ from src.datasets import DogCatDataset, worker_options
 from src.errors import UserError
 from src.outputs import atomic_write_text
 
-FORMAT = 1  # bump when the layout or the decoding changes
+FORMAT = 2  # bump when the layout or the decoding changes (2: EXIF orientation, 16-bit grayscale)
 WAIT_SECONDS = 3600  # how long the other processes of a node wait for its first one to build,
 # unless told otherwise (the training scripts pass --dist-timeout)
 

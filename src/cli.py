@@ -104,7 +104,9 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
         help="images per process and micro-batch (the global batch is this times the processes "
              "times --accumulate)")
     add("--lr", type=_non_negative, default=0.001, help="learning rate (the peak of --lr-schedule)")
-    add("--momentum", type=_non_negative, default=0.9, help="SGD momentum")
+    # Below 1: at 1 and above each step adds to the velocity more than it loses, and it grows
+    # without bound (the weights go to inf, then NaN), which torch.optim.SGD does not refuse.
+    add("--momentum", type=_fraction(False, True), default=0.9, help="SGD momentum, in [0, 1)")
     add("--image-size", type=between(*IMAGE_SIZES), default=224,
         help="images are resized to this square")
     add("--arch", default="vgg16", help="torchvision classification model; its last layer gets 2 outputs")

@@ -20,17 +20,18 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from src.errors import STOP_SIGNALS, UserError
-from src.image_files import broken_link, natural_key
+from src.image_files import IMAGE_SUFFIXES, broken_link, natural_key, some, to_rgb
 from src.terminal import shown
 
 CLASSES = ("cat", "dog")
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp"}
 _KAGGLE_NAME = re.compile(r"^(cat|dog)\.\d+\.[a-z]+$", re.IGNORECASE)
 _FOLDER_LABELS = {"cat": 0, "cats": 0, "dog": 1, "dogs": 1}
+LABEL_RULES = "cat.N / dog.N images, or images in a cat(s)/ or dog(s)/ folder"
 
 
 def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
-    """Decode any image (grayscale, CMYK, RGBA, palette, PNG named .jpg) as RGB.
+    """Decode any image (grayscale, 16-bit, CMYK, RGBA, palette, PNG named .jpg) as RGB, turned
+    by its EXIF orientation (src.image_files.to_rgb, which predict's decode shares).
 
     With `draft_size`, JPEGs are decoded by libjpeg at the smallest 1/2, 1/4 or 1/8 scale that
     still covers draft_size x draft_size, which is much faster than a full decode then resize.
@@ -41,7 +42,7 @@ def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
             image = Image.open(path)
             if draft_size:
                 image.draft("RGB", (draft_size, draft_size))
-            return image.convert("RGB")
+            return to_rgb(image)
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise UserError(f"cannot read image {path} ({error}); "
                         "run `python -m src.tools.prepare DATA_DIR` to leave out broken files") from None
@@ -71,13 +72,11 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
         raise UserError(f"{train_dir} is not a folder: put Kaggle's train/ images there, "
                         "or make a synthetic set with `python -m src.tools.synthetic DATA_DIR`")
     candidates = []
-    for path in train_dir.rglob("*"):
-        relative = path.relative_to(train_dir)
+    for name in train_files(train_dir):
         # A link to nothing or a loop of links is a file that cannot be read: counted with those below.
-        if (path.is_file() or broken_link(path)) and path.suffix.lower() in IMAGE_SUFFIXES:
-            label = _label_of(relative)
-            if label is not None:
-                candidates.append((relative.as_posix(), label))
+        label = _label_of(Path(name)) if Path(name).suffix.lower() in IMAGE_SUFFIXES else None
+        if label is not None:
+            candidates.append((name, label))
     candidates.sort(key=lambda row: natural_key(row[0]))
     if not candidates:
         raise UserError(f"no labelled images in {train_dir}: expected cat.N.jpg / dog.N.jpg "
@@ -97,6 +96,30 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
     if not rows:
         raise UserError(f"none of the {len(candidates)} images in {train_dir} can be read")
     return pd.DataFrame(rows, columns=["filename", "label"]), rejected
+
+
+def train_files(train_dir: Path) -> list[str]:
+    """Every file under train_dir (links to nothing and loops of links included: files that
+    cannot be read), as paths relative to it with / separators."""
+    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*")
+            if path.is_file() or broken_link(path)]
+
+
+def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None) -> str | None:
+    """The line that names the files of data_dir/train that the label table leaves out (those
+    not in `listed`): no label rule covers them, or (csv_file) train.csv does not list them, as
+    when images were added after `prepare` wrote it. None when every file is used."""
+    train_dir = Path(data_dir) / "train"
+    listed = {Path(name).as_posix() for name in listed}
+    unused = sorted((name for name in train_files(train_dir) if name not in listed), key=natural_key)
+    if not unused:
+        return None
+    if csv_file is not None:
+        return (f"not used: {len(unused)} file(s) in {shown(train_dir)} that {shown(csv_file)} does not list "
+                f"({some(unused)}); to train on them too, rerun `python -m src.tools.prepare {shown(data_dir)}`, "
+                "which rewrites it")
+    return (f"not used: {len(unused)} file(s) in {shown(train_dir)} that no label rule covers ({LABEL_RULES}; "
+            f"{', '.join(sorted(IMAGE_SUFFIXES))}): {some(unused)}")
 
 
 def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
@@ -139,10 +162,19 @@ def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
                         f"there, or run `python -m src.tools.synthetic {data_dir}` for a synthetic set")
     csv_file = data_dir / "train.csv"
     if csv_file.exists():
-        return read_labels_csv(csv_file, data_dir / "train")
+        frame = read_labels_csv(csv_file, data_dir / "train")
+        if show_progress:
+            said = not_used_line(data_dir, list(frame["filename"]), csv_file)
+            if said:
+                print(said)
+        return frame
     frame, rejected = scan_train_dir(data_dir / "train", show_progress)
-    if rejected and show_progress:
-        print(f"left out {len(rejected)} unreadable image(s), first {shown(rejected[0])}")
+    if show_progress:
+        if rejected:
+            print(f"left out {len(rejected)} unreadable image(s), first {shown(rejected[0])}")
+        said = not_used_line(data_dir, [*frame["filename"], *rejected])
+        if said:
+            print(said)
     return frame
 
 
@@ -191,8 +223,16 @@ class DogCatTestDataset(Dataset):
         self.root_dir = Path(root_dir)
         if not self.root_dir.is_dir():
             raise UserError(f"test folder {self.root_dir} not found: put Kaggle's test/ images there")
-        self.files = {int(p.stem): p.name for p in self.root_dir.iterdir()
-                      if p.suffix.lower() in IMAGE_SUFFIXES and p.stem.isdigit()}
+        self.files, self.others = {}, []  # id -> its file's name; what is not an N.jpg image
+        for path in sorted(self.root_dir.iterdir(), key=lambda p: natural_key(p.name)):
+            if not (path.suffix.lower() in IMAGE_SUFFIXES and path.stem.isdigit() and path.stem.isascii()):
+                self.others.append(path.name + ("/" if path.is_dir() else ""))
+            elif int(path.stem) in self.files:  # 1.jpg and 1.png, or 1.jpg and 01.jpg
+                raise UserError(f"{self.root_dir} holds two images of id {int(path.stem)} "
+                                f"({shown(self.files[int(path.stem)])} and {shown(path.name)}): a submission has "
+                                "one row per id; remove one of them")
+            else:
+                self.files[int(path.stem)] = path.name
         if not self.files:
             raise UserError(f"no N.jpg images in {self.root_dir}")
         self.ids = sorted(self.files)

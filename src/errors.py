@@ -54,12 +54,18 @@ def before_a_silent_exit() -> None:
         time.sleep(60)
 
 
+# What Ctrl-C outside a run's steps says by default: the training scripts' advice. Each tool
+# passes its own (a tool has no --resume; its outputs are written whole or not at all).
+INTERRUPTED = "interrupted: the files last saved are intact; rerun with --resume"
+
+
 def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None = None,
-                interrupted: str = "interrupted: the files last saved are intact; rerun with --resume") -> int:
+                interrupted: str = INTERRUPTED) -> int:
     """Run main(argv) as a command and return its exit code: 0; a UserError's line on stderr and
     2; a stop on a signal (src/stopping.py: rank 0 said where and how to go on) EXIT_STOPPED; Ctrl-C
-    before training `interrupted` and 130. A process group left by an error is ended. Nothing else
-    of the process changes: main(argv) can run again in it."""
+    before training `interrupted` (what the command left and how to go on) and 130. A process
+    group left by an error is ended. Nothing else of the process changes: main(argv) can run
+    again in it."""
     try:
         main(argv)
         return 0
@@ -87,9 +93,9 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
-def exit_on_error(main: Callable[[list[str] | None], None], **options) -> None:
+def exit_on_error(main: Callable[[list[str] | None], None], interrupted: str = INTERRUPTED) -> None:
     """The command line's way to run main: run_command, then exit with its code (return on 0)."""
-    code = run_command(main, **options)
+    code = run_command(main, interrupted=interrupted)
     if code == 0:
         return
     if code == EXIT_STOPPED and threading.current_thread() is threading.main_thread():

@@ -3,8 +3,9 @@ them. Pillow and numpy only, no torch: `predict --onnx` runs where only onnxrunt
 
 decode() gives the same bytes as training's open_rgb(path, draft_size=size) followed by
 image_transform(size) (tests/test_predict.py checks it on JPEG, PNG, grayscale, CMYK, RGBA,
-palette and oversized images): a draft decode, RGB, then Pillow's bilinear resize to a square,
-which is what torchvision's Resize does with a Pillow image.
+palette and oversized images): a draft decode, to_rgb() (which training's open_rgb calls too),
+then Pillow's bilinear resize to a square, which is what torchvision's Resize does with a Pillow
+image.
 """
 import errno
 import os
@@ -13,17 +14,39 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from src.errors import UserError
+from src.terminal import shown
 
 # Files are taken as images by their suffix (any case); every other file is counted and skipped.
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
+# EXIF's orientation tag: how to turn the stored pixels to show the photo as its owner sees it.
+ORIENTATION = 0x0112
+# Pillow's modes of 16-bit grayscale (a 16-bit PNG or TIFF): convert("RGB") clips each value at
+# 255, so all but the darkest pixels came out white.
+SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N"}
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The opened image (after any draft()) as 8-bit RGB, as it is meant to be seen: turned by
+    its EXIF orientation (a phone's portrait photo is stored sideways with a tag saying so), a
+    16-bit grayscale image scaled to 8 bits (its high byte, as Pillow reads a 16-bit RGB PNG),
+    then grayscale, CMYK, RGBA or palette converted to RGB. The one path of training, predict,
+    export's check and the report's thumbnails."""
+    if image.getexif().get(ORIENTATION, 1) != 1:
+        image = ImageOps.exif_transpose(image)
+    if image.mode in SIXTEEN_BIT:
+        image = Image.fromarray((np.asarray(image).astype(np.uint16) >> 8).astype(np.uint8), "L")
+    return image.convert("RGB")
+
+
 def natural_key(name: str) -> list:
-    """Sort key that puts cat.2.jpg before cat.10.jpg."""
-    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", name)]
+    """Sort key that puts cat.2.jpg before cat.10.jpg. isdecimal, not isdigit: a superscript ²
+    is a digit to str.isdigit, which int() refuses (a file named ² was a traceback)."""
+    return [int(part) if part.isdecimal() else part.lower() for part in re.split(r"(\d+)", name)]
 
 
 def broken_link(path: Path) -> bool:
@@ -31,13 +54,13 @@ def broken_link(path: Path) -> bool:
     return path.is_symlink() and not path.exists()
 
 
-def find_images(paths: list[Path]) -> tuple[list[Path], int]:
+def find_images(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     """The image files among `paths` (files, and folders searched recursively), each once, in the
-    order given, a folder's files in natural order of their path in it; and how many other files
-    there were. A path that does not exist, or no image at all, is a UserError. A link to nothing,
-    or a loop of links, named as an image is listed too: it cannot be decoded, and is left out
-    with the reason (try_decode) rather than dropped without a word."""
-    images, seen, others = [], set(), 0
+    order given, a folder's files in natural order of their path in it; and the other files (not
+    images), for the line that names them. A path that does not exist, or no image at all, is a
+    UserError. A link to nothing, or a loop of links, named as an image is listed too: it cannot
+    be decoded, and is left out with the reason (try_decode) rather than dropped without a word."""
+    images, seen, others = [], set(), []
     for path in paths:
         if path.is_dir():
             found = sorted((p for p in path.rglob("*") if p.is_file() or broken_link(p)),
@@ -48,13 +71,13 @@ def find_images(paths: list[Path]) -> tuple[list[Path], int]:
             raise UserError(f"{path}: no such file or folder")
         for file in found:
             if file.suffix.lower() not in IMAGE_SUFFIXES:
-                others += 1
+                others.append(file)
             elif os.path.realpath(file) not in seen:  # realpath: Path.resolve raises on a loop of links
                 seen.add(os.path.realpath(file))
                 images.append(file)
     if not images:
         names = " ".join(str(path) for path in paths)
-        raise UserError(f"no images in {names} ({others} other file(s)); images are files named "
+        raise UserError(f"no images in {names} ({len(others)} other file(s)); images are files named "
                         f"{', '.join(sorted(IMAGE_SUFFIXES))} (any case)")
     return images, others
 
@@ -66,8 +89,15 @@ def decode(path: Path, size: int) -> np.ndarray:
         warnings.simplefilter("ignore")  # Pillow warns about odd EXIF data in real photos
         with Image.open(path) as image:
             image.draft("RGB", (size, size))  # libjpeg decodes at 1/2, 1/4 or 1/8 scale if that still covers size
-            image = image.convert("RGB").resize((size, size), Image.BILINEAR)
+            image = to_rgb(image).resize((size, size), Image.BILINEAR)
     return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1).copy()
+
+
+def some(names: list, count: int = 3) -> str:
+    """The first `count` names, shown (src.terminal.shown), and how many more: for the one line
+    that names what a command does not use."""
+    text = ", ".join(shown(name) for name in names[:count])
+    return text + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
 def try_decode(path: Path, size: int) -> tuple[np.ndarray | None, str]:

@@ -185,10 +185,11 @@ def predict_files(model: torch.nn.Module, info: dict, files: list[Path], device:
     return torch.cat([s for s, _ in shares]), {i: why for _, b in shares for i, why in b.items()}
 
 
-def kaggle_test_files(test_dir: Path) -> tuple[list[int], list[Path]]:
-    """Kaggle's test/N.jpg: ids in numeric order and their files."""
+def kaggle_test_files(test_dir: Path) -> tuple[list[int], list[Path], list[str]]:
+    """Kaggle's test/N.jpg: ids in numeric order, their files, and the names of what else test/
+    holds (not predicted: predict names them in one line)."""
     test = DogCatTestDataset(test_dir)
-    return test.ids, [test.root_dir / test.files[i] for i in test.ids]
+    return test.ids, [test.root_dir / test.files[i] for i in test.ids], test.others
 
 
 def check_complete(files: list[Path], broken: dict[int, str]) -> None:

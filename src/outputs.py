@@ -149,6 +149,36 @@ class _WriteRecorder:
         return getattr(self.file, name)
 
 
+# A file name's bytes at most (NAME_MAX of Linux's file systems): a temporary name longer than
+# that fails where the output's own name fits, after the work (a 249-byte --checkpoint lost an
+# epoch at its first save). The random part mkstemp adds is 8 characters, then ".tmp".
+NAME_MAX = 255
+_TEMP_TAIL = len(".") + 8 + len(".tmp")
+
+
+def temp_prefix(path: Path) -> str:
+    """The start of the names of `path`'s temporary files, in its folder: `.NAME.` when that leaves
+    room for the random part and ".tmp" within NAME_MAX bytes, else `.` + the name's first bytes +
+    `~` + 8 hex of the whole name's sha256 + `.` (the same for the same name: a later run finds
+    what a killed one left)."""
+    name = os.fsencode(Path(path).name)
+    room = NAME_MAX - _TEMP_TAIL - 2  # the leading and trailing dots
+    if len(name) > room:
+        name = name[:room - 9] + b"~" + hashlib.sha256(name).hexdigest()[:8].encode()
+    return "." + os.fsdecode(name) + "."
+
+
+def temporaries(path: Path) -> list[Path]:
+    """The temporary files (or an export's folders) of `path` in its folder: what a write killed
+    before its rename left. Matched by name, not glob: a name holding [ ] * ? is no pattern."""
+    prefix, folder = temp_prefix(path), Path(path).parent
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [folder / name for name in names if name.startswith(prefix) and name.endswith(".tmp")]
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> str:
     """write(file) into a temporary file beside path, then rename it onto path: path holds the
     old or the new content, never half of one. Returns the sha256 of what was written.
@@ -160,7 +190,7 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> str:
     tmp = file = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
         with os.fdopen(fd, "wb") as raw:
             file = _WriteRecorder(raw)
@@ -200,10 +230,28 @@ def atomic_write_text(path: Path, text: str) -> str:
 
 def probe_folder(folder: Path) -> None:
     """Make the folder and write and remove a file there, or raise OSError: os.access answers yes
-    to root where nothing can be created, as in /proc."""
+    to root where nothing can be created, as in /proc. A file where a folder of the path should be
+    is named (mkdir alone says "File exists")."""
+    for above in [Path(folder), *Path(folder).parents]:
+        if os.path.lexists(above):
+            if not os.path.isdir(above):
+                raise NotADirectoryError(errno.ENOTDIR, f"{above} is {kind_of(above) or 'a file'}, not a folder")
+            break
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=folder):
         pass
+
+
+def probe_names(path: Path) -> None:
+    """Create and remove `path` (where nothing is there yet) and a temporary file of it, by the
+    names atomic_write will use, or raise OSError: a name the file system refuses (too long, a
+    byte it does not take) fails now, not after the work."""
+    if not os.path.lexists(path):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        os.unlink(path)
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=temp_prefix(path), suffix=".tmp")
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def check_room(path: Path, size: int, flag: str) -> None:
@@ -222,12 +270,14 @@ def check_room(path: Path, size: int, flag: str) -> None:
 
 
 def check_can_write(path: Path, flag: str) -> None:
-    """Fail before the work, not after it, when `path` cannot be written (probe_folder)."""
+    """Fail before the work, not after it, when `path` cannot be written (probe_folder), or its
+    name or its temporary file's cannot be made there (probe_names)."""
     path = Path(path)
     try:
-        if path.is_dir():
+        if os.path.isdir(path):  # False for a name too long to look up: probe_names says why
             raise IsADirectoryError(21, "it is a folder")
         probe_folder(path.parent)
+        probe_names(path)
     except OSError as error:
         raise UserError(f"{flag} {path}: cannot write there ({error.strerror or one_line(error)})") from None
 
@@ -236,15 +286,21 @@ LOCK_NAME = ".run.lock"
 
 class RunLock:
     """The lock on a folder (LOCK_NAME in it), held from hold() until release() (or the end of the
-    process, however it ends)."""
+    process, however it ends). `held`: the descriptors of the locks this process holds (closing any
+    other descriptor of a locked file would drop its lock: check_not_in_use must not open one)."""
 
-    def __init__(self, fd: int):
+    held: set[int] = set()
+
+    def __init__(self, fd: int | None):
         self.fd: int | None = fd
+        if fd is not None:
+            RunLock.held.add(fd)
 
     def release(self) -> None:
         """Let go of the lock. (Closing any descriptor of the file drops a record lock too: this is
         the only one opened while holding.)"""
         if self.fd is not None:
+            RunLock.held.discard(self.fd)
             os.close(self.fd)
             self.fd = None
 
@@ -291,6 +347,118 @@ def holder(path: Path) -> str:
     except OSError:
         note = ""
     return note.splitlines()[0] if note else "it has not written its name yet"
+
+
+def check_not_in_use(folder: Path, flag: str) -> None:
+    """Refuse, in one line naming the run, a folder whose lock a running training holds: a tool
+    writing there would race the run's saves (and the run's clean-up of temporary files). Only
+    looks: a folder without a lock file is no run's, and none is made."""
+    path = Path(folder) / LOCK_NAME
+    if not os.path.isfile(path) or os.path.islink(path):
+        return
+    if any(os.path.samestat(os.fstat(fd), os.stat(path)) for fd in RunLock.held):
+        return  # this process's own (closing another descriptor of it would drop the lock)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        # A shared lock conflicts with the holder's exclusive one, and needs read access only.
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EACCES, errno.EAGAIN):
+            raise UserError(f"{flag} {folder} is the folder of a training run in progress ({holder(path)}): "
+                            "wait for it to end, or write elsewhere") from None
+    finally:
+        os.close(fd)  # drops the shared lock, if it was taken
+
+
+def run_file(path: Path) -> str | None:
+    """What of a training run the existing file `path` is ("a checkpoint (.pth)", ...), or None: a
+    tool never writes over these, --overwrite or not (the next --resume, predict or export needs
+    them): any .pth file, the .json beside one (best.json), history.json beside last.pth or a
+    run's lock, the lock file."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return None
+    if path.name == LOCK_NAME:
+        return "the lock file"
+    if path.suffix == ".pth":
+        return "a checkpoint (.pth)"
+    if path.suffix == ".json" and path.with_suffix(".pth").exists():
+        return f"the description of the checkpoint {path.with_suffix('.pth').name} beside it"
+    if path.name == "history.json" and any((path.parent / name).exists() for name in ("last.pth", LOCK_NAME)):
+        return "the history"
+    return None
+
+
+def check_tool_output(flag: str, path: Path, ours: Callable[[Path], bool], what: str, overwrite: bool,
+                      inputs: list[Named] = (), advice: str = "name a new file or a regular one") -> None:
+    """The one rule of the tools' output files (predict's CSV, export's ONNX file, the report),
+    checked before any work:
+
+    - nothing in the folder of a training run in progress (check_not_in_use);
+    - never a device, pipe, socket, link or folder (before anything reads it: a named pipe would
+      block the read), nor one of the command's `inputs` (check_outputs);
+    - never a training run's files (run_file), --overwrite or not;
+    - an existing regular file only if the tool wrote it (`ours(path)`: it is `what`, e.g. "a CSV
+      of predict"), or with --overwrite (`overwrite`);
+    - last, the folder and the exact names it will write can be made (check_can_write).
+    """
+    path = Path(path)
+    if os.path.isdir(path):  # "cannot write there (it is a folder)", as for any output that cannot be written
+        check_can_write(path, flag)
+    # What can be seen without writing first: a refusal leaves the folder as it was.
+    check_not_in_use(path.parent, flag)
+    check_outputs([(flag, path)], inputs=inputs, advice=advice)
+    found = run_file(path)
+    if found is not None:
+        raise UserError(f"{flag} {path} is {found} of a training run: the tools never write over a run's "
+                        "files; name another file")
+    if os.path.lexists(path) and not overwrite and not ours(path):
+        raise UserError(f"{flag} {path} exists and is not {what}: name another file, or pass --overwrite "
+                        "to replace it")
+    check_can_write(path, flag)
+
+
+def starts_with(path: Path, heads: tuple[bytes, ...]) -> bool:
+    """Whether the file begins with one of `heads` (False where it cannot be read)."""
+    try:
+        with open(path, "rb") as file:
+            begin = file.read(max(map(len, heads)))
+    except OSError:
+        return False
+    return begin.startswith(heads)
+
+
+def claim_folder(folder: Path, mark: str, writes: tuple[str, ...], tool: str, what: str, flag: str = "") -> None:
+    """Make `folder` the tool's own, to write `writes` (names in it) and replace them later: refuse
+    a path that is not a folder, or a folder holding any of `writes` without the tool's `mark`
+    file (a folder of the user's, or of another tool), or one where a training run is in progress
+    (in one of `writes` or a folder right below it: the tools' runs); then write the mark. What
+    the tool wrote there before is then its own to replace or remove. The rule of the tools that
+    own a whole folder (synthetic, benchmark, compare_recipes). `flag`: how the user named the
+    folder ("--out-dir ")."""
+    folder = Path(folder)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise UserError(f"{flag}{folder} exists and is not a folder: name a new folder for {what}")
+    if folder.is_dir() and not (folder / mark).is_file():
+        found = [name for name in writes if os.path.lexists(folder / name)]
+        if found:
+            raise UserError(f"{flag}{folder} holds {', '.join(found)}, which {tool} did not write (a folder of "
+                            f"yours?): name a new or empty folder for {what}")
+    for name in writes:
+        inside = folder / name
+        if inside.is_dir() and not inside.is_symlink():
+            for sub in [inside, *sorted(p for p in inside.iterdir() if p.is_dir() and not p.is_symlink())]:
+                check_not_in_use(sub, flag.strip() or "the folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / mark).write_text(f"written by python -m {tool}, which may rewrite this folder\n")
+    except OSError as error:
+        why = error.strerror or one_line(error)
+        raise UserError(f"{flag}{folder}: cannot create it ({why})" if flag else
+                        f"cannot write {what} to {folder} ({why}): name a folder where files can be written") from None
 
 
 # How a message names each output of output_paths: the flag that places it.
@@ -344,11 +512,17 @@ def _try_outputs(args) -> RunLock:
     lock = hold(paths["best"].parent)  # before the clean-up below: another run's temporary files are not stale
     try:
         _check_overwrite(args, paths)
+        for name, path in paths.items():
+            try:  # the names the saves will use, temporary ones included (temp_prefix); in the folder we hold
+                probe_names(path)
+            except OSError as error:
+                flag = "--plot" if name == "plot" else "--checkpoint"
+                raise UserError(f"{flag} {path}: cannot make a file of that name there ({error.strerror})") from None
     except BaseException:
         lock.release()
         raise
     for path in paths.values():
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # from a run killed while saving
+        for stale in temporaries(path):  # from a run killed while saving
             stale.unlink(missing_ok=True)
     return lock
 

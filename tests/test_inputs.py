@@ -239,3 +239,15 @@ def test_the_best_json_check_passes_every_model_training_can_write():
         info = {"arch": arch, "image_size": size, "num_classes": 2, "classes": ["cat", "dog"],
                 "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
         assert _info_problem(info) is None, arch
+
+
+@pytest.mark.parametrize("value", ["1", "2", "-0.1"])
+def test_a_momentum_outside_0_to_1_is_refused_as_a_flag(value, capsys):
+    """--momentum 2 trained: at 1 and above SGD's velocity grows without bound (torch.optim.SGD
+    takes any momentum >= 0)."""
+    with pytest.raises(SystemExit) as exit:
+        parse_args("", [*TINY, "--momentum", value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: argument --momentum: must be in [0, 1), got {float(value)}" in err, err
+    assert parse_args("", [*TINY, "--momentum", "0.99"]).momentum == 0.99

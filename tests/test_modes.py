@@ -83,7 +83,7 @@ def test_every_mode_checkpoint_predicts_the_same(runs, exact_data):
     probabilities = {}
     for mode in MODES:
         model, info = load_checkpoint(mode_run(runs, mode)[0] / "best.pth")
-        ids, files = kaggle_test_files(exact_data / "test")
+        ids, files, _ = kaggle_test_files(exact_data / "test")
         p, broken = predict_files(model, info, files, torch.device("cpu"))
         check_complete(files, broken)
         probabilities[mode] = p[:, info["classes"].index("dog")]

@@ -53,7 +53,9 @@ def test_a_mixed_folder_gives_the_validation_pass_p_dog(mixed, checkpoint, one_p
     for line, (name, why) in zip(left_out, sorted(MIXED_BROKEN.items())):
         assert line.startswith(f"left out {mixed / name}: cannot decode it (") and why in line, line
     assert f"predicted {len(MIXED_IMAGES)} images" in printed
-    assert f"skipped {len(MIXED_OTHERS)} file(s) that are not images; left out 2 that cannot be decoded" in printed
+    named = ", ".join(str(mixed / name) for name in sorted(MIXED_OTHERS))  # in the order they were found
+    assert f"skipped {len(MIXED_OTHERS)} file(s) that are not images ({named}); left out 2 that cannot be decoded" \
+        in printed
 
 
 def test_the_csv_quotes_odd_names_and_the_table_is_short(mixed, one_process, module_tmp):
@@ -81,7 +83,7 @@ def test_find_images_counts_other_files_and_refuses_an_empty_folder(mixed, tmp_p
     files, others = find_images([mixed / "nested", mixed / "a" / "cat.2.jpg", mixed / "nested" / "dog.1.jpg"])
     assert [f.relative_to(mixed).as_posix() for f in files] == [
         "nested/dog.1.jpg", "nested/dog.3.JPEG", "nested/dog.20.jpg", "a/cat.2.jpg"]  # each once
-    assert others == 1
+    assert others == [mixed / "nested" / "README"]
     (tmp_path / "notes.txt").write_text("text")
     with pytest.raises(Exception, match="no images in .* \\(1 other file"):
         find_images([tmp_path])
@@ -99,9 +101,9 @@ def test_a_file_named_twice_is_listed_once(exact_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     relative = Path("images") / "a.jpg"
     assert find_images([folder / "a.jpg", relative, tmp_path / "link.jpg", tmp_path / "folder"]) == \
-        ([folder / "a.jpg", tmp_path / "folder" / "b.jpg"], 0)
+        ([folder / "a.jpg", tmp_path / "folder" / "b.jpg"], [])
     assert find_images([tmp_path / "link.jpg", tmp_path / "folder", relative]) == \
-        ([tmp_path / "link.jpg", tmp_path / "folder" / "b.jpg"], 0)
+        ([tmp_path / "link.jpg", tmp_path / "folder" / "b.jpg"], [])
     assert find_images([tmp_path / "folder", folder])[0] == [tmp_path / "folder" / "a.jpg", tmp_path / "folder" / "b.jpg"]
 
 

@@ -24,9 +24,13 @@ backward at VGG16's classifier (50 x 4096) and a ViT-B/16 block's activations (8
 one thread, best of N alternating rounds, with the aten ops of each forward; and the aten ops
 that stochastic depth dispatches in a training forward of EfficientNet-B0, ConvNeXt-T and Swin-T
 (on a GPU each op but a view is a kernel launch). It prints a table and writes nothing.
+OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
+a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
+where a run is in progress (src.outputs.claim_folder).
 """
 import argparse
 import csv
+import io
 import json
 import math
 import multiprocessing
@@ -60,7 +64,7 @@ from src.errors import UserError, exit_on_error  # noqa: E402
 from src.freeze import backbone_outputs, set_frozen  # noqa: E402
 from src.loaders import Data, labelled_images, split_indices  # noqa: E402
 from src.models import build_model  # noqa: E402
-from src.outputs import atomic_write_text  # noqa: E402
+from src.outputs import atomic_write, atomic_write_text, claim_folder  # noqa: E402
 from src.profiling import FIGURES  # noqa: E402
 from src.recipe import make_optimizer  # noqa: E402
 from src.tools.commands import run_script  # noqa: E402
@@ -69,6 +73,9 @@ from src.transforms import image_transform, memory_format, normalize  # noqa: E4
 
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
+MARK = ".benchmark"  # says that this tool wrote the --out-dir, and may write it again
+WRITES = ("data", "runs", "cache", "features", "benchmark.csv", "benchmark.md", "benchmark.png")
+INTERRUPTED = "interrupted: the tables were not written; run the command again (the runs start over)"
 MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
 
@@ -495,11 +502,12 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
 
 def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     out = args.out_dir
-    with open(out / "benchmark.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows.values():
-            writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows.values():
+        writer.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    atomic_write_text(out / "benchmark.csv", table.getvalue())
 
     def cell(value, digits=1):
         return "" if value is None else f"{value:.{digits}f}"
@@ -520,7 +528,7 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     lines += [""] + [f"- {note}" for note in notes]
     lines += ["", "Checks:"] + [f"- [{'x' if met else ' '}] {text}" for text, met in results]
     markdown = "\n".join(lines) + "\n"
-    (out / "benchmark.md").write_text(markdown)
+    atomic_write_text(out / "benchmark.md", markdown)
 
     names = list(rows)
     runs = [n for n in names if "train_seconds" in rows[n]]
@@ -550,7 +558,7 @@ def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
     parts.legend(loc="lower right", fontsize="small")
     parts.grid(axis="x", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(out / "benchmark.png")
+    atomic_write(out / "benchmark.png", lambda file: figure.savefig(file, format="png"))
     plt.close(figure)
     return markdown
 
@@ -560,16 +568,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.dropout_cost:
         print(dropout_report(args.steps)[0], end="")
         return
-    try:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"--out-dir {args.out_dir}: cannot create it ({error.strerror})") from None
+    claim_folder(args.out_dir, MARK, WRITES, "src.tools.benchmark", "the benchmark", "--out-dir ")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = args.out_dir / "data"
-        if len(list((data_dir / "train").glob("*.jpg"))) != args.images:
-            shutil.rmtree(data_dir, ignore_errors=True)
+        if len(list((data_dir / "train").glob("*.jpg"))) != args.images:  # write_dataset replaces its own set only
             print(f"writing {args.images} synthetic Kaggle-size images to {data_dir}", flush=True)
             write_dataset(data_dir, n_train=args.images, n_test=0, size=500, seed=0)
     jpegs = labelled_images(data_dir, args.image_size)
@@ -645,4 +649,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

@@ -20,6 +20,8 @@ step (CHAOS_LOG). Then it prints the distance between the final weights (and wei
 those of an uninterrupted run of the same flags (trained here, or --reference: its output folder),
 whether the histories match, and the steps that were done twice; the exit code is 1 unless the
 distance is 0 and the histories match (on a CPU the resumed run must be bit for bit the same).
+The work folder is this tool's own: it marks it (WORK/.chaos) and replaces there only what it
+wrote; a folder holding what it writes without the mark is refused (src.outputs.claim_folder).
 """
 import argparse
 import json
@@ -36,6 +38,7 @@ import torch
 
 from src.checkpoint import RESUME_KEYS
 from src.errors import UserError, exit_on_error
+from src.outputs import claim_folder
 from src.tools.agreement import distance
 from src.tools.commands import ROOT
 
@@ -46,6 +49,9 @@ FLAGS = ["--arch", "squeezenet1_1", "--weights", "none", "--image-size", "64", "
 PROCESSES = 2
 MEANS = ("sigterm", "sigint", "sigkill")
 TIMINGS = {"train_seconds", "val_seconds", "seconds", "data_wait_seconds"}
+MARK = ".chaos"  # says that this tool wrote the work folder, and may write it again
+WRITES = ("data", "reference", "chaos", "hook", "steps.log", "reference.log", "launch-1.log")
+INTERRUPTED = "interrupted: the launches so far are in the work folder; run the command again (it starts over)"
 
 HOOK = '''"""Written by src/tools/chaos.py: after each optimizer step, the planned stops (CHAOS_PLAN)."""
 import json
@@ -174,7 +180,7 @@ def compare(out: Path, reference: Path) -> tuple[float, float, bool]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="chaos-"))
-    work.mkdir(parents=True, exist_ok=True)
+    claim_folder(work, MARK, WRITES, "src.tools.chaos", "the chaos check", "--work-dir ")
     data = Path(args.data_dir) if args.data_dir else work / "data"
     if not args.data_dir and not (data / "train").is_dir():
         from src.tools.synthetic import write_dataset
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reference = Path(args.reference) if args.reference else work / "reference"
     if not args.reference:
+        shutil.rmtree(reference, ignore_errors=True)  # an earlier check's, in our own folder
         code = launch([*torchrun(0), *flags, "--checkpoint", str(reference / "best.pth"),
                        "--plot", str(reference / "curves.png")], {}, work / "reference.log", args.launch_timeout)
         if code != 0:
@@ -234,4 +241,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

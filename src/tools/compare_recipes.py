@@ -25,8 +25,13 @@ there is nothing to compare. The defaults (2500 images, ResNet-18 from random in
 was measured on). Both runs train from one --cache in OUT/cache, decoded once; a
 --data-dir without train.csv gets one (as `python -m src.tools.prepare` writes it), so that neither run
 opens every image to list them.
+
+OUT is this tool's own folder: it marks it (OUT/.compare_recipes) and replaces there only what it
+wrote; a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is
+one where a run is in progress (src.outputs.claim_folder).
 """
 import csv
+import io
 import json
 import math
 import shlex
@@ -39,8 +44,12 @@ from pathlib import Path
 from src.cli import OneLineParser, at_least
 from src.devices import hardware
 from src.errors import UserError, exit_on_error
+from src.outputs import atomic_write_text, claim_folder
 from src.tools.commands import run_script
 
+MARK = ".compare_recipes"  # says that this tool wrote the --out-dir, and may write it again
+WRITES = ("data", "runs", "cache", "compare.md", "compare.csv")
+INTERRUPTED = "interrupted: the tables were not written; run the command again (the runs start over)"
 WARMUP_SHARE = 0.1  # of all epochs: one epoch in ten, and a fraction of one in a 1-epoch run
 
 # The full recipe's flags besides --augment and the schedule, each a common default for training
@@ -110,7 +119,7 @@ def synthetic_data(args) -> Path:
     stamp_file = data_dir / "synthetic.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return data_dir
-    shutil.rmtree(data_dir, ignore_errors=True)
+    # write_dataset replaces a synthetic set of its own there, and refuses anything else.
     print(f"writing {args.images} hard synthetic images of about {size} px to {data_dir}", flush=True)
     write_dataset(data_dir, n_train=args.images, n_test=0, size=size, seed=args.seed, hard=True)
     stamp_file.write_text(json.dumps(stamp) + "\n")
@@ -120,7 +129,6 @@ def synthetic_data(args) -> Path:
 def write_labels(data_dir: Path) -> None:
     """train.csv, if missing, so that neither run scans (opens) every image again."""
     from src.datasets import load_labels
-    from src.outputs import atomic_write_text
 
     if not (data_dir / "train.csv").exists():
         atomic_write_text(data_dir / "train.csv", load_labels(data_dir).to_csv(index=False))
@@ -197,11 +205,12 @@ def verdict(rows: dict[str, dict]) -> list[str]:
 def write_outputs(rows: dict[str, dict], histories: dict[str, list[dict]], args, data_dir: Path,
                   seconds: float) -> str:
     out = args.out_dir
-    with open(out / "compare.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        for row in rows.values():
-            writer.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=FIELDS)
+    writer.writeheader()
+    for row in rows.values():
+        writer.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()})
+    atomic_write_text(out / "compare.csv", table.getvalue())
 
     lines = [f"{date.today().isoformat()}, {hardware()}; {seconds:.0f} s in all", "",
              f"`{shlex.join(['python', '-m', 'src.tools.compare_recipes'] + sys.argv[1:])}`", "",
@@ -227,17 +236,14 @@ def write_outputs(rows: dict[str, dict], histories: dict[str, list[dict]], args,
                  for h in histories.values()]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     markdown = "\n".join(lines) + "\n"
-    (out / "compare.md").write_text(markdown)
+    atomic_write_text(out / "compare.md", markdown)
     return markdown
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
-    try:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"--out-dir {args.out_dir}: cannot create it ({error.strerror})") from None
+    claim_folder(args.out_dir, MARK, WRITES, "src.tools.compare_recipes", "the recipe comparison", "--out-dir ")
     if args.data_dir is None:
         data_dir = synthetic_data(args)
     elif not (args.data_dir / "train").is_dir():
@@ -260,4 +266,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

@@ -10,6 +10,9 @@ the best.pth it came from (src/tools/onnx_model.py). Before the file is put in p
 it on N real images (decoded as training decodes them) and each probability must be within the
 float32 rounding bound of src/tools/rounding.py of torch's; otherwise nothing is written.
 `python -m src.tools.predict --onnx OUTPUT PATH...` runs it without torch.
+OUTPUT replaces an ONNX file of this tool's (its metadata says so), any other file with
+--overwrite only, and never a training run's files (best.pth, last.pth, ...) nor a file in the
+folder of a training run in progress (src.outputs.check_tool_output).
 Needs `pip install -r requirements-onnx.txt` (onnx, onnxscript, onnx-ir, onnxruntime).
 """
 import os
@@ -26,14 +29,15 @@ from src.cli import OneLineParser, at_least
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
 from src.inference import load_checkpoint, sha256_of
-from src.outputs import cannot_write, check_can_write, check_outputs
+from src.outputs import cannot_write, check_tool_output, temp_prefix, temporaries
 from src.terminal import shown
-from src.tools.onnx_model import metadata, open_session
+from src.tools.onnx_model import FORMAT, metadata, open_session
 from src.tools.rounding import rounding_bound
 from src.transforms import normalize
 
 OPSET = 20  # torch 2.14's default; onnxruntime 1.32 runs opsets up to 23
 CHECK_BATCH = 3  # onnxruntime runs the check in batches of 3: not the export's example batch of 2
+INTERRUPTED = "interrupted: nothing written (an earlier OUTPUT is as it was); run the command again"
 
 
 class Deployable(nn.Module):
@@ -119,29 +123,43 @@ def opset_of(path: Path) -> int:
     return {entry.domain or "ai.onnx": entry.version for entry in model.opset_import}["ai.onnx"]
 
 
-def check_output(checkpoint: Path, output: Path, image_paths: list[Path]) -> None:
-    """Before the export: OUTPUT (and the .data file of large weights beside it) can be written,
-    is a regular file or nothing yet, and is none of the files the export reads; the temporary
-    folders of exports that were killed are removed."""
-    check_can_write(output, "OUTPUT")
-    check_outputs([("OUTPUT", output), ("OUTPUT's weights file", Path(f"{output}.data"))],
-                  inputs=[("CHECKPOINT", checkpoint), ("its best.json", checkpoint.with_suffix(".json")),
-                          *(("an image it checks on", file) for file in find_images(image_paths)[0])])
-    for stale in output.parent.glob(f".{output.name}.*.tmp"):  # an export killed before its clean-up
+def is_export(path: Path) -> bool:
+    """Whether the file is an ONNX file this tool wrote (its metadata's format)."""
+    import onnx
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not ONNX at all: protobuf's DecodeError, and others
+        return False
+    return any(entry.key == "format" and entry.value == FORMAT for entry in model.metadata_props)
+
+
+def check_output(checkpoint: Path, output: Path, image_paths: list[Path], overwrite: bool = False) -> None:
+    """Before the export: OUTPUT (and the .data file of large weights beside it) is a file this
+    tool may write (src.outputs.check_tool_output: an export of its own or --overwrite, never a
+    run's files), none of the files the export reads; the temporary folders of exports that were
+    killed are removed."""
+    inputs = [("CHECKPOINT", checkpoint), ("its best.json", checkpoint.with_suffix(".json")),
+              *(("an image it checks on", file) for file in find_images(image_paths)[0])]
+    check_tool_output("OUTPUT", output, is_export, "an ONNX file of src.tools.export", overwrite, inputs=inputs)
+    data = Path(f"{output}.data")
+    # The weights of an export of ours are ours; beside another file, or none, they may be anyone's.
+    check_tool_output("OUTPUT's weights file", data, lambda _: output.exists() and is_export(output),
+                      f"the weights of an export of ours ({output.name} is not one)", overwrite, inputs=inputs)
+    for stale in temporaries(output):  # an export killed before its clean-up
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def export(checkpoint: Path, output: Path, image_paths: list[Path], count: int) -> None:
+def export(checkpoint: Path, output: Path, image_paths: list[Path], count: int, overwrite: bool = False) -> None:
     start = time.time()
     model, info = load_checkpoint(checkpoint)
     if "sha256" not in info:  # a best.json written by hand
         info["sha256"] = sha256_of(checkpoint)
     files, images = check_images(image_paths, info["image_size"], count)
-    check_output(checkpoint, output, image_paths)
+    check_output(checkpoint, output, image_paths, overwrite)
     wrapper = Deployable(model, info["mean"], info["std"]).eval()
     program = export_program(wrapper, torch.from_numpy(images), info)
     try:
-        folder = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
+        folder = Path(tempfile.mkdtemp(dir=output.parent, prefix=temp_prefix(output), suffix=".tmp"))
     except OSError as error:
         raise UserError(cannot_write(output, error)) from None
     try:
@@ -168,14 +186,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=Path, nargs="+", default=[Path("data")],
                         help="image files or folders to check the export on")
     parser.add_argument("--check", type=at_least(1), default=16, help="how many images to check it on")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an OUTPUT that this tool did not write (never a training run's files)")
     args = parser.parse_args(argv)
     try:
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError as error:
         raise UserError(f"the export needs {error.name}: pip install -r requirements-onnx.txt") from None
-    export(args.checkpoint, args.output or args.checkpoint.with_suffix(".onnx"), args.images, args.check)
+    export(args.checkpoint, args.output or args.checkpoint.with_suffix(".onnx"), args.images, args.check,
+           args.overwrite)
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

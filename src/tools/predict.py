@@ -6,14 +6,18 @@
     python -m src.tools.predict [--data-dir data] [--tta]          (Kaggle's test/ -> submission.csv)
 
 Folders are searched recursively. Files named .jpg .jpeg .png .bmp .gif .webp .tif .tiff (any
-case) are images; other files are skipped and counted, and an image that cannot be decoded is
-named in one line and left out. The CSV has a row `path,p_dog,label` for every other image, in
+case) are images; other files are skipped, counted and named (the first few), and an image that
+cannot be decoded is named in one line and left out. Under torchrun rank 0 lists the files and
+every rank takes its share of that one list. The CSV has a row `path,p_dog,label` for every other image, in
 the order of the paths given (a folder's files in natural order), and the same rows whatever the
 number of processes. The architecture, image size and normalisation come from best.json, which
 every training script writes beside best.pth. `--output -` writes the CSV to standard output (and
 what predict says to standard error). The CSV is safe to open in a spreadsheet: a name that a
 spreadsheet would take for a formula (starting with = + - @, a tab or a carriage return), or one
 starting with ', is written with a ' in front; drop one leading ' to read it back (src/safe_csv.py).
+--output replaces a CSV that predict wrote (its header says so), any other file with --overwrite
+only, and never a training run's files nor a file in the folder of a training run in progress
+(src.outputs.check_tool_output).
 """
 import json
 import os
@@ -27,10 +31,14 @@ import numpy as np
 
 from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least, cap_workers
 from src.errors import UserError, exit_on_error
-from src.image_files import find_images, try_decode
-from src.outputs import atomic_write_text, check_can_write, check_outputs, check_room
+from src.image_files import find_images, some, try_decode
+from src.outputs import atomic_write_text, check_room, check_tool_output, starts_with
 from src.safe_csv import csv_text
 from src.terminal import shown
+
+# The headers of the CSVs predict writes: the one mark of a file that --output may replace.
+HEADERS = ("path,p_dog,label\n", "id,label\n")
+INTERRUPTED = "interrupted: no CSV written (an earlier --output file is as it was); run the command again"
 
 SHOWN = 10  # rows of the table printed
 
@@ -51,6 +59,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--workers", type=at_least(0), default=None,
                         help="image decoding processes (--onnx: threads); default: this machine's CPUs "
                              "over its processes")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --output file that predict did not write (never a training run's files)")
     parser.add_argument("--tta", action="store_true", help="average over the image and its mirror")
     parser.add_argument("--amp", choices=list(AMP_DTYPES), default="no", help="bf16 or fp16 autocast")
     parser.add_argument("--channels-last", action="store_true", help="channels-last batches and weights")
@@ -74,13 +84,19 @@ def to_stdout(args) -> bool:
     return str(args.output) == "-"
 
 
+def is_predict_csv(path: Path) -> bool:
+    """Whether the file starts with a header predict writes."""
+    return starts_with(path, tuple(header.encode() for header in HEADERS))
+
+
 def check_output(args, files: list[Path]) -> None:
-    """Before any work: --output can be written, is a regular file or nothing yet (not a device,
-    a pipe, a link, a folder), is none of the files this command reads (the checkpoint, its
-    best.json, the ONNX file, an image to predict), and its folder has room for the CSV."""
+    """Before any work: --output is a file predict may write (src.outputs.check_tool_output: a
+    regular file or nothing yet, its names can be made, a CSV of predict's or --overwrite, not a
+    training run's file nor in the folder of one in progress), is none of the files this command
+    reads (the checkpoint, its best.json, the ONNX file, an image to predict), and its folder has
+    room for the CSV."""
     if to_stdout(args):
         return
-    check_can_write(args.output, "--output")
     checkpoint = args.checkpoint or (None if args.onnx else Path("model/best.pth"))
     inputs = [("an image to predict", file) for file in files]
     if checkpoint is not None:
@@ -88,8 +104,9 @@ def check_output(args, files: list[Path]) -> None:
     if args.onnx:
         inputs += [("--onnx", args.onnx), ("its weights", Path(f"{args.onnx}.data")),
                    ("its best.json", args.onnx.with_suffix(".json"))]
-    check_outputs([("--output", args.output)], inputs=inputs, advice="name a new file or a regular one "
-                  "(for standard output: --output -)")
+    check_tool_output("--output", args.output, is_predict_csv, "a CSV of predict (a path,p_dog,label or "
+                      "id,label header)", args.overwrite, inputs=inputs,
+                      advice="name a new file or a regular one (for standard output: --output -)")
     # A row is the name, p(dog) (12 characters at most), the label and the separators; quotes or
     # a formula's ' take a few more. Checked now, not after the pass over every image.
     check_room(args.output, 100 + sum(len(os.fsencode(file)) + 32 for file in files), "--output")
@@ -133,7 +150,7 @@ def write_output(args, text: str) -> None:
     sys.stdout.buffer.flush()
 
 
-def report(result: Predictions, others: int, output: Path) -> str:
+def report(result: Predictions, others: list[Path], output: Path) -> str:
     """What predict prints: the files that cannot be decoded, one line each, a short table, the
     counts and the speed."""
     files, classes = result.files, result.classes
@@ -149,8 +166,9 @@ def report(result: Predictions, others: int, output: Path) -> str:
         lines.append(f"... {len(done) - SHOWN} more rows")
     counts = ", ".join(f"{sum(int(p.argmax()) == c for _, p in done)} {name}" for c, name in enumerate(classes))
     lines.append(f"predicted {len(done)} images ({counts}) in {result.seconds:.1f} s "
-                 f"({len(done) / max(result.seconds, 1e-9):.1f} images/s); skipped {others} file(s) that "
-                 f"are not images; left out {len(result.broken)} that cannot be decoded; wrote "
+                 f"({len(done) / max(result.seconds, 1e-9):.1f} images/s); skipped {len(others)} file(s) that "
+                 f"are not images{f' ({some(others)})' if others else ''}; left out {len(result.broken)} that "
+                 "cannot be decoded; wrote "
                  + ("standard output" if str(output) == "-" else shown(output)))
     return "\n".join(lines)
 
@@ -188,17 +206,24 @@ def predict_onnx(args, files: list[Path]) -> Predictions:
     return Predictions(files, probabilities, broken, classes, time.time() - start)
 
 
-def predict_torch(args, files: list[Path] | None) -> Predictions | None:
-    """With the checkpoint and torch, the files (None: Kaggle's test images) shared out over the
-    processes of a launcher; rank 0 gets the predictions, the others None."""
+def listed(args) -> tuple[list[Path], list]:
+    """The files to predict and what else is there (names, for the line that says so): the images
+    under PATH..., or Kaggle's test/N.jpg without PATH."""
+    if args.paths:
+        return find_images(args.paths)
+    from src.inference import kaggle_test_files
+    return kaggle_test_files(args.data_dir / "test")[1:]
+
+
+def predict_torch(args) -> tuple[Predictions, list] | None:
+    """With the checkpoint and torch, the files shared out over the processes of a launcher: rank
+    0 lists them and every rank takes its share of that list (ranks listing the folder each, a
+    file that appeared between their listings shifted every later row to another name); rank 0
+    gets the predictions and what else was there, the others None."""
     from src.cli import amp_dtype
     from src.devices import default_workers
     from src.errors import end_process_group
-    from src.inference import (
-        kaggle_test_files,
-        load_checkpoint,
-        predict_files,
-    )
+    from src.inference import load_checkpoint, predict_files
     from src.process_group import join_process_group
     from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
@@ -207,8 +232,7 @@ def predict_torch(args, files: list[Path] | None) -> Predictions | None:
     try:
         with heartbeat:  # under torchrun: names a rank that stops answering
             try:
-                if files is None:
-                    files = kaggle_test_files(args.data_dir / "test")[1]
+                files, others = from_rank_0(lambda: listed(args))
                 from_rank_0(lambda: check_output(args, files))
                 model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
             except UserError as error:  # every rank finds it: the first says it
@@ -222,22 +246,20 @@ def predict_torch(args, files: list[Path] | None) -> Predictions | None:
         end_process_group()
     if result is None:
         return None
-    return Predictions(files, result[0].numpy(), result[1], info["classes"], time.time() - start)
+    return Predictions(files, result[0].numpy(), result[1], info["classes"], time.time() - start), others
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        files, others = find_images(args.paths) if args.paths else (None, 0)
-    except UserError as error:  # under torchrun every rank finds it: the first says it
-        raise UserError(str(error), quiet=os.environ.get("RANK", "0") != "0") from None
-    if args.onnx:
+    if args.onnx:  # one process (parse_args): no ranks to agree
+        files, others = find_images(args.paths)
         check_output(args, files)
         result = predict_onnx(args, files)
     else:
-        result = predict_torch(args, files)
-        if result is None:  # a rank other than 0
+        predicted = predict_torch(args)
+        if predicted is None:  # a rank other than 0
             return
+        result, others = predicted
     check_finite(result)
     said = sys.stderr if to_stdout(args) else sys.stdout
     if args.paths:
@@ -248,9 +270,10 @@ def main(argv: list[str] | None = None) -> None:
         check_complete(result.files, result.broken)
         ids = [int(file.stem) for file in result.files]
         write_output(args, submission_text(ids, result.probabilities[:, result.classes.index("dog")]))
-        print(f"wrote {len(ids)} predictions to " + ("standard output" if to_stdout(args) else shown(args.output)),
-              file=said)
+        print(f"wrote {len(ids)} predictions to " + ("standard output" if to_stdout(args) else shown(args.output))
+              + (f"; not predicted: {len(others)} entries of {shown(args.data_dir / 'test')} that are not N.jpg "
+                 f"images ({some(others)})" if others else ""), file=said)
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

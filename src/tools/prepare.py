@@ -5,7 +5,9 @@
 Finds Kaggle's flat train/cat.N.jpg and train/dog.N.jpg, or one folder per class (train/Cat/,
 train/Dog/, any case, as in Microsoft's PetImages), opens every image, leaves out and lists the
 ones that are empty, truncated or not images, and writes train.csv (filename,label; 0 = cat,
-1 = dog). Safe to run again: it rescans and rewrites the same file. With --cache it also builds
+1 = dog); files that no label rule covers (not cat.N / dog.N, not in a class folder) are named in
+one line as not used. Safe to run again: it rescans and rewrites the same file (run it again after
+adding images to train/: training names the files a train.csv does not list, and leaves them out). With --cache it also builds
 the pixel cache that the training scripts' --cache DIR --image-size N would build on their start.
 train.csv is written as src/safe_csv.py writes every CSV (names quoted where a comma, quote or
 line break would split them; its names start with cat., dog. or the class folder's name, so none
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from src.cache import build_cache, cache_paths
 from src.cli import OneLineParser, at_least
-from src.datasets import scan_train_dir
+from src.datasets import not_used_line, scan_train_dir
 from src.devices import default_workers
 from src.errors import UserError, exit_on_error
 from src.loaders import labelled_images
@@ -23,9 +25,12 @@ from src.outputs import atomic_write_text, check_outputs
 from src.safe_csv import csv_text
 from src.terminal import shown
 
+INTERRUPTED = "interrupted: train.csv is as it was; run the command again"
 
-def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[str]]:
-    """Write data_dir/train.csv; returns (cats, dogs, names left out)."""
+
+def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[str], str | None]:
+    """Write data_dir/train.csv; returns (cats, dogs, the unreadable images left out, the line that
+    names the files no label rule covers or None)."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found")
@@ -33,7 +38,7 @@ def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[
     frame, rejected = scan_train_dir(data_dir / "train", show_progress)
     atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))
     dogs = int(frame["label"].sum())
-    return len(frame) - dogs, dogs, rejected
+    return len(frame) - dogs, dogs, rejected, not_used_line(data_dir, [*frame["filename"], *rejected])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,9 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
     parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
     args = parser.parse_args(argv)
-    cats, dogs, rejected = prepare(args.data_dir)
+    cats, dogs, rejected, not_used = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")
+    if not_used:
+        print(not_used)
     print(f"wrote {shown(args.data_dir / 'train.csv')}: {cats} cats, {dogs} dogs, "
           f"{len(rejected)} left out as unreadable")
     if args.cache:
@@ -54,4 +61,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

@@ -13,9 +13,16 @@ For each run, best.pth is validated again on the run's own validation split, reb
 best.json (seed, --val-fraction, and the digest of the data folder's labels, which must match):
 confusion matrix, accuracy, log loss, a reliability diagram, and the images with the highest
 loss and the most uncertain ones. With --predictions (predict's CSV), the user's images, the most
-uncertain first. Runs of the same job (the same flags but for the mode, processes and batch
+uncertain first: thumbnails only of images inside the CSV's folder, the current folder or a run's
+data folder (a CSV from elsewhere cannot put any image of the disk into a page that gets
+shared). Runs of the same job (the same flags but for the mode, processes and batch
 split) get a table of the distances between their final weights, judged as docs/modes.md does:
 as a share of the distance to a run of the same job with another global batch, when one is given.
+
+Every field of best.json and history.json that the page reads is checked first (check_run): a
+hand-edited or older file is one line naming the file and the field. --output replaces a report
+of this tool's (its GENERATOR mark), any other file with --overwrite only, never a training run's
+files nor a file in the folder of a run in progress (src.outputs.check_tool_output).
 """
 import base64
 import csv
@@ -43,12 +50,14 @@ from src.cli import OneLineParser, at_least
 from src.datasets import CLASSES
 from src.devices import default_workers, hardware, training_device
 from src.errors import UserError, exit_on_error
-from src.history import best_record
+from src.history import AVERAGE, best_record
+from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
 from src.loaders import labelled_data
 from src.metrics import EPS, batch_sums, summarize
-from src.outputs import atomic_write_text, check_can_write
+from src.outputs import atomic_write_text, check_tool_output
 from src.plot import plt
+from src.safe_csv import original
 from src.tools.agreement import TOLERANCE, distance
 
 GALLERY = 24  # validation images in each gallery: the highest loss, the most uncertain
@@ -59,8 +68,9 @@ TEMPLATE = "report.html.jinja"
 # What the page reads of each history.json record.
 HISTORY_KEYS = ("epoch", "train_loss", "train_acc", "train_samples", "train_seconds", "val_loss", "val_acc",
                 "val_log_loss", "val_samples", "lr", "seconds")
-# The report's own mark: --output replaces a file that has it, and no other.
+# The report's own mark: --output replaces a file that has it, and no other (without --overwrite).
 GENERATOR = "src.tools.report"
+INTERRUPTED = "interrupted: no report written (an earlier --output file is as it was); run the command again"
 
 
 def parse_args(argv: list[str] | None = None):
@@ -68,6 +78,8 @@ def parse_args(argv: list[str] | None = None):
     add = parser.add_argument
     add("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding a run's best.pth")
     add("--output", type=Path, default=None, help="the HTML file (default: report.html in the first RUN_DIR)")
+    add("--overwrite", action="store_true",
+        help="replace an --output file that is not a report of this tool (never a training run's files)")
     add("--predictions", type=Path, default=None,
         help="predict's CSV (path,p_dog,label): a gallery of those images, the most uncertain first")
     add("--data-dir", type=Path, default=None,
@@ -92,32 +104,95 @@ class Run(NamedTuple):
     history: list[dict]  # history.json
 
 
-def read_run(folder: Path, number: int) -> Run:
-    """A run folder's best.json (checked against its best.pth) and history.json."""
+def read_run(folder: Path, number: int, data_dir: Path | None = None) -> Run:
+    """A run folder's best.json (checked against its best.pth) and history.json, every field the
+    page reads checked (check_run)."""
     if not folder.is_dir():
-        raise UserError(f"{folder}: no such folder (a run folder is where its best.pth is)")
+        raise UserError(f"RUN_DIR {folder}: no such folder (a run folder is where its best.pth is)")
+    if not (folder / "best.pth").is_file():
+        raise UserError(f"RUN_DIR {folder} holds no best.pth: name the folder of a training run (its "
+                        "--checkpoint's folder), after its first epoch")
     info = read_info(folder / "best.pth")
     try:
         history = json.loads((folder / "history.json").read_text())
-        [[record[key] for key in HISTORY_KEYS] for record in history]  # KeyError, TypeError: not a history
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         raise UserError(f"{folder / 'history.json'} is missing or unreadable: the training scripts "
                         "write it beside best.pth") from None
-    if not history:
-        raise UserError(f"{folder / 'history.json'} holds no epoch")
+    check_run(folder, info, history, data_dir)
     return Run(folder, f"{number} {info.get('mode', 'run')}", info, history)
 
 
-def check_output(path: Path) -> None:
-    """--output may replace a report, never another file."""
-    if path.is_dir():
-        raise UserError(f"--output {path} is a folder: name the HTML file to write")
-    if path.exists():
+def _whole(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What the page reads of best.json beyond what predict checks (src.inference.check_info): each
+# field's test, what it must be, and whether it must be there (older runs lack the optional ones).
+INFO_FIELDS = {
+    "seed": (lambda v: _whole(v, -2**63) and v < 2**64, "a whole number (the split is rebuilt from it)", True),
+    "val_fraction": (lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1) (the split is rebuilt from it)", True),
+    "data": (lambda v: isinstance(v, str), "the digest of the labelled images, a string", True),
+    "batch_size": (lambda v: _whole(v, 1), "a whole number of at least 1", True),
+    "best_by": (lambda v: v in ("val_acc", "val_log_loss"), "val_acc or val_log_loss", False),
+    "mode": (lambda v: isinstance(v, str), "a string (the training script)", False),
+    "flags": (lambda v: isinstance(v, dict), "an object of the run's flags", False),
+}
+
+
+def check_run(folder: Path, info: dict, history, data_dir: Path | None) -> None:
+    """Refuse, in one line naming the file and the field, a best.json or history.json (hand-edited,
+    or from an older version) with a field the page reads that is missing or of the wrong kind:
+    each was a traceback somewhere in the page's making."""
+    best_json, history_json = folder / "best.json", folder / "history.json"
+
+    def bad(path: Path, what: str) -> UserError:
+        return UserError(f"{path}: {what}; the training scripts write it so: retrain, or fix it by hand")
+
+    for key, (test, must, required) in INFO_FIELDS.items():
+        if key not in info:
+            if required:
+                raise bad(best_json, f"{key} is missing (it must be {must})")
+        elif not test(info[key]):
+            raise bad(best_json, f"{key} {info[key]!r} must be {must}")
+    if data_dir is None:
+        flags = info.get("flags")
+        if flags is None or not isinstance(flags.get("data_dir"), str):
+            raise UserError(f"{best_json} does not say which data folder the run was trained on (its "
+                            "flags' data_dir): pass --data-dir")
+    if not isinstance(history, list) or not history:
+        raise bad(history_json, "it must be a list of one record per epoch, and holds " + (
+            "no epoch" if isinstance(history, list) else f"a {type(history).__name__}"))
+    for number, record in enumerate(history, start=1):
+        if not isinstance(record, dict):
+            raise bad(history_json, f"record {number} is not an object")
+        for key in HISTORY_KEYS + tuple(key for key in AVERAGE.values() if key in record):
+            value = record.get(key)
+            ok = _whole(value, 1) if key == "epoch" else _whole(value) if key.endswith("_samples") else _finite(value)
+            if not ok:
+                kind = ("a whole number from 1" if key == "epoch" else "a whole number" if key.endswith("_samples")
+                        else "a finite number")
+                said = "is missing" if key not in record else f"{value!r} is not {kind}"
+                raise bad(history_json, f"record {number}: {key} {said}" + (f" (it must be {kind})"
+                                                                             if key not in record else ""))
+
+
+def is_report(path: Path) -> bool:
+    """Whether the file is a report of this tool (its mark near the start)."""
+    try:
         with open(path, "rb") as file:
-            if GENERATOR.encode() not in file.read(4096):
-                raise UserError(f"--output {path} exists and is not a report of this tool: "
-                                "name another file, or delete it")
-    check_can_write(path, "--output")
+            return GENERATOR.encode() in file.read(4096)
+    except OSError:
+        return False
+
+
+def check_output(path: Path, overwrite: bool = False) -> None:
+    """--output: src.outputs.check_tool_output's rule, a report of this tool being the file it
+    may replace (checked after the kind of file: a named pipe is never opened)."""
+    check_tool_output("--output", path, is_report, "a report of this tool", overwrite)
 
 
 # Validation of best.pth on its run's split.
@@ -134,12 +209,8 @@ class Validation(NamedTuple):
 
 
 def data_folder(run: Run, data_dir: Path | None) -> Path:
-    if data_dir is not None:
-        return data_dir
-    if "flags" not in run.info:
-        raise UserError(f"{run.folder / 'best.json'} does not say which data folder the run was "
-                        "trained on: pass --data-dir")
-    return Path(run.info["flags"]["data_dir"])
+    """--data-dir, else the one the run was trained with (check_run made sure best.json says it)."""
+    return data_dir if data_dir is not None else Path(run.info["flags"]["data_dir"])
 
 
 def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: int, workers: int) -> Validation:
@@ -203,7 +274,7 @@ def thumbnail(path: Path) -> str | None:
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
-            image = image.convert("RGB")
+            image = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
             image.thumbnail((THUMBNAIL, THUMBNAIL))
             buffer = io.BytesIO()
             image.save(buffer, "JPEG", quality=85)
@@ -239,14 +310,38 @@ def read_predictions(path: Path) -> list[dict]:
         except ValueError:
             raise UserError(f"--predictions {path}: line {number} is not path,p_dog,label with p_dog "
                             "in [0, 1]") from None
-        images.append({"name": name, "p_dog": p_dog, "label": label})
+        images.append({"name": original(name), "p_dog": p_dog, "label": label})  # as predict's CSV guarded it
     images.sort(key=lambda image: abs(image["p_dog"] - 0.5))
     return images
 
 
-def image_file(name: str, csv_file: Path) -> Path:
-    """A CSV row's path: as written (from where predict ran), else from the CSV's folder."""
-    return Path(name) if Path(name).exists() else csv_file.parent / name
+def image_file(name: str, csv_file: Path, folders: list[Path]) -> tuple[Path | None, str]:
+    """A CSV row's image: the path as written (from where predict ran), else from the CSV's
+    folder; (None, why) where there is none, or where it lies (links followed) outside the
+    `folders` the page may show images of: the CSV's folder, the current one, the data folders."""
+    path = Path(name) if Path(name).exists() else csv_file.parent / name
+    if not path.exists():
+        return None, "file not found"
+    real = os.path.realpath(path)
+    if not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+               for root in (os.path.realpath(folder) for folder in folders)):
+        return None, "outside the CSV's folder, the current folder and the data folders"
+    return path, ""
+
+
+def prediction_thumbnails(images: list[dict], csv_file: Path, folders: list[Path]) -> list[dict]:
+    """The rows the page shows, each with its thumbnail, or why it has none; one line says how
+    many lie outside the folders (image_file)."""
+    shown_rows, outside = [], 0
+    for image in images:
+        path, why = image_file(image["name"], csv_file, folders)
+        outside += why.startswith("outside")
+        shown_rows.append({**image, "thumbnail": thumbnail(path) if path else None, "why": why or "cannot decode it"})
+    if outside:
+        print(f"--predictions {csv_file}: {outside} of the {len(images)} images shown lie outside the CSV's folder, "
+              "the current folder and the data folders: listed without a thumbnail (the page embeds no file "
+              "from elsewhere)")
+    return shown_rows
 
 
 # Several runs: speed and agreement.
@@ -419,8 +514,8 @@ def render(context: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    runs = [read_run(folder, number) for number, folder in enumerate(args.runs, start=1)]
-    check_output(args.output)
+    runs = [read_run(folder, number, args.data_dir) for number, folder in enumerate(args.runs, start=1)]
+    check_output(args.output, args.overwrite)
     predictions = read_predictions(args.predictions) if args.predictions else None
     start = time.perf_counter()
     device = training_device(False, None)
@@ -434,8 +529,8 @@ def main(argv: list[str] | None = None) -> None:
     speeds = [speed(run) for run in runs]
     shown = None
     if predictions is not None:
-        shown = [{**image, "thumbnail": thumbnail(image_file(image["name"], args.predictions))}
-                 for image in predictions[:PREDICTED]]
+        folders = [args.predictions.parent, Path.cwd(), *{data_folder(run, args.data_dir) for run in runs}]
+        shown = prediction_thumbnails(predictions[:PREDICTED], args.predictions, folders)
     html = render({
         "generator": GENERATOR, "written": datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join(["python", "-m", "src.tools.report", *sys.argv[1:]]),
@@ -452,4 +547,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

@@ -40,11 +40,13 @@ from PIL import Image
 
 from src.cli import OneLineParser
 from src.errors import UserError, exit_on_error
+from src.outputs import claim_folder as claim_folder_of
 from src.terminal import shown
 
 TEST_LABELS = ".test_labels.csv"
 MARK = ".synthetic"  # says that this program wrote the folder, and may write it again
 WRITES = ("train", "test", "train.csv", "sample_submission.csv", TEST_LABELS)
+INTERRUPTED = "interrupted: the set is incomplete; run the same command again to write it whole"
 
 
 def synthetic_image(rng: np.random.Generator, label: int, size: int) -> Image.Image:
@@ -127,18 +129,10 @@ def hard_image(rng: np.random.Generator, label: int, size: int) -> Image.Image:
 
 
 def claim_folder(out_dir: Path) -> None:
-    """Make out_dir ours: refuse a path that is not a folder, or a folder holding a dataset that
-    this program did not write; mark it, and remove what an earlier run of this program wrote."""
-    if os.path.lexists(out_dir) and not out_dir.is_dir():
-        raise UserError(f"{out_dir} exists and is not a folder: name a new folder for the synthetic set")
-    if out_dir.is_dir() and not (out_dir / MARK).is_file():
-        found = [name for name in WRITES if os.path.lexists(out_dir / name)]
-        if found:
-            raise UserError(f"{out_dir} holds {', '.join(found)}, which src.tools.synthetic did not write "
-                            "(a dataset of yours?): name a new or empty folder for the synthetic set")
+    """Make out_dir ours (src.outputs.claim_folder: not a folder of someone else's), and remove
+    what an earlier run of this program wrote there."""
+    claim_folder_of(out_dir, MARK, WRITES, "src.tools.synthetic", "the synthetic set")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / MARK).write_text("written by python -m src.tools.synthetic, which may rewrite this folder\n")
         for name in WRITES:  # our own files of an earlier run, and the train.csv prepare made of them
             if (out_dir / name).is_dir() and not (out_dir / name).is_symlink():
                 shutil.rmtree(out_dir / name)
@@ -211,4 +205,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    exit_on_error(main)
+    exit_on_error(main, INTERRUPTED)

@@ -29,6 +29,11 @@ ACCELERATOR_LOG=path: write the DataLoaderConfiguration that train_accelerate.py
 
 SLOW_ITEM=seconds: every training or validation image takes that long to load.
 SCAN_LOG=path: log "RANK" each time a process scans train/ for its images.
+APPEAR_AFTER_LISTING=new:source: a file appears among predict's images while its ranks start (a
+copy into the folder: rsync, a camera): rank 0 copies source to new (whole, by a rename) right
+after it lists the files to predict (src.image_files.find_images, or Kaggle's test/:
+src.inference.kaggle_test_files), and any other rank that lists them waits for it first (at most
+60 s).
 AUGMENT_SEED_SHIFT=k: augmentation draws as if the seed were seed + k (a control).
 NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP script did (a control).
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
@@ -200,6 +205,26 @@ if os.environ.get("SCAN_LOG"):
             return scan(*args, **kwargs)
         datasets.scan_train_dir = logged_scan
     _after_import("src.datasets", _log_scans)
+
+if os.environ.get("APPEAR_AFTER_LISTING"):
+    _new, _source = os.environ["APPEAR_AFTER_LISTING"].split(":")
+
+    def _appearing(listing):
+        def listed(*args, **kwargs):
+            if RANK != "0":
+                deadline = time.time() + 60
+                while not os.path.exists(_new) and time.time() < deadline:
+                    time.sleep(0.05)
+            found = listing(*args, **kwargs)
+            if RANK == "0" and not os.path.exists(_new):
+                import shutil
+                shutil.copy(_source, _new + ".part")
+                os.replace(_new + ".part", _new)
+            return found
+        return listed
+    _after_import("src.image_files", lambda module: setattr(module, "find_images", _appearing(module.find_images)))
+    _after_import("src.inference",
+                  lambda module: setattr(module, "kaggle_test_files", _appearing(module.kaggle_test_files)))
 
 if os.environ.get("AUGMENT_SEED_SHIFT"):
     def _shift(augment):
