@@ -23,8 +23,21 @@ an epoch and logging it, or one that starts tracking at a resume) are logged at 
 A store that cannot be reached at start is a UserError (one line, exit 2, before any work); a
 tracker that fails later is one warning line and the run goes on without it: tracking never costs
 a checkpoint. Under train_accelerate.py the runs go through accelerate's own trackers
-(accelerate.tracking.MLflowTracker, WandBTracker): init_kwargs() gives init_trackers() their
-arguments, and start(..., accelerator=) logs through them.
+(accelerate.tracking.MLflowTracker, WandBTracker), on the main process:
+
+    accelerator = Accelerator(log_with=requested(args) + [...], ...)
+    if accelerator.is_main_process:   # WandBTracker starts on every process that calls init_trackers
+        tracker = Tracker(args)
+        accelerator.init_trackers(PROJECT, init_kwargs=tracker.init_kwargs(saved_ids, context))
+        ids = tracker.start(saved_ids, context, history, accelerator=accelerator)
+    ...
+    tracker.finish(status, artifacts)  # before accelerator.end_training(), which ends runs as finished
+
+MLflowTracker takes no URI: init_kwargs() sets MLflow's process-wide one (mlflow.set_tracking_uri,
+which also sets MLFLOW_TRACKING_URI in os.environ) and finish() puts the earlier one back. The
+saved MLflow id reaches it as `run_id` (mlflow.start_run(run_id=...) sets it RUNNING again), the
+artifact folder as `logging_dir` (a new experiment's artifact_location); the W&B id as `id` with
+`resume="allow"`, the folder as `dir`, the mode as `mode`.
 """
 import contextlib
 import os
@@ -424,7 +437,8 @@ class Tracker:
         return list(self.backends)
 
     def init_kwargs(self, saved_ids: dict | None, context: dict) -> dict:
-        """accelerate's init_trackers(PROJECT, init_kwargs=...) for Accelerator(log_with=names): the
+        """accelerate's init_trackers(PROJECT, init_kwargs=...) for Accelerator(log_with=names), on
+        the main process only (WandBTracker's start() runs on every process that calls it): the
         saved ids continue their runs (MLflowTracker's run_id, WandBTracker's id with
         resume="allow"), MLflow's URI is set process-wide for MLflowTracker, W&B's folder and mode
         as in start(). Call start(..., accelerator=) after init_trackers."""
