@@ -927,6 +927,8 @@ MUTATIONS = [
      ['tests/test_tracking.py::test_a_server_that_never_answers_is_refused_in_bounded_time']),
     ('src/tracking.py', '            self.failed.add(backend.key)', '            pass',
      ['tests/test_tracking.py::test_a_tracker_failing_during_the_run_is_one_warning']),
+    ('src/tracking.py', '        if position + 7 + length > len(data):  # the last record of a process killed while writing it\n            return\n', '',
+     ['tests/test_tracking.py::test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record']),
     ('src/cli.py', '    check_tracking(parser, args)\n', '',
      ['tests/test_tracking.py::test_tracking_flags_refused_when_parsed', 'tests/test_tracking.py::test_a_tracker_not_installed_is_refused_when_parsed']),
 ]

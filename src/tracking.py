@@ -169,7 +169,7 @@ class _MLflow:
             kwargs["logging_dir"] = self.artifacts
         return kwargs
 
-    def start(self, saved_id: str | None, context: dict, accelerator) -> str:
+    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
         from mlflow.entities import Param
         if accelerator is not None:  # MLflowTracker.start() created or resumed the run
             self.accelerated = accelerator.get_tracker("mlflow")
@@ -304,7 +304,7 @@ class _WandB:
                 "name": run_name(context), "config": parameters(context) if saved_id is None else None,
                 "settings": self.wandb.Settings(silent=True, console="off")}
 
-    def start(self, saved_id: str | None, context: dict, accelerator) -> str:
+    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
         if accelerator is not None:
             self.run = accelerator.get_tracker("wandb", unwrap=True)
             self.accelerated = accelerator.get_tracker("wandb")
@@ -317,7 +317,12 @@ class _WandB:
         self.run.define_metric("optimizer_step")
         self.run.define_metric("step/*", step_metric="optimizer_step")
         if saved_id is not None:
-            self.epochs, self.last_step = wandb_logged(self.folder, self.run_id)
+            try:
+                self.epochs, self.last_step = wandb_logged(self.folder, self.run_id)
+            except Exception as error:  # files of another wandb's format: the saved epochs were logged
+                print(f"warning: W&B cannot read run {self.run_id}'s files in {self.folder / 'wandb'} "
+                      f"({reason(error)}): the resumed epochs count as logged", file=sys.stderr)
+                self.epochs = {record["epoch"] for record in history}
         self.started = True
         return self.run_id
 
@@ -343,7 +348,12 @@ class _WandB:
                 self.run.save(str(copy), base_path=str(files), policy="now")
             self.run.summary["status"] = status
         finally:
-            self.run.finish(exit_code=EXIT_CODES[status])  # accelerate's end_training() then finds it finished
+            try:
+                self.run.finish(exit_code=EXIT_CODES[status])  # accelerate's end_training() then finds it finished
+            finally:
+                # finish() returns before W&B's service has written the run's last records (measured:
+                # 4 of 8 files complete right after it); a resume in this process reads them.
+                self.wandb.teardown()
 
 
 def new_wandb_id() -> str:
@@ -382,6 +392,8 @@ def wandb_records(path: Path):
         if kind == 0:  # padding to the end of the block
             position += left
             continue
+        if position + 7 + length > len(data):  # the last record of a process killed while writing it
+            return
         pieces += data[position + 7:position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or a record's last piece
@@ -455,7 +467,7 @@ class Tracker:
         saved = dict(saved_ids or {})
         for name, backend in self.backends.items():
             try:
-                self.ids[name] = backend.start(saved.get(name), context, accelerator)
+                self.ids[name] = backend.start(saved.get(name), context, history, accelerator)
             except UserError:
                 raise
             except Exception as error:

@@ -354,3 +354,24 @@ def test_accelerate_trackers_continue_the_saved_runs(tmp_path, monkeypatch):
     rows = wandb_history(tmp_path, ids["wandb"])
     assert [row["epoch"] for row in rows if "epoch" in row] == [1, 2, 3]
     assert len(wandb_files(tmp_path, ids["wandb"])) == 2
+
+
+def test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record(tmp_path, monkeypatch):
+    """A process killed while W&B wrote its last record leaves it cut short: a resume still reads the
+    epochs before it (and does not log them again)."""
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path, "--track", "wandb")
+    tracker = Tracker(args)
+    ids = tracker.start(None, _context(args))
+    for epoch in (1, 2):
+        tracker.log_epoch(_record(epoch))
+    tracker.finish("KILLED")
+    [path] = wandb_files(tmp_path, ids["wandb"])
+    whole = [record.WhichOneof("record_type") for record in wandb_records(path)]
+    path.write_bytes(path.read_bytes()[:-3])
+    assert [record.WhichOneof("record_type") for record in wandb_records(path)] == whole[:-1]
+    resumed = Tracker(_args(tmp_path, "--track", "wandb", "--resume"))
+    resumed.start(ids, _context(args), history=[_record(1), _record(2)])
+    resumed.log_epoch(_record(3))
+    resumed.finish("FINISHED")
+    assert [row["epoch"] for row in wandb_history(tmp_path, ids["wandb"]) if "epoch" in row] == [1, 2, 3]
