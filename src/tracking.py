@@ -104,10 +104,12 @@ def reason(error: BaseException) -> str:
     (a URL, "Max retries exceeded", "Caused by ..."): the socket's own words are taken from it
     ("Connection refused"), a read timeout or an HTTP status said plainly; any other error, its
     first sentence."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror + (f": {error.filename}" if error.filename else "")
     text = str(error)
     found = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
     if found:
-        return found.group(1).strip()
+        return found.group(1).strip().rstrip(":")
     found = re.search(r"read timeout=([\d.]+)", text)
     if found:
         return f"no answer within {found.group(1)} s"
@@ -337,7 +339,7 @@ class _WandB:
         """The artifacts go into the run's files/ folder, which W&B uploads (offline: at `wandb sync`)."""
         try:
             files = Path(self.run.dir)
-            for path in artifacts:
+            for path in artifacts if self.mode != "disabled" else ():  # a disabled run has no folder
                 copy = files / path.name
                 with contextlib.suppress(FileNotFoundError):
                     copy.unlink()
