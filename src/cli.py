@@ -2,11 +2,13 @@
 import argparse
 import math
 import os
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 from src.errors import UserError, before_a_silent_exit
+from src.tracking import BACKENDS
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -190,6 +192,12 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
     add("--log-every", type=at_least(1), default=10, help="optimizer steps between step scalars")
     add("--profile", action="store_true",
         help="torch.profiler over a few steps of epoch 1 on rank 0: a trace and a table of where the time went")
+    add("--track", action="append", choices=BACKENDS, default=None,
+        help="track the run in MLflow (a SQLite store beside --checkpoint unless --tracking-uri) or "
+             "W&B (offline unless WANDB_MODE says otherwise), from rank 0; repeat for both")
+    add("--tracking-uri", metavar="URI", default=None,
+        help="--track mlflow's store: a server http(s)://HOST:PORT or a database such as "
+             "sqlite:///PATH/mlflow.db (default: MLFLOW_TRACKING_URI, else mlflow.db beside --checkpoint)")
     if amp:
         parser.add_argument("--amp", choices=["no", "bf16", "fp16"], default="no",
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
@@ -219,8 +227,9 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
                      f"{args.epochs}, so the learning rate would never reach --lr")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
+    check_tracking(parser, args)
     if args.evaluate:
-        for flag in ("resume", "overwrite", "cache", "log_dir", "profile"):
+        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):
             if getattr(args, flag):
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that
@@ -238,6 +247,27 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         args.workers = default_workers()
     args.workers = cap_workers(args.workers, available_cpus())
     return args
+
+
+# A URI starts with its scheme (RFC 3986): a plain path would be MLflow's file store, which it refuses.
+URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What can be known of --track and --tracking-uri before anything starts: the URI's form, that
+    it goes with --track mlflow, the trackers' packages. Whether the store answers: src.tracking."""
+    import importlib.util
+    uri = args.tracking_uri
+    if uri is not None:
+        if "mlflow" not in (args.track or []):
+            parser.error("argument --tracking-uri: it is MLflow's store: add --track mlflow, or drop it")
+        if not URI_SCHEME.match(uri):
+            parser.error(f"argument --tracking-uri: {uri!r} is not a URI: pass http(s)://HOST:PORT, "
+                         "sqlite:///PATH/mlflow.db or another database's URI")
+    for name in dict.fromkeys(args.track or []):
+        if importlib.util.find_spec(name) is None:
+            parser.error(f"argument --track: {name} is not installed in this environment: "
+                         "pip install -r requirements.txt")
 
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:

@@ -135,7 +135,8 @@ def test_evaluate_refuses_weights_of_another_class_count_or_arch(runs, single_ou
            "--weights", str(single_out / "none.pth"))
 
 
-@pytest.mark.parametrize("flag", [["--resume"], ["--log-dir", "logs"], ["--cache", "cache"], ["--profile"]])
+@pytest.mark.parametrize("flag", [["--resume"], ["--log-dir", "logs"], ["--cache", "cache"], ["--profile"],
+                                  ["--track", "mlflow"]])
 def test_evaluate_refuses_flags_that_write(flag, runs, single_out, monkeypatch, capsys):
     _fails(runs, single_out, monkeypatch, capsys, f"--evaluate trains nothing and writes nothing: drop {flag[0]}",
            *flag)

@@ -81,7 +81,8 @@ FLAGS = ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--imag
          "--augmix-severity", "--random-erase", "--mixup-alpha", "--cutmix-alpha", "--optimizer", "--weight-decay",
          "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--sync-bn",
          "--ema-decay", "--best-by",
-         "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile", "--evaluate", "--overwrite"]
+         "--freeze", "--freeze-epochs", "--log-dir", "--log-every", "--profile", "--track", "--tracking-uri",
+         "--evaluate", "--overwrite"]
 
 
 def help_entries(text: str) -> list[str]:

@@ -1,0 +1,529 @@
+"""Experiment tracking (--track mlflow, --track wandb): one tracked run per training run, across
+every stop, from rank 0 / the main process only.
+
+    tracker = Tracker(args)                                  # checks the store: UserError if it cannot be used
+    ids = tracker.start(saved_ids, context, history)         # a new run, or the saved one continued
+    tracker.log_epoch(record)                                # each epoch once, whoever logs it
+    tracker.log_step(values, step)                           # step metrics, each step once
+    tracker.finish("FINISHED" | "KILLED" | "FAILED", [best.pth, best.json, curves])
+
+MLflow: without --tracking-uri (or MLFLOW_TRACKING_URI), a SQLite store beside --checkpoint
+(`mlflow.db`, its artifacts in `mlartifacts/`), which `mlflow ui --backend-store-uri
+sqlite:///model/mlflow.db` opens. The client is MlflowClient with explicit run ids: no global
+active run, so that a script's main() can run several times in one process. W&B: offline unless
+WANDB_MODE says otherwise, its files in `wandb/` beside --checkpoint, never a login prompt.
+
+The ids (`{"mlflow": run id, "wandb": run id}`) go into last.pth and best.json; a resumed run, a
+torchrun restart or a requeued job hands them back to start(), which continues those runs. Each
+epoch's and step's metrics are logged once: start() reads back what the run already holds (MLflow's
+metric history; the W&B run's own .wandb files beside it), log_epoch() and log_step() skip what
+is there, and the epochs of the resumed history that the run lacks (a run stopped between saving
+an epoch and logging it, or one that starts tracking at a resume) are logged at start.
+
+A store that cannot be reached at start is a UserError (one line, exit 2, before any work); a
+tracker that fails later is one warning line and the run goes on without it: tracking never costs
+a checkpoint. Under train_accelerate.py the runs go through accelerate's own trackers
+(accelerate.tracking.MLflowTracker, WandBTracker), on the main process:
+
+    accelerator = Accelerator(log_with=requested(args) + [...], ...)
+    if accelerator.is_main_process:   # WandBTracker starts on every process that calls init_trackers
+        tracker = Tracker(args)
+        accelerator.init_trackers(PROJECT, init_kwargs=tracker.init_kwargs(saved_ids, context))
+        ids = tracker.start(saved_ids, context, history, accelerator=accelerator)
+    ...
+    tracker.finish(status, artifacts)  # before accelerator.end_training(), which ends runs as finished
+
+MLflowTracker takes no URI: init_kwargs() sets MLflow's process-wide one (mlflow.set_tracking_uri,
+which also sets MLFLOW_TRACKING_URI in os.environ) and finish() puts the earlier one back. The
+saved MLflow id reaches it as `run_id` (mlflow.start_run(run_id=...) sets it RUNNING again), the
+artifact folder as `logging_dir` (a new experiment's artifact_location); the W&B id as `id` with
+`resume="allow"`, the folder as `dir`, the mode as `mode`.
+"""
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import string
+import struct
+import sys
+import time
+from pathlib import Path
+
+from src.errors import EXIT_STOPPED, UserError, one_line
+
+BACKENDS = ("mlflow", "wandb")
+# MLflow's experiment and W&B's project, the same for the five modes, so that their runs sit in one
+# table (MLFLOW_EXPERIMENT_NAME names another experiment, as it does for accelerate's MLflowTracker).
+PROJECT = "dogs-vs-cats"
+STATUSES = ("FINISHED", "KILLED", "FAILED")  # MLflow's RunStatus names
+# W&B marks a run by its exit code: 0 finished, any other failed (a stopped run is resumed later).
+EXIT_CODES = {"FINISHED": 0, "KILLED": EXIT_STOPPED, "FAILED": 1}
+# MLflow's HTTP client retries 7 times with a backoff of minutes by default; at start a store is
+# asked once and given this long (a closed port answers at once, a dropped packet never does).
+CHECK_SECONDS = 5
+# During the run, per request unless the user set MLflow's own variables: a server gone down costs
+# the run seconds once, then tracking stops.
+RUN_REQUEST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+CHECK_REQUEST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_SECONDS)}
+ADVICE = ("a server's http(s)://HOST:PORT, a database such as sqlite:///PATH/mlflow.db, or no "
+          "--tracking-uri for the store beside --checkpoint")
+
+
+def requested(args) -> list[str]:
+    """The backends that --track names, each once, in the order given."""
+    return list(dict.fromkeys(getattr(args, "track", None) or []))
+
+
+def default_uri(folder: Path) -> str:
+    """The SQLite store beside the checkpoint: sqlite:////absolute/folder/mlflow.db."""
+    return "sqlite:///" + str(Path(folder).resolve() / "mlflow.db")
+
+
+def parameters(context: dict) -> dict:
+    """What a run logs as its parameters: every flag (context["flags"]), the mode, the processes and
+    the machine (context: src.checkpoint.run_context's keys)."""
+    return {**context.get("flags", {}), **{key: context[key] for key in ("mode", "processes", "hardware")
+                                          if key in context}}
+
+
+def run_name(context: dict) -> str:
+    """The tracked run's name: the mode and its processes ("ddp x2")."""
+    return f"{context.get('mode', 'run')} x{context.get('processes', 1)}"
+
+
+def numbers(values: dict) -> dict[str, float]:
+    """The numeric entries of `values` (a history record has no other kind), as floats."""
+    return {key: float(value) for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def reason(error: BaseException) -> str:
+    """A short reason for a tracker's error. MLflow's HTTP errors carry the whole chain of urllib3's
+    (a URL, "Max retries exceeded", "Caused by ..."): the socket's own words are taken from it
+    ("Connection refused"), a read timeout or an HTTP status said plainly; any other error, its
+    first sentence."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror + (f": {error.filename}" if error.filename else "")
+    text = str(error)
+    found = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
+    if found:
+        return found.group(1).strip().rstrip(":")
+    found = re.search(r"read timeout=([\d.]+)", text)
+    if found:
+        return f"no answer within {found.group(1)} s"
+    found = re.search(r"error code (\d+) != 200", text)
+    if found:
+        return f"it answered HTTP {found.group(1)}"
+    return re.split(r"(?<=[.!?])\s", one_line(error), maxsplit=1)[0][:300]
+
+
+@contextlib.contextmanager
+def _environment(values: dict, override: bool):
+    """MLflow's request settings for the calls inside, put back after: `override` replaces the
+    user's own, else they are kept."""
+    saved = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if override or saved[name] is None:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _MLflow:
+    key, name = "mlflow", "MLflow"
+
+    def __init__(self, uri: str, source: str):
+        """Connects to the store and asks it for one experiment: a UserError naming `source` (what
+        gave the URI: --tracking-uri, MLFLOW_TRACKING_URI or --checkpoint) if that fails."""
+        import logging
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial tables"
+        from mlflow import MlflowClient
+        self.uri, self.source = uri, source
+        self.artifacts = _artifact_root(uri)
+        self.run_id, self.epochs, self.last_step, self.accelerated, self.started = None, set(), 0, None, False
+        try:
+            if sqlite_file(uri) is not None:  # SQLite makes the file, not its folder
+                sqlite_file(uri).parent.mkdir(parents=True, exist_ok=True)
+            with _environment(CHECK_REQUEST, override=True):
+                self.client = MlflowClient(tracking_uri=uri)
+                self.client.search_experiments(max_results=1)
+        except Exception as error:  # any failure of the store: a bad scheme, a refused connection, a 403
+            raise UserError(_unusable(source, uri, reason(error))) from None
+
+    def init_kwargs(self, saved_id: str | None, context: dict) -> dict:
+        """accelerate's MLflowTracker(experiment_name, logging_dir, run_id, run_name, tags): it takes
+        no URI, so MLflow's process-wide one is set here (and put back by finish())."""
+        import mlflow
+        if saved_id is not None:
+            self._saved(saved_id)  # here: MLflowTracker.start() would fail inside init_trackers()
+        self.previous_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(self.uri)
+        kwargs = {"run_id": saved_id, "run_name": run_name(context)}
+        if self.artifacts is not None:  # where a new experiment keeps its artifacts
+            kwargs["logging_dir"] = self.artifacts
+        return kwargs
+
+    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
+        from mlflow.entities import Param
+        if accelerator is not None:  # MLflowTracker.start() created or resumed the run
+            self.accelerated = accelerator.get_tracker("mlflow")
+            self.run_id = self.accelerated.tracker.info.run_id
+        elif saved_id is not None:
+            run = self._saved(saved_id)
+            self.run_id = run.info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or PROJECT
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(
+                experiment, artifact_location=self.artifacts)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name(context)).info.run_id
+        if saved_id is None:  # a new run: its parameters (a resumed run has them, and --resume differs)
+            values = {key: str(value) for key, value in parameters(context).items()}
+            if self.accelerated is not None:
+                self.accelerated.store_init_configuration(values)
+            else:
+                items = [Param(key, value[:6000]) for key, value in values.items()]
+                for first in range(0, len(items), 100):  # MLflow's most per request
+                    self.client.log_batch(self.run_id, params=items[first:first + 100])
+        else:
+            self.epochs, self.last_step = self._logged()
+        self.started = True
+        return self.run_id
+
+    def _saved(self, saved_id: str):
+        from mlflow.exceptions import MlflowException
+        try:
+            run = self.client.get_run(saved_id)
+        except MlflowException:
+            run = None
+        if run is None or run.info.lifecycle_stage == "deleted":
+            raise UserError(f"last.pth's MLflow run {saved_id} is not in {self.uri} ({self.source}): pass "
+                            "the --tracking-uri the run was started with, or --overwrite for a new run")
+        return run
+
+    def _logged(self) -> tuple[set[int], int]:
+        """The epochs whose metrics the run holds, and its last step of step metrics."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        epochs = next((key for key in keys if key.startswith("epoch/")), None)
+        logged = {metric.step for metric in self.client.get_metric_history(self.run_id, epochs)} if epochs else set()
+        last = max((metric.step for key in keys if key.startswith("step/")
+                    for metric in self.client.get_metric_history(self.run_id, key)), default=0)
+        return logged, last
+
+    def log(self, values: dict[str, float], step: int, axis: str) -> None:
+        """`values` at `step` (`axis` names the step for W&B; MLflow has one per metric)."""
+        from mlflow.entities import Metric
+        if self.accelerated is not None:
+            self.accelerated.log(values, step=step)
+            return
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        try:
+            for path in artifacts:
+                if self.accelerated is not None:
+                    self.accelerated.log_artifact(str(path))
+                else:
+                    self.client.log_artifact(self.run_id, str(path))
+        finally:  # the run ends with its status whatever became of its artifacts
+            if self.accelerated is not None:
+                import mlflow
+                active = mlflow.active_run()
+                try:
+                    if active is not None and active.info.run_id == self.run_id:
+                        mlflow.end_run(status)  # accelerate's end_training() then finds no run to end
+                finally:
+                    mlflow.set_tracking_uri(self.previous_uri)  # set by init_kwargs: no later run inherits it
+                    self.accelerated = None
+            self.client.set_terminated(self.run_id, status)
+
+
+def _unusable(source: str, uri: str, why: str) -> str:
+    """The line for a store that MLflow cannot use, with what to do about it."""
+    if source == "--checkpoint":
+        return f"--checkpoint: MLflow cannot use the store beside it, {uri} ({why})"
+    if source == "MLFLOW_TRACKING_URI":
+        return (f"MLFLOW_TRACKING_URI={uri}: MLflow cannot use it ({why}): set it to a server's "
+                "http(s)://HOST:PORT or a database such as sqlite:///PATH/mlflow.db, or unset it for the "
+                "store beside --checkpoint")
+    return f"--tracking-uri {uri}: MLflow cannot use it ({why}): pass {ADVICE}"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a sqlite:/// URI (sqlite:///relative/path, sqlite:////absolute/path);
+    None for another store or SQLite in memory."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    name = uri.removeprefix("sqlite:///").split("?")[0]
+    return Path(name) if name and name != ":memory:" else None
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: `mlartifacts/` beside the
+    database file (MLflow's default would be ./mlruns in the working directory). A server or
+    another database: its own default."""
+    database = sqlite_file(uri)
+    return None if database is None else database.resolve().parent.joinpath("mlartifacts").as_uri()
+
+
+class _WandB:
+    key, name = "wandb", "W&B"
+
+    def __init__(self, folder: Path):
+        """Offline unless WANDB_MODE asks for more; online, it needs credentials already there (no
+        prompt): a UserError if there are none."""
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+        self.wandb, self.folder = wandb, Path(folder)
+        self.mode = os.environ.get("WANDB_MODE") or "offline"
+        self.run, self.run_id, self.epochs, self.last_step = None, None, set(), 0
+        self.accelerated, self.started = None, False
+        if self.mode not in ("offline", "dryrun", "disabled"):
+            try:
+                logged_in = wandb.login(prompt=False, verify=False)
+            except Exception as error:
+                raise UserError(f"WANDB_MODE={self.mode}: W&B cannot log in ({reason(error)}): "
+                                "set WANDB_API_KEY or run `wandb login`, or unset WANDB_MODE to track offline") from None
+            if not logged_in:
+                raise UserError(f"WANDB_MODE={self.mode} but W&B has no API key: set WANDB_API_KEY or run "
+                                "`wandb login`, or unset WANDB_MODE to track offline")
+
+    def init_kwargs(self, saved_id: str | None, context: dict) -> dict:
+        """wandb.init's arguments but the project (accelerate's WandBTracker passes its own)."""
+        self.run_id = saved_id or new_wandb_id()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return {"id": self.run_id, "resume": "allow", "dir": str(self.folder), "mode": self.mode,
+                "name": run_name(context), "config": parameters(context) if saved_id is None else None,
+                "settings": self.wandb.Settings(silent=True, console="off")}
+
+    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
+        if accelerator is not None:
+            self.run = accelerator.get_tracker("wandb", unwrap=True)
+            self.accelerated = accelerator.get_tracker("wandb")
+        else:
+            self.run = self.wandb.init(project=PROJECT, **self.init_kwargs(saved_id, context))
+            self.accelerated = None
+        # Epoch and step metrics on their own x axes (W&B's own step only grows).
+        self.run.define_metric("epoch")
+        self.run.define_metric("epoch/*", step_metric="epoch")
+        self.run.define_metric("optimizer_step")
+        self.run.define_metric("step/*", step_metric="optimizer_step")
+        if saved_id is not None:
+            try:
+                self.epochs, self.last_step = wandb_logged(self.folder, self.run_id)
+            except Exception as error:  # files of another wandb's format: the saved epochs were logged
+                print(f"warning: W&B cannot read run {self.run_id}'s files in {self.folder / 'wandb'} "
+                      f"({reason(error)}): the resumed epochs count as logged", file=sys.stderr)
+                self.epochs = {record["epoch"] for record in history}
+        self.started = True
+        return self.run_id
+
+    def log(self, values: dict[str, float], step: int, axis: str) -> None:
+        """`values` with their x axis, `axis` = `step` (W&B's own step counts the rows)."""
+        if self.accelerated is not None:
+            self.accelerated.log({**values, axis: step})
+        else:
+            self.run.log({**values, axis: step})
+
+    def finish(self, status: str, artifacts: list[Path]) -> None:
+        """The artifacts go into the run's files/ folder, which W&B uploads (offline: at `wandb sync`)."""
+        try:
+            files = Path(self.run.dir)
+            for path in artifacts if self.mode != "disabled" else ():  # a disabled run has no folder
+                copy = files / path.name
+                with contextlib.suppress(FileNotFoundError):
+                    copy.unlink()
+                try:  # best.pth is replaced by a rename, never rewritten: a link keeps this one
+                    os.link(path, copy)
+                except OSError:
+                    shutil.copy2(path, copy)
+                self.run.save(str(copy), base_path=str(files), policy="now")
+            self.run.summary["status"] = status
+        finally:
+            try:
+                self.run.finish(exit_code=EXIT_CODES[status])  # accelerate's end_training() then finds it finished
+            finally:
+                # finish() returns before W&B's service has written the run's last records (measured:
+                # 4 of 8 files complete right after it); a resume in this process reads them.
+                self.wandb.teardown()
+
+
+def new_wandb_id() -> str:
+    """A new W&B run id, as W&B draws them: 8 characters of [a-z0-9]."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def wandb_files(folder: Path, run_id: str) -> list[Path]:
+    """The .wandb files of run `run_id` under folder/wandb/, one per start (resumes included), oldest
+    first. W&B names each start's folder [offline-]run-YYYYMMDD_HHMMSS-ID, with -N added for a
+    second start within the same second."""
+    named = re.compile(rf"(?:offline-)?run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for path in (Path(folder) / "wandb").glob(f"*/run-{run_id}.wandb"):
+        match = named.fullmatch(path.parent.name)
+        if match:
+            found.append(((match.group(1), int(match.group(2) or 0)), path))
+    return [path for _, path in sorted(found)]
+
+
+def wandb_records(path: Path):
+    """The records of a .wandb file (wandb.proto's Record): a header (":W&B", magic, version), then
+    LevelDB's log format in 32 KiB blocks, each record a header (CRC-32C, length, type: full, or
+    first, middle and last pieces) and its bytes; a block's last bytes under a header are zeros."""
+    from wandb.proto import wandb_internal_pb2
+    data, block = path.read_bytes(), 32768
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a .wandb file")
+    position, pieces = 7, b""
+    while position + 7 <= len(data):
+        left = block - position % block
+        if left < 7:
+            position += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if kind == 0:  # padding to the end of the block
+            position += left
+            continue
+        if position + 7 + length > len(data):  # the last record of a process killed while writing it
+            return
+        pieces += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or a record's last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            yield record
+
+
+def wandb_history(folder: Path, run_id: str) -> list[dict]:
+    """The rows that run `run_id` logged, every start's, in order: {key: value}."""
+    import json
+    rows = []
+    for path in wandb_files(folder, run_id):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def wandb_logged(folder: Path, run_id: str) -> tuple[set[int], int]:
+    """The epochs whose metrics W&B run `run_id` holds, and its last optimizer step, read from its
+    files beside the checkpoint (offline or not, W&B writes them)."""
+    rows = wandb_history(folder, run_id)
+    epochs = {int(row["epoch"]) for row in rows if "epoch" in row}
+    return epochs, max((int(row["optimizer_step"]) for row in rows if "optimizer_step" in row), default=0)
+
+
+class Tracker:
+    """The run's trackers (--track), on rank 0 / the main process; without --track it does nothing."""
+
+    def __init__(self, args, folder: Path | None = None):
+        """Checks each store now, before any work: a UserError (one line, exit 2) if one cannot be
+        used. `folder`: where the default stores go (by default --checkpoint's folder)."""
+        self.folder = Path(folder if folder is not None else Path(args.checkpoint).parent)
+        self.backends, self.ids, self.failed = {}, {}, set()
+        names = requested(args)
+        for name in names:
+            if name == "mlflow":
+                uri, source = getattr(args, "tracking_uri", None), "--tracking-uri"
+                if not uri and os.environ.get("MLFLOW_TRACKING_URI"):
+                    uri, source = os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+                if not uri:
+                    uri, source = default_uri(self.folder), "--checkpoint"
+                self.backends[name] = _MLflow(uri, source)
+            else:
+                self.backends[name] = _WandB(self.folder)
+
+    @property
+    def names(self) -> list[str]:
+        """The backends, as accelerate's log_with names them."""
+        return list(self.backends)
+
+    def init_kwargs(self, saved_ids: dict | None, context: dict) -> dict:
+        """accelerate's init_trackers(PROJECT, init_kwargs=...) for Accelerator(log_with=names), on
+        the main process only (WandBTracker's start() runs on every process that calls it): the
+        saved ids continue their runs (MLflowTracker's run_id, WandBTracker's id with
+        resume="allow"), MLflow's URI is set process-wide for MLflowTracker, W&B's folder and mode
+        as in start(). Call start(..., accelerator=) after init_trackers."""
+        saved = saved_ids or {}
+        return {name: backend.init_kwargs(saved.get(name), context) for name, backend in self.backends.items()}
+
+    def start(self, saved_ids: dict | None, context: dict, history: list[dict] = (), accelerator=None) -> dict:
+        """Starts each run, or continues the saved one (`saved_ids`: last.pth's, None for a new
+        run), and logs the epochs of `history` (the resumed records) that it lacks. `context`:
+        src.checkpoint.run_context(args) (or run_info, which holds it): a new run logs its flags,
+        mode, processes and machine as parameters, and is named by its mode and processes. Returns
+        the ids to save in last.pth and best.json (with any saved id of a backend not tracked now).
+        `accelerator`: under accelerate, after init_trackers(PROJECT, init_kwargs=init_kwargs(...))."""
+        saved = dict(saved_ids or {})
+        for name, backend in self.backends.items():
+            try:
+                self.ids[name] = backend.start(saved.get(name), context, history, accelerator)
+            except UserError:
+                raise
+            except Exception as error:
+                where = f"run {saved[name]}" if saved.get(name) else "a new run"
+                raise UserError(f"{backend.name} could not start {where} ({reason(error)})") from None
+        for record in history:
+            self.log_epoch(record)
+        return {**saved, **self.ids}
+
+    def log_epoch(self, record: dict) -> None:
+        """A history record's fields as metrics `epoch/<field>` at its epoch; an epoch the run
+        holds already is skipped."""
+        epoch = record["epoch"]
+        values = {f"epoch/{key}": value for key, value in numbers(record).items() if key != "epoch"}
+        for name, backend in self._working():
+            if epoch in backend.epochs:
+                continue
+            if self._guarded(backend, lambda: backend.log(values, epoch, "epoch")):
+                backend.epochs.add(epoch)
+
+    def log_step(self, values: dict, step: int) -> None:
+        """Step metrics `step/<name>` at an optimizer step; a step not after the run's last is skipped."""
+        named = {(key if key.startswith("step/") else f"step/{key}"): value for key, value in numbers(values).items()}
+        for name, backend in self._working():
+            if step <= backend.last_step or not named:
+                continue
+            if self._guarded(backend, lambda: backend.log(named, step, "optimizer_step")):
+                backend.last_step = step
+
+    def finish(self, status: str, artifacts: list[Path] = ()) -> None:
+        """Ends each run with `status` ("FINISHED", "KILLED": stopped on a signal, "FAILED": an
+        error), after logging the files of `artifacts` that exist (best.pth, best.json, the curves).
+        Call it before accelerate's end_training(), which would end the runs as finished."""
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} is not one of {STATUSES}")
+        files = [Path(path) for path in artifacts if Path(path).is_file()]
+        for name, backend in self.backends.items():
+            if backend.started:  # a failed one is still ended: the server may be back
+                self._guarded(backend, lambda: backend.finish(status, files), quiet=name in self.failed)
+        self.backends = {}
+
+    def _working(self):
+        return [(name, backend) for name, backend in self.backends.items()
+                if name not in self.failed and backend.started]
+
+    def _guarded(self, backend, call, quiet: bool = False) -> bool:
+        """call(); a failure is one warning line, and this backend is not asked again in this run."""
+        try:
+            with _environment(RUN_REQUEST, override=False):
+                call()
+            return True
+        except Exception as error:
+            if not quiet and backend.key not in self.failed:
+                print(f"warning: {backend.name} tracking failed ({reason(error)}); training goes on "
+                      f"without it", file=sys.stderr)
+            self.failed.add(backend.key)
+            return False

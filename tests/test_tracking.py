@@ -1,0 +1,377 @@
+"""--track mlflow / wandb (src/tracking.py): one tracked run per training run across a stop and its
+resume, each epoch's and step's metrics once, every flag as a parameter, the artifacts and the
+status, read back from the stores themselves (MLflow's SQLite file through a new MlflowClient, W&B's
+offline files); a store that cannot be used is one line and exit 2 at start, in bounded time; a
+tracker failing during the run is one warning line, never an error."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from src.checkpoint import run_context
+from src.cli import parse_args
+from src.errors import UserError, exit_on_error
+from src.history import RECORD_KEYS
+from src.tracking import (
+    ADVICE,
+    CHECK_SECONDS,
+    EXIT_CODES,
+    PROJECT,
+    Tracker,
+    default_uri,
+    wandb_files,
+    wandb_history,
+    wandb_records,
+)
+
+ARTIFACTS = ("best.pth", "best.json", "training_results.png")
+
+
+@pytest.fixture(autouse=True)
+def _offline_trackers(monkeypatch):
+    """No user setting of the machine reaches these runs (W&B offline, MLflow's default store)."""
+    for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
+                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+
+
+def _args(folder: Path, *flags: str):
+    return parse_args("", ["--checkpoint", str(folder / "best.pth"), "--plot", str(folder / "training_results.png"),
+                           "--arch", "squeezenet1_1", "--image-size", "64", *flags])
+
+
+def _context(args, mode: str = "single") -> dict:
+    return {**run_context(args), "mode": mode, "processes": 1}
+
+
+def _record(epoch: int) -> dict:
+    """A history record whose every field differs from epoch to epoch and from field to field."""
+    return {key: (epoch if key == "epoch" else round(epoch + index / 100, 4)) for index, key in enumerate(RECORD_KEYS)}
+
+
+def _write_artifacts(folder: Path) -> dict[str, bytes]:
+    contents = {name: f"{name} of the run\n".encode() + os.urandom(64) for name in ARTIFACTS}
+    for name, data in contents.items():
+        (folder / name).write_bytes(data)
+    return contents
+
+
+def _stopped_and_resumed(folder: Path, track: list[str], monkeypatch) -> tuple[dict, dict, dict]:
+    """A run that logs epochs 1 and 2 and the steps 10 and 20, is stopped (KILLED) and resumed from
+    a last.pth of epoch 1: the resumed run logs epoch 2 and step 20 again, then epoch 3 and step 30,
+    and finishes with the artifacts. Returns (the ids, the first run's flags, the artifacts' bytes)."""
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(folder, *track)
+    first = Tracker(args)
+    context = _context(args)
+    ids = first.start(None, context)
+    for epoch, step in ((1, 10), (2, 20)):
+        first.log_step({"loss": step / 100, "lr": 0.001}, step)
+        first.log_epoch(_record(epoch))
+    first.finish("KILLED")
+
+    resumed_args = _args(folder, *track, "--resume")
+    resumed = Tracker(resumed_args)
+    assert resumed.start(ids, _context(resumed_args), history=[_record(1)]) == ids
+    for epoch, step in ((2, 20), (3, 30)):
+        resumed.log_step({"loss": step / 100, "lr": 0.001}, step)
+        resumed.log_epoch(_record(epoch))
+    contents = _write_artifacts(folder)
+    resumed.finish("FINISHED", [folder / name for name in ARTIFACTS])
+    return ids, context, contents
+
+
+def _mlflow_runs(folder: Path) -> list:
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=default_uri(folder))
+    experiments = [experiment.experiment_id for experiment in client.search_experiments()]
+    return client, client.search_runs(experiments)
+
+
+def _assert_mlflow_run(folder: Path, run_id: str, context: dict, contents: dict, epochs=(1, 2, 3), steps=(10, 20, 30)):
+    client, runs = _mlflow_runs(folder)
+    assert [run.info.run_id for run in runs] == [run_id]  # one run in the store, across the stop
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == PROJECT
+    for key in RECORD_KEYS[1:]:
+        history = client.get_metric_history(run_id, f"epoch/{key}")
+        assert sorted((metric.step, metric.value) for metric in history) == [
+            (epoch, _record(epoch)[key]) for epoch in epochs], key  # each epoch once, its own values
+    assert sorted(metric.step for metric in client.get_metric_history(run_id, "step/loss")) == list(steps)
+    # Every flag as a parameter, with the first start's values (the resume's --resume is not logged
+    # over them), and the mode, processes and machine.
+    expected = {**{key: str(value) for key, value in context["flags"].items()},
+                "mode": context["mode"], "processes": "1", "hardware": context["hardware"]}
+    assert run.data.params == expected
+    assert run.data.params["resume"] == "False" and run.data.params["image_size"] == "64"
+    assert sorted(artifact.path for artifact in client.list_artifacts(run_id)) == sorted(ARTIFACTS)
+    for name, data in contents.items():
+        assert Path(client.download_artifacts(run_id, name, str(folder / "downloaded"))).read_bytes() == data
+    return run
+
+
+def test_mlflow_one_run_across_a_stop_each_epoch_once(tmp_path, monkeypatch):
+    ids, context, contents = _stopped_and_resumed(tmp_path, ["--track", "mlflow"], monkeypatch)
+    assert set(ids) == {"mlflow"}
+    run = _assert_mlflow_run(tmp_path, ids["mlflow"], context, contents)
+    # The store and its artifacts beside best.pth, none in the working directory.
+    assert (tmp_path / "mlflow.db").is_file()
+    assert run.info.artifact_uri == (tmp_path / "mlartifacts").resolve().as_uri() + f"/{ids['mlflow']}/artifacts"
+    assert not (ROOT / "mlruns").exists() and not (ROOT / "mlartifacts").exists()
+
+
+def test_mlflow_stopped_run_is_killed_until_its_resume_runs(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path, "--track", "mlflow", "--track", "mlflow")
+    tracker = Tracker(args)
+    assert tracker.names == ["mlflow"]  # named twice, tracked once
+    ids = tracker.start(None, _context(args))
+    client = MlflowClient(tracking_uri=default_uri(tmp_path))
+    assert client.get_run(ids["mlflow"]).info.status == "RUNNING"
+    tracker.finish("KILLED")
+    assert client.get_run(ids["mlflow"]).info.status == "KILLED"
+    resumed = Tracker(_args(tmp_path, "--track", "mlflow", "--resume"))
+    resumed.start(ids, _context(args))
+    assert client.get_run(ids["mlflow"]).info.status == "RUNNING"
+    resumed.finish("FAILED")
+    assert client.get_run(ids["mlflow"]).info.status == "FAILED"
+
+
+def test_resumed_history_fills_what_the_run_lacks(tmp_path, monkeypatch):
+    """A run stopped between saving an epoch and logging it, and a run that starts tracking at its
+    resume: start() logs the resumed epochs that the tracked run lacks, once."""
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path, "--track", "mlflow", "--track", "wandb")
+    first = Tracker(args)
+    ids = first.start(None, _context(args))
+    first.log_epoch(_record(1))
+    first.finish("KILLED")  # epoch 2 saved in last.pth, never logged
+    resumed = Tracker(_args(tmp_path, "--track", "mlflow", "--track", "wandb", "--resume"))
+    resumed.start(ids, _context(args), history=[_record(1), _record(2)])
+    resumed.log_epoch(_record(3))
+    resumed.finish("FINISHED")
+    client, runs = _mlflow_runs(tmp_path)
+    assert [run.info.run_id for run in runs] == [ids["mlflow"]]
+    assert sorted(metric.step for metric in client.get_metric_history(ids["mlflow"], "epoch/val_acc")) == [1, 2, 3]
+    assert [row["epoch"] for row in wandb_history(tmp_path, ids["wandb"]) if "epoch" in row] == [1, 2, 3]
+
+    later = tmp_path / "later"  # trained without --track, resumed with it: a new run of the saved epochs
+    later_args = _args(later, "--track", "mlflow", "--resume")
+    tracker = Tracker(later_args)
+    new = tracker.start(None, _context(later_args), history=[_record(1), _record(2)])
+    tracker.finish("FINISHED")
+    client, runs = _mlflow_runs(later)
+    assert [run.info.run_id for run in runs] == [new["mlflow"]]
+    assert sorted(metric.step for metric in client.get_metric_history(new["mlflow"], "epoch/train_loss")) == [1, 2]
+
+
+def test_wandb_offline_one_run_across_a_stop_each_epoch_once(tmp_path, monkeypatch):
+    ids, context, contents = _stopped_and_resumed(tmp_path, ["--track", "wandb"], monkeypatch)
+    run_id = ids["wandb"]
+    files = wandb_files(tmp_path, run_id)
+    # Offline (no WANDB_MODE), beside best.pth: one folder per start, both of the same run.
+    assert [path.parent.name.startswith("offline-run-") for path in files] == [True, True]
+    records = [list(wandb_records(path)) for path in files]
+    runs = [next(record.run for record in file if record.WhichOneof("record_type") == "run") for file in records]
+    assert [(run.run_id, run.project, run.display_name) for run in runs] == [(run_id, PROJECT, "single x1")] * 2
+    exits = [[record.exit.exit_code for record in file if record.WhichOneof("record_type") == "exit"] for file in records]
+    assert exits == [[EXIT_CODES["KILLED"]], [EXIT_CODES["FINISHED"]]]
+    # Every flag, the mode, processes and machine in the first start's config; the resume logs none.
+    config = {item.key: json.loads(item.value_json) for item in runs[0].config.update}
+    assert {key: config[key] for key in context["flags"]} == context["flags"]
+    assert (config["mode"], config["processes"], config["hardware"]) == ("single", 1, context["hardware"])
+    assert {item.key for item in runs[1].config.update} <= {"_wandb"}
+    rows = wandb_history(tmp_path, run_id)
+    epochs = [row for row in rows if "epoch" in row]
+    assert [row["epoch"] for row in epochs] == [1, 2, 3]  # epoch 2 not again after the resume
+    for row in epochs:
+        assert {key: row[f"epoch/{key}"] for key in RECORD_KEYS[1:]} == {
+            key: value for key, value in _record(row["epoch"]).items() if key != "epoch"}
+    assert [row["optimizer_step"] for row in rows if "optimizer_step" in row] == [10, 20, 30]
+    saved = [file.path for record in records[1] if record.WhichOneof("record_type") == "files" for file in record.files.files]
+    assert set(ARTIFACTS) <= set(saved)
+    for name, data in contents.items():
+        assert (files[1].parent / "files" / name).read_bytes() == data
+
+
+def test_saved_run_missing_from_the_store_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path / "a", "--track", "mlflow")
+    tracker = Tracker(args)
+    ids = tracker.start(None, _context(args))
+    tracker.finish("KILLED")
+    other = Tracker(_args(tmp_path / "b", "--track", "mlflow", "--resume"))  # another store
+    with pytest.raises(UserError, match=f"last.pth's MLflow run {ids['mlflow']} is not in sqlite:///"):
+        other.start(ids, _context(args))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tracking-uri", "http://tracking:5000"], "argument --tracking-uri: it is MLflow's store: add --track mlflow"),
+    (["--track", "wandb", "--tracking-uri", "http://tracking:5000"], "it is MLflow's store: add --track mlflow"),
+    (["--track", "mlflow", "--tracking-uri", "runs/mlflow.db"], "argument --tracking-uri: 'runs/mlflow.db' is not a URI"),
+    (["--track", "comet"], "argument --track: invalid choice: 'comet'"),
+    (["--track", "mlflow", "--evaluate"], "--evaluate trains nothing and writes nothing: drop --track"),
+])
+def test_tracking_flags_refused_when_parsed(flags, message, capsys):
+    with pytest.raises(SystemExit) as ended:
+        parse_args("", flags)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_tracker_not_installed_is_refused_when_parsed(monkeypatch, capsys):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else find_spec(name, *rest))
+    parse_args("", ["--track", "mlflow"])
+    with pytest.raises(SystemExit) as ended:
+        parse_args("", ["--track", "mlflow", "--track", "wandb"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "argument --track: wandb is not installed in this environment: " \
+        "pip install -r requirements.txt" in err, err
+
+
+def _refused(uri: str, capsys) -> str:
+    """Tracker(--track mlflow --tracking-uri uri) run as a script's main() is: its stderr line."""
+    args = parse_args("", ["--track", "mlflow", "--tracking-uri", uri])
+    with pytest.raises(SystemExit) as ended:
+        exit_on_error(lambda: Tracker(args))
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_a_closed_port_or_an_unknown_scheme_is_one_line_and_exit_2(capsys):
+    with socket.socket() as free:  # a port nothing listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    err = _refused(f"http://127.0.0.1:{port}", capsys)
+    assert f"--tracking-uri http://127.0.0.1:{port}: MLflow cannot use it (Connection refused)" in err
+    err = _refused("bogus://x", capsys)
+    assert "--tracking-uri bogus://x: MLflow cannot use it" in err and "sqlite:///" in err
+
+
+def test_a_server_that_never_answers_is_refused_in_bounded_time(tmp_path):
+    """A socket that accepts and never answers: MLflow's own client waits 120 s per try (its default,
+    set here as a user would) and retries 7 times; the check gives up after CHECK_SECONDS, once.
+    The bound: that one try of 120 s, which the check must not wait for."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the connections; nothing reads or answers them
+    port = silent.getsockname()[1]
+    code = ("from src.cli import parse_args; from src.errors import exit_on_error; from src.tracking import Tracker; "
+            f"args = parse_args('', ['--track', 'mlflow', '--tracking-uri', 'http://127.0.0.1:{port}']); "
+            "exit_on_error(lambda: Tracker(args))")
+    env = {**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "120", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7"}
+    try:
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=120)
+        seconds = time.monotonic() - start
+    finally:
+        silent.close()
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"error: --tracking-uri http://127.0.0.1:{port}: MLflow cannot use it (no answer "
+                             f"within {CHECK_SECONDS} s): pass {ADVICE}\n")
+    assert CHECK_SECONDS <= seconds < 120
+
+
+def test_a_tracker_failing_during_the_run_is_one_warning(tmp_path, monkeypatch, capsys):
+    """The store fails at the second epoch: one warning line, nothing raised, nothing asked of it
+    again in this run; the run is still ended (the server may be back)."""
+    from mlflow.exceptions import MlflowException
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path, "--track", "mlflow")
+    tracker = Tracker(args)
+    ids = tracker.start(None, _context(args))
+    tracker.log_epoch(_record(1))
+    backend = tracker.backends["mlflow"]
+    calls = []
+
+    def down(*args, **kwargs):
+        calls.append(args)
+        raise MlflowException("API request to http://tracking:5000 failed: the server is down")
+    monkeypatch.setattr(backend.client, "log_batch", down)
+    tracker.log_epoch(_record(2))
+    tracker.log_step({"loss": 0.5}, 30)
+    tracker.log_epoch(_record(3))
+    assert len(calls) == 1
+    err = capsys.readouterr().err
+    assert err == "warning: MLflow tracking failed (API request to http://tracking:5000 failed: the server is down); " \
+                  "training goes on without it\n"
+    tracker.finish("FINISHED")
+    client, runs = _mlflow_runs(tmp_path)
+    assert runs[0].info.status == "FINISHED" and capsys.readouterr().err == ""
+    assert [metric.step for metric in client.get_metric_history(ids["mlflow"], "epoch/val_acc")] == [1]
+
+
+def test_accelerate_trackers_continue_the_saved_runs(tmp_path, monkeypatch):
+    """Under accelerate, its own MLflowTracker and WandBTracker (Accelerator(log_with=...),
+    init_trackers(PROJECT, init_kwargs=tracker.init_kwargs(...))): the SQLite store beside best.pth,
+    the saved ids continued after a stop, each epoch once, the status; accelerate's end_training()
+    after finish() changes nothing, and no MLflow URI is left set for a later run."""
+    import mlflow
+    from accelerate import Accelerator
+    from accelerate.tracking import MLflowTracker, WandBTracker
+    monkeypatch.setattr(sys, "argv", ["train_accelerate.py"])
+    flags = ["--track", "mlflow", "--track", "wandb"]
+    saved, contents = None, {}
+    for start, (epochs, status) in enumerate((((1, 2), "KILLED"), ((2, 3), "FINISHED"))):
+        args = _args(tmp_path, *flags, *(["--resume"] if start else []))
+        tracker = Tracker(args)
+        accelerator = Accelerator(cpu=True, log_with=tracker.names)
+        context = _context(args, "accelerate")
+        accelerator.init_trackers(PROJECT, init_kwargs=tracker.init_kwargs(saved, context))
+        assert isinstance(accelerator.get_tracker("mlflow"), MLflowTracker)
+        assert isinstance(accelerator.get_tracker("wandb"), WandBTracker)
+        ids = tracker.start(saved, context, history=[_record(1)] if start else [], accelerator=accelerator)
+        assert saved is None or ids == saved
+        for epoch in epochs:
+            tracker.log_step({"loss": epoch / 10}, epoch * 10)
+            tracker.log_epoch(_record(epoch))
+        if status == "FINISHED":
+            contents = _write_artifacts(tmp_path)
+        tracker.finish(status, [tmp_path / name for name in ARTIFACTS] if contents else [])
+        accelerator.end_training()
+        assert mlflow.active_run() is None and "MLFLOW_TRACKING_URI" not in os.environ
+        client, runs = _mlflow_runs(tmp_path)
+        assert [(run.info.run_id, run.info.status) for run in runs] == [(ids["mlflow"], status)]
+        saved = ids
+    run = _assert_mlflow_run(tmp_path, ids["mlflow"], {**context, "flags": {**context["flags"], "resume": False}},
+                             contents, steps=(10, 20, 30))
+    assert run.info.run_name == "accelerate x1"
+    assert run.info.artifact_uri.startswith((tmp_path / "mlartifacts").resolve().as_uri())
+    rows = wandb_history(tmp_path, ids["wandb"])
+    assert [row["epoch"] for row in rows if "epoch" in row] == [1, 2, 3]
+    assert len(wandb_files(tmp_path, ids["wandb"])) == 2
+
+
+def test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record(tmp_path, monkeypatch):
+    """A process killed while W&B wrote its last record leaves it cut short: a resume still reads the
+    epochs before it (and does not log them again)."""
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path, "--track", "wandb")
+    tracker = Tracker(args)
+    ids = tracker.start(None, _context(args))
+    for epoch in (1, 2):
+        tracker.log_epoch(_record(epoch))
+    tracker.finish("KILLED")
+    [path] = wandb_files(tmp_path, ids["wandb"])
+    whole = [record.WhichOneof("record_type") for record in wandb_records(path)]
+    path.write_bytes(path.read_bytes()[:-3])
+    assert [record.WhichOneof("record_type") for record in wandb_records(path)] == whole[:-1]
+    resumed = Tracker(_args(tmp_path, "--track", "wandb", "--resume"))
+    resumed.start(ids, _context(args), history=[_record(1), _record(2)])
+    resumed.log_epoch(_record(3))
+    resumed.finish("FINISHED")
+    assert [row["epoch"] for row in wandb_history(tmp_path, ids["wandb"]) if "epoch" in row] == [1, 2, 3]
