@@ -95,7 +95,7 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
             rejected.append(name)
     if not rows:
         raise UserError(f"none of the {len(candidates)} images in {train_dir} can be read")
-    return pd.DataFrame(rows, columns=["filename", "label"]), rejected
+    return label_table([name for name, _ in rows], [label for _, label in rows]), rejected
 
 
 def train_files(train_dir: Path) -> list[str]:
@@ -122,11 +122,19 @@ def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = Non
             f"{', '.join(sorted(IMAGE_SUFFIXES))}): {some(unused)}")
 
 
+def label_table(names: list[str], labels: list[int]) -> pd.DataFrame:
+    """The `filename,label` table. The names are Python strings (object dtype), not pandas' string
+    dtype: with pyarrow installed (mlflow brings it) pandas 3 stores those as UTF-8, which refuses
+    a name read from disk that is not UTF-8 (a surrogate-escaped byte)."""
+    return pd.DataFrame({"filename": pd.Series(names, dtype=object),
+                         "label": pd.Series(labels, dtype="int64")})
+
+
 def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     """Read and check a `filename,label` CSV; labels may be 0/1 or cat/dog. Bytes that are not
     UTF-8 are read as the file names on disk hold them (prepare writes such names back as they were)."""
     try:
-        frame = pd.read_csv(csv_file, dtype=str, keep_default_na=False, encoding="utf-8",
+        frame = pd.read_csv(csv_file, dtype=object, keep_default_na=False, encoding="utf-8",
                             encoding_errors="surrogateescape")
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read {csv_file} ({error}): expected a CSV with columns "
@@ -151,7 +159,7 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     if missing:
         raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir}, "
                         f"first {missing[0]}; fix the CSV or rerun `python -m src.tools.prepare`")
-    return pd.DataFrame({"filename": frame["filename"], "label": labels.astype(int)})
+    return label_table(list(frame["filename"]), list(labels.astype(int)))
 
 
 def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:

@@ -59,7 +59,7 @@ def test_predict_csv_reads_back_row_for_row_and_opens_safely_in_a_spreadsheet(na
     names = sorted(FORMULAS + SPLITTERS + TERMINAL + [NOT_UTF8])
     data = out.read_bytes().decode("utf-8", "surrogateescape")
     rows = list(csv.reader(io.StringIO(data, newline="")))[1:]
-    frame = pd.read_csv(out, dtype=str, keep_default_na=False, encoding_errors="surrogateescape")
+    frame = pd.read_csv(out, dtype=object, keep_default_na=False, encoding_errors="surrogateescape")
     assert len(rows) == len(frame) == len(names)
     written = {row[0] for row in rows}
     assert set(frame["path"]) == written
