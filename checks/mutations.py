@@ -928,7 +928,7 @@ MUTATIONS = [
      ['tests/test_fsdp.py::test_an_fsdp_run_resumed_with_ema_ends_bit_for_bit_as_the_straight_one']),
     ('src/fsdp.py', '    return {key: value.clone() if value.untyped_storage().data_ptr() in live else value\n            for key, value in state.items()}',
      '    return state',
-     ['tests/test_fsdp.py::test_an_fsdp_run_resumed_with_ema_ends_bit_for_bit_as_the_straight_one[1]']),
+     ['tests/test_fsdp.py::test_an_fsdp_run_resumed_with_ema_ends_bit_for_bit_as_the_straight_one']),
     ('src/datasets.py', '    threading.Thread(target=_end_with, args=(training_pid,), name=',
      '    pass  # threading.Thread(target=_end_with, args=(training_pid,), name=',
      ['tests/test_reliability.py::test_the_loader_workers_end_with_a_killed_training_process']),

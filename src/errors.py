@@ -87,7 +87,9 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
 def end_process_group() -> None:
     """destroy_process_group() after an error, once what still held the group's tensors is freed:
     measured, gloo ranks can abort at exit when the model outlives the group."""
-    import torch.distributed as dist  # here: a command without torch (predict --onnx) ends too
+    if sys.modules.get("torch") is None:  # a command without torch (predict --onnx) has no process group
+        return
+    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

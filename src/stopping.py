@@ -10,8 +10,8 @@
   optimizer steps of the run (the same step numbers on every rank) each rank starts an all-reduce
   (MAX) of a one-element tensor holding its flag (on the CPU under gloo; on the GPU under NCCL,
   copied to pinned host memory behind the collective), and reads the one it started at the check
-  before the last: 2 x CHECK_EVERY steps old, long done, so the read waits for nothing, and every
-  rank reads the same value at the same step. A signal is acted on 2 to 3 x CHECK_EVERY steps after
+  before: CHECK_EVERY steps old, done by then, so the read waits for nothing, and every rank reads
+  the same value at the same step. A signal is acted on CHECK_EVERY to 2 x CHECK_EVERY steps after
   it arrives. At the start of an epoch the check is a plain (blocking) all-reduce: the previous
   epoch is saved, and nothing runs on the GPU.
 - When they agree, every rank stops after that step; rank 0 prints one line (where, what was saved,
@@ -43,7 +43,7 @@ class StopSignals:
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.on_gpu = self.distributed and dist.get_backend() == "nccl"
         # Host copies for the agreements in flight, made once: allocating pinned memory in a step could wait.
-        self.hosts = [torch.zeros(1, pin_memory=True) for _ in range(3)] if self.on_gpu else []
+        self.hosts = [torch.zeros(1, pin_memory=True) for _ in range(2)] if self.on_gpu else []
         self.checks = 0
         self.pending = collections.deque()  # agreements in flight, oldest first: (tensor, what to wait for)
         self.agreed = 0  # the signal every rank agreed to stop on
@@ -63,13 +63,13 @@ class StopSignals:
 
     def agreed_at(self, done: int) -> bool:
         """Whether every rank stops after the run's optimizer step `done`: in a world of one, the
-        flag; else, every CHECK_EVERY steps, the agreement started two checks before."""
+        flag; else, every CHECK_EVERY steps, the agreement started at the check before."""
         if not self.distributed:
             self.agreed = self.requested
             return bool(self.agreed)
         if done % CHECK_EVERY:
             return False
-        if len(self.pending) == 2:
+        if self.pending:
             self.agreed = self._read(*self.pending.popleft())
         tensor = self._flag()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
@@ -102,7 +102,7 @@ class StopSignals:
         return torch.full((1,), float(self.requested), device="cuda" if self.on_gpu else "cpu")
 
     def _read(self, tensor: torch.Tensor, waiter) -> int:
-        """An agreement's value: started two checks before, so done already (the wait returns at once)."""
+        """An agreement's value: started a check before, so done already (the wait returns at once)."""
         waiter.synchronize() if self.on_gpu else waiter.wait()
         return int(tensor.item())
 

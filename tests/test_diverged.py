@@ -46,7 +46,7 @@ def test_every_float_flag_refuses_values_that_are_not_finite(capsys):
     for flag in flags:
         for value in ("nan", "inf", "-inf", "NaN"):
             with pytest.raises(SystemExit) as exit:
-                parse_args("", [f"{flag}={value}", "--epochs", "3"])  # =: argparse takes "-inf" for a flag
+                parse_args("", [f"{flag}={value}", "--epochs", "3"], distributed=True)  # =: "-inf" is no flag
             err = capsys.readouterr().err
             assert exit.value.code == 2 and err.count("\n") == 1
             assert f"error: argument {flag}: must be a finite number, got {value} (see --help)" in err

@@ -114,7 +114,6 @@ def test_each_process_of_a_node_takes_its_share_of_the_cpus_as_workers(cpus, pro
     rounded down, at least 1: the processes of a node together start no more workers than it has
     CPUs. The training scripts' flag and predict's default."""
     monkeypatch.setattr("src.devices.available_cpus", lambda: cpus)
-    monkeypatch.setattr("src.loaders.available_cpus", lambda: cpus)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     assert parse_args("", []).workers == workers
     assert default_workers() == workers

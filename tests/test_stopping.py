@@ -28,7 +28,6 @@ from conftest import (
     in_process,
     mode_run,
     outputs,
-    resumable_run,
     run,
     same_end,
     script_loader,
@@ -46,6 +45,7 @@ from src.metrics import COUNT
 from src.ranks import restarted
 from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
+from src.stopping import CHECK_EVERY
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
 # torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
@@ -64,17 +64,22 @@ def _at(folder) -> tuple[int, int]:
 
 def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end(exact_data, runs,
                                                                                         tmp_path):
-    """Two DDP processes, 5 steps an epoch, --save-every-steps 3, --log-every 1 (the ranks start an
-    all-reduce of their flags after every step and read it after the next one):
-    1. SIGTERM to torchrun in step 1, which forwards it to both workers: they stop after step 2; a
-       second SIGTERM during the stop's save changes nothing;
-    2. --resume; SIGUSR1 to rank 1 alone in step 3 (torchrun does not see it): both stop after 4;
+    """Two DDP processes, 10 steps an epoch, 3 epochs, --save-every-steps 9 (after a step, the ranks
+    start an all-reduce of their flags every CHECK_EVERY = 4 steps of the run and read it at the
+    next check, whatever --log-every says; at an epoch's start they agree at once):
+    1. SIGTERM to torchrun in step 1, which forwards it to both workers: the check after step 4
+       carries it, the one after step 8 reads it, and both stop after step 8; a second SIGTERM
+       during the stop's save changes nothing;
+    2. --resume; SIGUSR1 to rank 1 alone in the run's step 9 (torchrun does not see it): both stop
+       at the next epoch's start, epoch 1's files saved;
     3. --resume under torchrun started as docs/slurm/train.sbatch starts it (--signals-to-handle with
-       SIGUSR1); SIGUSR1 to torchrun in step 5, the epoch's last, which forwards it: both stop at
-       the epoch's end, its files saved (Ctrl-C to torchrun: test_chaos.py);
+       SIGUSR1); SIGUSR1 to torchrun in step 11, which forwards it: both stop after step 16 (epoch 2
+       step 6) (Ctrl-C to torchrun: test_chaos.py);
     4. --resume ends with the weights, weight average, history and best.pth of the straight run."""
-    straight = resumable_run(runs, "ddp")[0]
-    flags = _flags(exact_data, tmp_path, B, "--save-every-steps", "3", "--log-every", "1")
+    assert CHECK_EVERY == 4  # the steps below
+    common = [*RESUMABLE, *VAL, "--epochs", "3", "--batch-size", "5", "--log-every", "1"]
+    straight = runs("ddp", *common)[0]
+    flags = ["--data-dir", str(exact_data), *common, *outputs(tmp_path), "--save-every-steps", "9"]
 
     result = run([*TORCHRUN, "train_ddp.py", *flags],
                  env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGTERM",
@@ -82,27 +87,27 @@ def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_sa
     assert result.returncode == 1, result.stderr[-3000:]  # torchrun's own code after it forwarded a signal
     assert "got signal: 15" in result.stderr and result.stderr.count("Traceback") == 1, "torchrun's, no worker's"
     said, command = stop_line(result.stderr).split("; to go on, launch the same way: ")
-    assert said == f"stopped by SIGTERM at epoch 1 step 2 of 5: {tmp_path}/last.pth saved there"
+    assert said == f"stopped by SIGTERM at epoch 1 step 8 of 10: {tmp_path}/last.pth saved there"
     assert command.endswith(" --resume") and command.startswith("train_ddp.py --data-dir ")
-    assert _at(tmp_path) == (0, 2) and not (tmp_path / "history.json").exists()
+    assert _at(tmp_path) == (0, 8) and not (tmp_path / "history.json").exists()
     assert not list(tmp_path.glob(".*.tmp"))
 
     result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300,
                  env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_RANK": "1", "SIGNAL_NAME": "SIGUSR1"})
-    assert f"resumed from {tmp_path}/last.pth in epoch 1 of 2 after its step 2: going on" in result.stdout
-    assert stop_line(result.stderr).startswith("stopped by SIGUSR1 at epoch 1 step 4 of 5: ")
+    assert f"resumed from {tmp_path}/last.pth in epoch 1 of 3 after its step 8: going on" in result.stdout
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 3: {tmp_path}/last.pth holds it; ")
     assert "exitcode: 75" in result.stderr and "received by PID" not in result.stderr, result.stderr[-3000:]
-    assert _at(tmp_path) == (0, 4)
+    assert _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
 
     result = run([*TORCHRUN, f"--signals-to-handle={_SLURM_SIGNALS}", "train_ddp.py", *flags, "--resume"],
                  timeout=300, env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent",
                                    "SIGNAL_NAME": "SIGUSR1"})
-    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 2: {tmp_path}/last.pth holds it; ")
-    assert "got signal: 10" in result.stderr and _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 at epoch 2 step 6 of 10: {tmp_path}/last.pth saved")
+    assert "got signal: 10" in result.stderr and _at(tmp_path) == (1, 6)
 
     result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "after epoch 1 of 2: going on" in result.stdout
+    assert "in epoch 2 of 3 after its step 6: going on" in result.stdout
     same_end(tmp_path, straight)
     assert_same_best(tmp_path, straight)
 

@@ -18,8 +18,7 @@ import pytest
 from conftest import HOOKS, ROOT, TINY, fails_in_process, in_process, mode_run, outputs, python
 
 import train_single
-from src import outputs as outputs_module
-from src.outputs import atomic_write_text, check_writable
+from src.outputs import atomic_write_text, lock_outputs
 from src.tools import benchmark, chaos, compare_recipes, export, predict, report
 from src.tools.onnx_model import FORMAT
 
@@ -195,9 +194,9 @@ def test_temporary_names_fit_and_are_found_by_name_not_by_pattern(tmp_path):
     ours, other = tmp_path / ".best[1].pth.k1ll3d.tmp", tmp_path / ".best1.pth.k1ll3d.tmp"
     ours.write_bytes(b"a save of best[1].pth that was killed")
     other.write_bytes(b"another run's save in progress")
-    check_writable(parse_args("", [*TINY, "--checkpoint", str(tmp_path / "best[1].pth"), "--plot",
-                                   str(tmp_path / "c.png"), "--overwrite"]))
-    outputs_module.release()
+    with lock_outputs(parse_args("", [*TINY, "--checkpoint", str(tmp_path / "best[1].pth"), "--plot",
+                                      str(tmp_path / "c.png"), "--overwrite"])):
+        pass
     assert not ours.exists() and other.read_bytes() == b"another run's save in progress"
 
     from src.outputs import temp_prefix, temporaries

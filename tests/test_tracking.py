@@ -244,7 +244,7 @@ def _refused(uri: str, capsys) -> str:
     """Tracker(--track mlflow --tracking-uri uri) run as a script's main() is: its stderr line."""
     args = parse_args("", ["--track", "mlflow", "--tracking-uri", uri])
     with pytest.raises(SystemExit) as ended:
-        exit_on_error(lambda: Tracker(args))
+        exit_on_error(lambda argv: Tracker(args))
     assert ended.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
@@ -271,7 +271,7 @@ def test_a_server_that_never_answers_is_refused_in_bounded_time(tmp_path):
     port = silent.getsockname()[1]
     code = ("from src.cli import parse_args; from src.errors import exit_on_error; from src.tracking import Tracker; "
             f"args = parse_args('', ['--track', 'mlflow', '--tracking-uri', 'http://127.0.0.1:{port}']); "
-            "exit_on_error(lambda: Tracker(args))")
+            "exit_on_error(lambda argv: Tracker(args))")
     env = {**os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT": "120", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "7"}
     try:
         start = time.monotonic()

@@ -9,7 +9,7 @@ Trains SqueezeNet 1.1 (64 px, dropout, a weight average, one loader worker per p
 means:
 
 - sigterm: SIGTERM to torchrun, which forwards it to its workers: every rank stops at an agreed
-  step, writes last.pth there and exits (src/stopping.py); the next launch adds --resume;
+  step, writes last.pth there and exits (src/stopping.py, src/state.py); the next launch adds --resume;
 - sigint: the same with SIGINT (Ctrl-C);
 - sigkill: SIGKILL of that worker; torchrun (--max-restarts) restarts the workers, which resume
   from the last step checkpoint on their own and redo the steps after it.
@@ -63,13 +63,15 @@ PLAN = json.loads(os.environ.get("CHAOS_PLAN", "[]"))
 RANK, ATTEMPT = int(os.environ.get("RANK", -1)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 if RANK >= 0:  # a worker, not torchrun itself
-    import src.stopping as stopping
+    import src.state as state
 
-    after_step = stopping.Stops.after_step
+    stop_agreed = state.TrainingState.stop_agreed
 
-    def chaotic(self, loader_pass, step, sums):
-        where = after_step(self, loader_pass, step, sums)
-        done = loader_pass.epoch * loader_pass.progress.steps_per_epoch + step
+    def chaotic(self, now=False):
+        agreed = stop_agreed(self, now)
+        if now:  # the agreement at an epoch's start, not after a step
+            return agreed
+        done = self.run_step
         if RANK == 0:
             with open(os.environ["CHAOS_LOG"], "a") as log:
                 log.write(f"{ATTEMPT} {done}\\n")
@@ -79,12 +81,12 @@ if RANK >= 0:  # a worker, not torchrun itself
                     os.kill(os.getpid(), signal.SIGKILL)
                 os.kill(os.getppid(), signal.SIGTERM if event["means"] == "sigterm" else signal.SIGINT)
                 for _ in range(3000):  # until torchrun has forwarded it here
-                    if stopping.requested():
+                    if self.signals.requested:
                         break
                     time.sleep(0.01)
-        return where
+        return agreed
 
-    stopping.Stops.after_step = chaotic
+    state.TrainingState.stop_agreed = chaotic
 '''
 
 

@@ -124,6 +124,12 @@ if os.environ.get("WRITE_LOG") or os.environ.get("INTERRUPT_AT_REPLACE") or os.e
     os.replace = _logged_replace
 
 
+def _stop_requested() -> int:
+    """The stop signal the run's StopSignals (src/stopping.py) has noted, read from its handler."""
+    handler = signal.getsignal(signal.SIGTERM)
+    return getattr(getattr(handler, "__self__", None), "requested", 0)
+
+
 def _on_step(n, action):
     """Run action() at the n-th optimizer step of this process."""
     import torch
@@ -155,8 +161,8 @@ if (os.environ.get("SIGNAL_AT_STEP") and RANK == os.environ.get("SIGNAL_RANK", "
     def _send():
         to_parent = os.environ.get("SIGNAL_TO", "self") == "parent"
         os.kill(os.getppid() if to_parent else os.getpid(), getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM")))
-        stopping, waited = sys.modules.get("src.stopping"), 0.0
-        while to_parent and stopping is not None and not stopping.requested() and waited < 30:
+        waited = 0.0
+        while to_parent and not _stop_requested() and waited < 30:
             time.sleep(0.01)
             waited += 0.01
     _on_step(int(os.environ["SIGNAL_AT_STEP"]), _send)
