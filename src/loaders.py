@@ -67,10 +67,10 @@ def loader_options(args, device: torch.device) -> dict:
     return {**options, **worker_options()} if args.workers else options
 
 
-def check_batches(data: "Data", args, processes: int = 1, split: int = 1) -> None:
+def check_batches(data: "Data", args, processes: int = 1) -> None:
     """Refuse, before any work, a global batch larger than the training split, fewer validation
-    images than processes, or a /dev/shm too small for the loader workers' batches. `split`: the
-    processes that cut each loader batch (accelerate's split_batches)."""
+    images than processes, or a /dev/shm too small for the loader workers' batches (each process's
+    workers hold micro-batches of --batch-size, also under accelerate, which cuts each loader batch)."""
     global_batch = args.batch_size * processes * args.accumulate
     if len(data.train_idx) < global_batch:
         steps = f" x {args.accumulate} (--accumulate)" if args.accumulate > 1 else ""

@@ -1,9 +1,8 @@
 """What a run shows and records as it trains, on rank 0: its header line, the progress bar
 (images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars,
 the profiler, and at the end of an FSDP run the bytes rank 0 held (src/fsdp.py). The lines of
-the history's records: src/history.py. A training pass also hands its optimizer steps to the run's
-Stops (src/stopping.py: step checkpoints, stops on a signal, the resumed epoch's place) and tells
-src/heartbeat.py where it is.
+the history's records: src/history.py. Each pass tells the run's heartbeat where it is
+(src/heartbeat.py). It only shows and times: the scripts save and stop (src/state.py).
 
 Nothing here makes the host wait for the GPU inside a step: the loss is read from copies of the
 running metric sums that are started every --log-every optimizer steps without blocking and read

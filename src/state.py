@@ -114,8 +114,8 @@ class TrainingState:
         """The epoch is finished: its record joins the history, and rank 0 writes best.pth if it
         is the best so far, best.json, last.pth, history.json and the plot. Returns whether it is
         the best so far (on rank 0; False elsewhere). `model_state`: the plain model's state_dict
-        where the script gathered it (FSDP: get_model_state_dict); else model.state_dict().
-        Every rank calls it."""
+        where the script gathered it (FSDP: get_model_state_dict); without it, the plain model's
+        (gathered from the shards under FSDP). Every rank calls it: it gathers under FSDP."""
         self.history.append(record)
         self.epoch, self.step, self.partial = self.epoch + 1, 0, None
         last = self._last_state(model_state=model_state)
