@@ -7,6 +7,7 @@ import os
 import re
 import select
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -261,6 +262,10 @@ class DogCatTestDataset(Dataset):
 # The modules a loader worker needs to unpickle its dataset: the fork server imports them once,
 # and each worker forked from it starts with them loaded.
 WORKER_MODULES = ["torch", "torchvision", "src.augment", "src.cache", "src.datasets"]
+# What else the training process has loaded that its workers load again: multiprocessing runs the
+# main script anew in each worker (as __mp_main__), and its imports then cost 1 to 2 s a worker
+# unless the fork server holds them already.
+ALSO_PRELOADED = ("accelerate", "matplotlib")
 
 
 def worker_options() -> dict:
@@ -272,7 +277,8 @@ def worker_options() -> dict:
     writer), and a fork taken while another thread holds one of the interpreter's locks hangs in
     the child (CPython gh-112275, fixed in 3.11.8; seen here in a DataLoader worker of a
     torchrun restart). The fork server is a fresh single-threaded interpreter started once per
-    process (src.datasets.WORKER_MODULES imported there once), so a worker costs a fork of it."""
+    process (the modules the workers need imported there once), so a worker costs a fork of it.
+    The workers of a loader stay for the loader's life (persistent: src/loaders.py)."""
     return {"multiprocessing_context": _fork_server(), "worker_init_fn": functools.partial(start_worker, os.getpid())}
 
 
@@ -282,7 +288,8 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     must outlive a SIGTERM that stops the run a few steps later (the loaders it still starts need
     it). An ignored signal stays ignored across the exec that starts it; a handler would not."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(WORKER_MODULES)
+    loaded = [name for name in sys.modules if name.startswith("src.") or name in ALSO_PRELOADED]
+    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)))  # read when the server starts
     if threading_main():
         handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
         try:

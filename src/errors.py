@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 from src.terminal import shown
@@ -80,6 +81,9 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+    except BaseException as error:  # a traceback to show: what its frames hold goes before the group
+        traceback.clear_frames(error.__traceback__)
+        raise
     finally:
         end_process_group()  # after an error (a run that ends well has ended it)
 

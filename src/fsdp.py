@@ -213,6 +213,11 @@ def _local_tensors(model: nn.Module) -> list[torch.Tensor]:
 def whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state_dict as one process holds it (train_single.py's last.pth: whole
     tensors, numbered by parameter) on rank 0, empty elsewhere; every rank must call it."""
+    if not optimizer.state:  # nothing to gather (SGD without momentum keeps none)
+        # and torch's call would first step the optimizer once with zero gradients to make a state
+        # (torch/distributed/checkpoint/state_dict.py _init_optim_state), which the weight
+        # average's step hook would count as an update at every save
+        return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
     by_name = get_optimizer_state_dict(model, optimizer, options=OPTIONS)  # keyed by parameter name
     if not by_name:
         return {}

@@ -58,13 +58,13 @@ def loader_options(args, device: torch.device) -> dict:
     """The DataLoader options every loader of a training script shares: --workers, pinned batches
     for a GPU, where the workers start (src.datasets.worker_options).
 
-    The workers start anew for every pass (not persistent): each pass's workers get the training
-    split as it is then, with the epoch that set_epoch gave it, which their draws come from. The
-    loader's own generator: drawing its workers' base seed from the global one would shift
+    The workers are persistent: started once per loader, they serve every epoch (the training
+    split's epoch, which their draws come from, is in shared memory: src/augment.py TrainSplit).
+    The loader's own generator: drawing its workers' base seed from the global one would shift
     whatever draws from the global one after it, differently in a run that resumes.
     """
     options = {"num_workers": args.workers, "pin_memory": device.type == "cuda", "generator": torch.Generator()}
-    return {**options, **worker_options()} if args.workers else options
+    return {**options, "persistent_workers": True, **worker_options()} if args.workers else options
 
 
 def check_batches(data: "Data", args, processes: int = 1) -> None:

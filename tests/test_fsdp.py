@@ -509,3 +509,16 @@ def test_an_fsdp_run_resumed_with_ema_ends_bit_for_bit_as_the_straight_one(proce
     last = weights(tmp_path / "straight", "last.pth")
     assert last["average"]["updates"] == 2 * (100 // (2 * B))
     assert distance(last["average"]["model"], last["model"]) > 0, "the average is not the weights"
+
+
+def test_saves_without_an_optimizer_state_count_no_update_of_the_average(exact_data, tmp_path, world_of_one,
+                                                                           monkeypatch, capsys):
+    """SGD without momentum keeps no optimizer state; torch's get_optimizer_state_dict then steps the
+    optimizer once (lr 0, zero gradients) to make one, and the weight average's step hook counted
+    that as an update at every save: with a step checkpoint after every step, 5 steps counted 10."""
+    code, _, err = in_process(train_fsdp.main, ["--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "1",
+                                                "--batch-size", str(2 * B), "--momentum", "0", "--ema-decay", "0.9",
+                                                "--save-every-steps", "1", *outputs(tmp_path)], monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    last = weights(tmp_path, "last.pth")
+    assert last["average"]["updates"] == 100 // (2 * B) and last["optimizer"]["state"] == {}
