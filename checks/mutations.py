@@ -1203,6 +1203,31 @@ MUTATIONS = [
     ('src/fsdp.py', '    if not optimizer.state:  # nothing to gather (SGD without momentum keeps none)',
      '    if False:  # nothing to gather (SGD without momentum keeps none)',
      ['tests/test_fsdp.py::test_saves_without_an_optimizer_state_count_no_update_of_the_average']),
+    # The modern augmentation in every mode (issue 49): the modes' agreement and a resumed run with the
+    # mixing on, validation without augmentation, the report's flags, the recipe comparison, its cost.
+    ('src/augment.py', 'with drawing(self.seed, epoch, index, MIX):', 'with contextlib.nullcontext():',
+     ['tests/test_recipe.py::test_every_mode_with_the_full_recipe_matches_single']),
+    ('src/augment.py', 'with drawing(self.seed, epoch, index, MIX):', 'with contextlib.nullcontext():',
+     ['tests/test_recipe.py::test_resume_in_the_middle_of_the_schedule_equals_the_straight_run']),
+    ('train_single.py', 'val_loader = DataLoader(Subset(dataset, data.val_idx), args.batch_size',
+     'val_loader = DataLoader([TrainSplit(dataset, data.val_idx, args)[i][:2] for i in range(len(data.val_idx))], args.batch_size',
+     ['tests/test_augment.py::test_validation_with_every_augmentation_flag_is_that_without_them_and_trainings_own']),
+    ('src/checkpoint.py', 'for key, value in vars(args).items() if key not in ("local_rank", "command", "mode")}}',
+     'for key, value in vars(args).items() if key not in ("local_rank", "command", "mode", *ADDED_LATER)}}',
+     ['tests/test_report.py::test_every_flag_shows_the_recipe_the_run_was_trained_with']),
+    ('src/tools/compare_recipes.py', '    for flag, value in MODERN_RECIPE.items():\n        modern += [flag, value]\n', '',
+     ['tests/test_compare_recipes.py::test_runs_differ_only_in_the_recipe']),
+    ('src/tools/compare_recipes.py', 'for before, name in zip(names, names[1:]):', 'for before, name in zip(names[:1] * len(names), names[1:]):',
+     ['tests/test_compare_recipes.py::test_verdict_compares_each_recipe_with_the_one_before_it']),
+    ('src/tools/benchmark.py', '["--batch-size", str(batch), "--seed", "42", *flags]', '["--batch-size", str(batch), "--seed", "42"]',
+     ['tests/test_benchmark.py::test_the_training_loader_of_the_loader_rows_takes_the_flags_it_is_given']),
+    ('src/tools/benchmark.py', 'best[flags] = max(best.get(flags, 0.0), rate)', 'best[flags] = rate',
+     ['tests/test_benchmark.py::test_the_augment_cost_table_shows_each_rows_best_rate_and_cpu_time']),
+    ('src/tools/benchmark.py', '    torch.set_num_threads(1)  # as DataLoader sets it in each worker\n', '',
+     ['tests/test_benchmark.py::test_augment_cpu_ms_times_each_rows_split_on_one_thread_and_keeps_its_best_round']),
+    ('src/tools/benchmark.py', 'best[flags] = min(best.get(flags, math.inf), 1e3 * (clock() - start) / images)',
+     'best[flags] = 1e3 * (clock() - start) / images',
+     ['tests/test_benchmark.py::test_augment_cpu_ms_times_each_rows_split_on_one_thread_and_keeps_its_best_round']),
 ]
 
 

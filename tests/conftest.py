@@ -314,8 +314,11 @@ def mode_run(runs: Runs, mode: str):
                       env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
 
 
+# The modern augmentation recipe (src/augment.py): a policy, erasing, MixUp and CutMix, with the
+# values of issue 49's check.
+MODERN = ["--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]
 # The full recipe (test_recipe, test_fsdp): every recipe flag on, a weight average among them.
-RECIPE = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--weight-decay", "0.01",
+RECIPE = ["--augment", *MODERN, "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--weight-decay", "0.01",
           "--label-smoothing", "0.1", "--clip-grad-norm", "1.0", "--best-by", "val_log_loss", "--ema-decay", "0.9"]
 MICRO = {"single": (B, 4), "dp": (2 * B, 2), "ddp": (B, 2), "fsdp": (B, 2), "accelerate": (B, 2)}  # batch, --accumulate
 

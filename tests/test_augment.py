@@ -9,6 +9,7 @@ drew (and, for the policies' operations, skips applying them: the draw is under 
 image kernels)."""
 import argparse
 import collections
+import json
 import math
 import subprocess
 import sys
@@ -18,9 +19,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import EXACT, RECIPE, VAL, B, U, evaluated_record, history, in_process
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+import train_single
 from src import augment as aug
 from src import checkpoint
 from src.augment import ERASE_FILL, TrainSplit, augment, crop_params, partner
@@ -601,3 +604,29 @@ def test_the_feature_cache_is_not_used_with_any_augmentation_or_mixing(argv, tmp
     assert len(backbone_outputs(parse_args("", base), model, _Pixels(), torch.device("cpu"), 0)) == 6
     assert list(tmp_path.glob("features_*.f32"))
 
+
+
+# Validation sees none of it
+
+def test_validation_with_every_augmentation_flag_is_that_without_them_and_trainings_own(reference, exact_data,
+                                                                                        monkeypatch, capsys):
+    """train_single.py --evaluate of the full recipe run's best.pth (src/inference.py, through the
+    script's own validation loader and pass), with every recipe flag on (the modern augmentation's
+    among them) and with none: the same sums, so the same record, bit for bit; and the figures the
+    run's training recorded for that epoch and those weights (best.json's `weights`: the weights or
+    their average), to the order of float32 sums (101 x u)."""
+    base = ["--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "2", "--batch-size", str(B),
+            "--checkpoint", str(reference / "best.pth"), "--evaluate"]
+    records = []
+    for flags in (RECIPE, []):
+        code, out, err = in_process(train_single.main, [*base, *flags], monkeypatch, capsys)
+        assert code == 0, err[-3000:]
+        records.append({k: v for k, v in evaluated_record(out).items() if k != "val_seconds"})
+    assert records[0] == records[1]
+    info = json.loads((reference / "best.json").read_text())
+    suffix = "_ema" if info["weights"] == "average" else ""
+    trained = history(reference)[info["epoch"] - 1]
+    assert records[0]["val_samples"] == trained["val_samples"] == 101
+    assert records[0]["val_acc"] == trained["val_acc" + suffix]
+    for key in ("val_loss", "val_log_loss"):
+        assert records[0][key] == pytest.approx(trained[key + suffix], rel=101 * U, abs=0), (key, records, trained)

@@ -463,3 +463,70 @@ def test_the_dropout_cost_table_shows_its_timings_and_counts(monkeypatch):
         plain(torch.randn(2, 3, 64, 64))
     row = re.search(r"^\| efficientnet_b0 \| (\d+) \| (\d+) \| (\d+) \+ (\d+) \|$", markdown, re.M)
     assert int(row.group(1)) == len(found) and int(row.group(2)) == 4 * sum(calls)
+
+
+def test_the_training_loader_of_the_loader_rows_takes_the_flags_it_is_given():
+    """The loader that --augment-cost (and the loader rows) measures is train_single.py's, with
+    the flags given: every modern augmentation on, each image augmented and mixed with a partner
+    (a soft target); without flags the images as they are, with their labels."""
+    from torchvision.transforms import v2
+    dataset = benchmark.InMemory(40, 16)
+    split = benchmark.training_loader(dataset, 4, 0, benchmark.MODERN).dataset
+    assert split.crop and isinstance(split.policy, v2.TrivialAugmentWide) and split.eraser.p == 0.25
+    assert [(type(m).__name__, m.alpha) for m in split.mixer.transforms] == [("MixUp", 0.2), ("CutMix", 1.0)]
+    image, target, _ = split[0]
+    assert target.shape == (2,) and not torch.equal(image, dataset[split.indices[0]][0])
+    plain = benchmark.training_loader(dataset, 4, 0).dataset
+    assert (plain.crop, plain.policy, plain.eraser, plain.mixer) == (False, None, None, None)
+    assert torch.equal(plain[0][0], dataset[plain.indices[0]][0]) and plain[0][1] == dataset[plain.indices[0]][1]
+
+
+def test_augment_cpu_ms_times_each_rows_split_on_one_thread_and_keeps_its_best_round():
+    """augment_cpu_ms on a clock of the test's: rounds alternate the rows, each timed around the
+    same images of its split on one thread, the best round of each kept, as milliseconds per image;
+    the process's threads given back."""
+    rows = benchmark.AUGMENT_ROWS
+    first = [1.0 + i for i in range(len(rows))]
+    second = [d * (2 if i % 2 else 0.5) for i, d in enumerate(first)]  # odd rows slower in the second round
+    durations, now, threads = iter(first + second), [0.0], []
+
+    def clock() -> float:
+        threads.append(torch.get_num_threads())
+        if len(threads) % 2 == 0:  # a stop: the row's duration has passed
+            now[0] += next(durations)
+        return now[0]
+    before = torch.get_num_threads()
+    cpu = benchmark.augment_cpu_ms(32, 4, rounds=2, clock=clock)
+    assert set(threads) == {1} and torch.get_num_threads() == before and len(threads) == 4 * len(rows)
+    assert cpu == {flags: 1e3 * min(a, b) / 4 for flags, a, b in zip(rows, first, second)}
+
+
+def test_the_augment_cost_table_shows_each_rows_best_rate_and_cpu_time(monkeypatch):
+    """--augment-cost: each row's flags measured by loader_alone with one worker on a split of
+    enough batches (its queue's 2, the counted ones and one), in rounds that alternate the rows, a
+    row's best round shown as images/s; beside it augment_cpu_ms's milliseconds over 4 batches'
+    images."""
+    calls = []
+    rates = {flags: 1000.0 / (i + 1) for i, flags in enumerate(benchmark.AUGMENT_ROWS)}
+
+    def measured(dataset, batch, workers, flags, max_batches):
+        calls.append(flags)
+        assert (batch, workers, max_batches) == (10, 1, 3)
+        assert int(0.8 * len(dataset)) // batch >= 2 + max_batches + 1
+        assert dataset[0][0].shape == (3, 32, 32) and dataset[0][0].dtype == torch.uint8
+        return rates[flags] / (1 if len(calls) <= len(rates) else 2)  # the second round slower
+    monkeypatch.setattr(benchmark, "loader_alone", measured)
+    cpu = {flags: 0.5 * (i + 1) for i, flags in enumerate(benchmark.AUGMENT_ROWS)}
+    monkeypatch.setattr(benchmark, "augment_cpu_ms", lambda size, images: (size, images) == (32, 40) and cpu)
+    markdown = benchmark.augment_report(32, 10, 3)
+    assert calls == list(benchmark.AUGMENT_ROWS) * benchmark.AUGMENT_ROUNDS
+    assert "| none (the loader alone) | 0.50 | 1000 |" in markdown
+    assert "| `--augment --auto-augment ta_wide` | 1.50 | 333 |" in markdown
+    every = " ".join(benchmark.MODERN)
+    assert f"| `{every}` | 4.00 | 125 |" in markdown
+    assert "`python -m src.tools.benchmark --augment-cost --image-size 32 --batch-size 10 --steps 3`" in markdown
+    assert benchmark.MODERN == ("--augment", "--auto-augment", "ta_wide", "--random-erase", "0.25",
+                                "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"), "issue 49's flags"
+    calls.clear()
+    printed = printed_by(benchmark.main, ["--augment-cost", "--image-size", "32", "--batch-size", "10", "--steps", "3"])
+    assert printed == markdown, "the command prints the table, and writes nothing"

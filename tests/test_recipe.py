@@ -37,12 +37,15 @@ from src.history import best_record
 from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
 
 
-# Every recipe flag on. 100 training images; a global batch of 4 * B = 40 makes 2 optimizer steps
-# an epoch, so the half-epoch warm-up is one step and the cosine spans steps 1 to 3. Measured on
-# the single-process run (2026-12-04), leaving one flag out moves the end weights by this share of
-# `recipe_far`: --clip-grad-norm 0.41, --weight-decay 0.36, the schedule 0.22, --augment 0.069,
-# --label-smoothing 0.0067; another augmentation seed 0.050. A mode that ignored any of them would
-# fail TOLERANCE (1e-3).
+# Every recipe flag on, the modern augmentation's among them. 100 training images; a global batch
+# of 4 * B = 40 makes 2 optimizer steps an epoch, so the half-epoch warm-up is one step and the
+# cosine spans steps 1 to 3. Measured on the single-process run (2026-12-05, AMD EPYC, 2 cores),
+# leaving one flag out moves the end weights by this share of `recipe_far`: --weight-decay 0.36,
+# --cutmix-alpha 0.25, the schedule 0.25, --augment 0.18, --mixup-alpha 0.17, --auto-augment 0.16,
+# --label-smoothing 0.091, --random-erase 0.063, --clip-grad-norm 0.0061; another augmentation
+# seed 0.12; the reference's batch-rolling MixUp and CutMix under DDP 0.19. A mode that ignored
+# any of them would fail TOLERANCE (1e-3); the modes ended 2.1e-6 (DataParallel) to 8.1e-5
+# (accelerate) away.
 @pytest.mark.parametrize("mode", ["dp", "ddp", "accelerate"])
 def test_every_mode_with_the_full_recipe_matches_single(mode, runs, reference, recipe_far):
     out, result = recipe_run(runs, mode)
@@ -53,6 +56,17 @@ def test_every_mode_with_the_full_recipe_matches_single(mode, runs, reference, r
 def test_a_different_augmentation_is_outside_the_tolerance(runs, reference, recipe_far):
     control = recipe_run(runs, "single", env={"AUGMENT_SEED_SHIFT": "1"})[0]
     assert distance(last_model(control), last_model(reference)) / recipe_far > 20 * TOLERANCE
+
+
+def test_the_references_batch_rolling_mixup_and_cutmix_under_ddp_is_outside_the_tolerance(runs, reference,
+                                                                                          recipe_far):
+    """The control of the modes' agreement with MixUp and CutMix on: two DDP processes that mix as
+    torchvision's reference script does (the BATCH_MIXING hook: each process's micro-batch rolled
+    by one, lambda, the box and the choice from the process's generator) instead of by each
+    sample's key end far from the one-device run."""
+    out, result = recipe_run(runs, "ddp", env={"BATCH_MIXING": "1"})
+    assert "x 2 micro-batches" in result.stdout
+    assert distance(last_model(out), last_model(reference)) / recipe_far > 20 * TOLERANCE
 
 
 def test_the_learning_rate_follows_warmup_then_cosine(reference):
@@ -141,13 +155,16 @@ def test_best_by_accuracy_gives_equal_accuracies_to_the_lower_log_loss():
 
 def test_resume_in_the_middle_of_the_schedule_equals_the_straight_run(exact_data, reference, recipe_far,
                                                                       tmp_path):
-    """Ctrl-C at the first step of epoch 2 (the run stops after it, last.pth saved there: a step
-    checkpoint inside the warmup-and-cosine schedule), then --resume with two loader workers
-    instead of none."""
+    """Every recipe flag on, the modern augmentation's among them: step checkpoints every step
+    (--save-every-steps 1), Ctrl-C at the first step of epoch 2 (the run stops after it, last.pth
+    saved there: inside an epoch and inside the warmup-and-cosine schedule), then --resume with
+    two loader workers instead of none (each sample's partner loaded and both augmented in the
+    workers, from the epoch in shared memory), which ends bit for bit as the straight run."""
     flags = ["--data-dir", str(exact_data), *EXACT, *VAL, *RECIPE, "--epochs", "2",
              "--batch-size", str(B), "--accumulate", "4", "--checkpoint", str(tmp_path / "best.pth"),
              "--plot", str(tmp_path / "curves.png")]
-    stopped = python("train_single.py", *flags, env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "3"})
+    stopped = python("train_single.py", *flags, "--save-every-steps", "1",
+                     env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "3"})
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     assert [r["epoch"] for r in history(tmp_path)] == [1]
     assert torch.load(tmp_path / "last.pth", weights_only=True)["step"] == 1
@@ -179,7 +196,9 @@ def _train_one_epoch(**flags) -> dict:
 
 @pytest.mark.parametrize("flag, value", [("augment", True), ("weight_decay", 0.5), ("label_smoothing", 0.3),
                                          ("clip_grad_norm", 0.01), ("accumulate", 2), ("optimizer", "adamw"),
-                                         ("lr_schedule", "cosine"), ("warmup_epochs", 0.5)])
+                                         ("lr_schedule", "cosine"), ("warmup_epochs", 0.5),
+                                         ("auto_augment", "ta_wide"), ("random_erase", 0.5), ("mixup_alpha", 0.2),
+                                         ("cutmix_alpha", 1.0)])
 def test_each_recipe_flag_changes_the_training(flag, value):
     plain, changed = _train_one_epoch(epochs=2), _train_one_epoch(**{flag: value, "epochs": 2})
     assert plain["steps"] == 8 and changed["steps"] == (4 if flag == "accumulate" else 8)

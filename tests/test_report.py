@@ -4,6 +4,7 @@ matrix and galleries are those of an independent computation, names from the dis
 and the page of the five modes' runs shows their curves and distances within the tolerance."""
 import base64
 import csv
+import json
 import re
 import shutil
 from itertools import pairwise
@@ -222,6 +223,23 @@ def test_the_five_modes_page_shows_their_curves_and_distances_within_the_toleran
                 assert float(share) < TOLERANCE and verdict == "within", (a, b, share)
     finally:
         page.context.close()
+
+
+def test_every_flag_shows_the_recipe_the_run_was_trained_with(reference, tmp_path):
+    """The report of the full recipe's run: its flags section holds each flag as best.json records
+    it, the modern augmentation's (--auto-augment and its options, --random-erase, --mixup-alpha,
+    --cutmix-alpha) among them, with the values the run was given."""
+    html = tmp_path / "report.html"
+    printed_by(report.main, [str(reference), "--output", str(html), "--workers", "0"])
+    page = html.read_text()
+    section = page[page.index("every flag ("):page.index("</details>", page.index("every flag ("))]
+    shown = dict(re.findall(r'<tr><th>--([a-z0-9-]+)</th><td class="path">([^<]*)</td></tr>', section))
+    for flag, value in (("augment", "True"), ("auto-augment", "ta_wide"), ("ra-magnitude", "9"),
+                        ("augmix-severity", "3"), ("random-erase", "0.25"), ("mixup-alpha", "0.2"),
+                        ("cutmix-alpha", "1.0"), ("label-smoothing", "0.1")):
+        assert shown.get(flag) == value, (flag, shown)
+    flags = json.loads((reference / "best.json").read_text())["flags"]
+    assert len(shown) == len(flags) and f"every flag ({len(flags)})" in page
 
 
 # Bad input: one line, exit 2, nothing written.

@@ -24,6 +24,15 @@ backward at VGG16's classifier (50 x 4096) and a ViT-B/16 block's activations (8
 one thread, best of N alternating rounds, with the aten ops of each forward; and the aten ops
 that stochastic depth dispatches in a training forward of EfficientNet-B0, ConvNeXt-T and Swin-T
 (on a GPU each op but a view is a kernel launch). It prints a table and writes nothing.
+
+    python -m src.tools.benchmark --augment-cost [--image-size S] [--batch-size B] [--steps N]
+
+measures what each augmentation costs a loader worker instead, without augmentation and with each
+of --augment, --auto-augment ta_wide|ra|augmix, --random-erase, MixUp and CutMix, and all of them,
+over random uint8 images of S px already in memory (as --cache serves them: no decode): the CPU
+milliseconds per image of the training split on one thread (4 x B images), and the images/s of
+train_single.py's training loader alone with one worker (N batches of B counted); each the best of
+two rounds that alternate the rows. It prints a table and writes nothing.
 OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
@@ -100,6 +109,8 @@ def parse_args(argv: list[str] | None = None):
         help="timed steps of the bare-step ceilings (with --dropout-cost: rounds)")
     add("--dropout-cost", action="store_true",
         help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
+    add("--augment-cost", action="store_true",
+        help="only the training loader with each augmentation, one worker (see above); writes nothing")
     args = parser.parse_args(argv)
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
@@ -329,11 +340,13 @@ def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batc
     return None if features is None else (len(images), seconds)
 
 
-def training_loader(dataset, batch: int, workers: int, augment: bool = False):
-    """train_single.py's training loader over 80% of `dataset` (seed 42), set for epoch 0."""
+def training_loader(dataset, batch: int, workers: int, flags: tuple[str, ...] = ()):
+    """train_single.py's training loader over 80% of `dataset` (seed 42), set for epoch 0, with
+    the training flags `flags` (e.g. ("--augment",)) as the script's parser reads them."""
     from train_single import loaders  # the script's own: what is measured is what it loads
     train_idx, val_idx = split_indices(len(dataset), 0.2, 42)
-    args = argparse.Namespace(batch_size=batch, seed=42, workers=workers, augment=augment)
+    args = script_args("", ["--batch-size", str(batch), "--seed", "42", *flags], script="train_single.py")
+    args.workers = workers  # as asked: the script's parser would cap them to the CPUs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loader = loaders(dataset, Data(dataset, train_idx, val_idx, ""), args, device)[0]
     loader.sampler.generator.manual_seed(42)
@@ -341,7 +354,7 @@ def training_loader(dataset, batch: int, workers: int, augment: bool = False):
     return loader
 
 
-def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool = False,
+def loader_alone(dataset, batch: int, workers: int | None = None, flags: tuple[str, ...] = (),
                  max_batches: int = 40) -> float:
     """Images/s the training loader delivers (one process; default workers unless given).
 
@@ -354,7 +367,7 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
     the same stay in step, a round arriving at once).
     """
     workers = default_workers() if workers is None else workers
-    loader = training_loader(dataset, batch, workers, augment)
+    loader = training_loader(dataset, batch, workers, flags)
     depth = (loader.prefetch_factor or 0) * workers
     counted = -(-max_batches // max(workers, 1)) * max(workers, 1)
     arrivals = []  # (time, images) of each batch as it arrives
@@ -367,6 +380,92 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
         raise UserError(f"the loader alone needs at least 2 batches of {batch}; it has {len(arrivals)}")
     return (sum(n for _, n in arrivals[start + 1:])
             / (arrivals[-1][0] - arrivals[start][0]))
+
+
+# --augment-cost's rows: the training flags of each; the first, none, is the loader alone.
+MODERN = ("--augment", "--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2",
+          "--cutmix-alpha", "1.0")
+AUGMENT_ROWS = ((), ("--augment",), ("--augment", "--auto-augment", "ta_wide"), ("--augment", "--auto-augment", "ra"),
+                ("--augment", "--auto-augment", "augmix"), ("--augment", "--random-erase", "0.25"),
+                ("--augment", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"), MODERN)
+AUGMENT_ROUNDS = 2
+
+
+class InMemory:
+    """`count` samples (uint8 image, label) cycling over 16 random images of `size` px: images
+    decoded and resized already, as --cache serves them, so that a loader over them measures
+    the augmentation, not the decode."""
+
+    def __init__(self, count: int, size: int):
+        generator = torch.Generator().manual_seed(0)
+        self.images = torch.randint(0, 256, (16, 3, size, size), dtype=torch.uint8, generator=generator)
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index % len(self.images)], index % 2
+
+
+def augment_rates(size: int, batch: int, batches: int, rounds: int = AUGMENT_ROUNDS) -> dict[tuple[str, ...], float]:
+    """Images/s of the training loader alone (loader_alone) with one worker for each row of
+    AUGMENT_ROWS (its flags), `batches` batches of `batch` counted, the best of `rounds` rounds
+    that alternate the rows (so that other work on the machine slows each alike)."""
+    depth = 2  # the one worker's prefetch_factor: batches taken before the clock starts (loader_alone)
+    dataset = InMemory(math.ceil((depth + batches + 1) * batch / 0.8) + batch, size)  # 80% is the training split
+    best = {}
+    for _ in range(rounds):
+        for flags in AUGMENT_ROWS:
+            rate = loader_alone(dataset, batch, workers=1, flags=flags, max_batches=batches)
+            best[flags] = max(best.get(flags, 0.0), rate)
+    return best
+
+
+def augment_cpu_ms(size: int, images: int, rounds: int = AUGMENT_ROUNDS,
+                   clock=time.process_time) -> dict[tuple[str, ...], float]:
+    """CPU milliseconds per image that the training split of train_single.py's loader
+    (src/augment.py's TrainSplit) takes for each row of AUGMENT_ROWS, on one thread as in a loader
+    worker, in this process: the best of `rounds` rounds that alternate the rows, each over the
+    same `images` images. CPU time, not wall time: other work on the machine changes it little."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as DataLoader sets it in each worker
+    try:
+        dataset = InMemory(math.ceil(images / 0.8) + 1, size)  # 80% is the training split
+        splits = {flags: training_loader(dataset, 1, 0, flags).dataset for flags in AUGMENT_ROWS}
+        best = {}
+        for _ in range(rounds):
+            for flags, split in splits.items():
+                start = clock()
+                for position in range(images):
+                    split[position]
+                best[flags] = min(best.get(flags, math.inf), 1e3 * (clock() - start) / images)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def augment_report(size: int, batch: int, batches: int) -> str:
+    """--augment-cost's Markdown."""
+    rates = augment_rates(size, batch, batches)
+    images = 4 * batch
+    cpu = augment_cpu_ms(size, images)
+    lines = [f"The training loader with each augmentation, one worker, {date.today().isoformat()}, {hardware()}", "",
+             f"`python -m src.tools.benchmark --augment-cost --image-size {size} --batch-size {batch} --steps {batches}`",
+             "", f"Random uint8 images of {size} px already in memory (as --cache serves them: no decode). CPU ms "
+             f"per image: src/augment.py's TrainSplit as train_single.py's loader holds it, on one thread as in a "
+             f"loader worker, over {images} images. Images/s of one worker: train_single.py's training loader alone "
+             f"with one loader worker (the same, then collation and the queue to the training process), "
+             f"batches of {batch}, {batches} batches counted; wall time, which other work on the machine slows. "
+             f"Each the best of {AUGMENT_ROUNDS} rounds that alternate the rows:", "",
+             "| training flags | CPU ms per image | images/s of one worker |", "|---|---|---|"]
+    for flags in AUGMENT_ROWS:
+        name = f"`{' '.join(flags)}`" if flags else "none (the loader alone)"
+        lines.append(f"| {name} | {cpu[flags]:.2f} | {rates[flags]:.0f} |")
+    lines += ["", "A loader of W workers delivers up to W times one worker's images/s, as far as the CPUs allow. "
+              "With --mixup-alpha or --cutmix-alpha each image's partner is loaded and taken through the same "
+              "steps before the two are mixed."]
+    return "\n".join(lines) + "\n"
 
 
 def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
@@ -568,6 +667,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.dropout_cost:
         print(dropout_report(args.steps)[0], end="")
         return
+    if args.augment_cost:
+        print(augment_report(args.image_size, args.batch_size, args.steps), end="")
+        return
     claim_folder(args.out_dir, MARK, WRITES, "src.tools.benchmark", "the benchmark", "--out-dir ")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = args.data_dir
@@ -627,7 +729,7 @@ def main(argv: list[str] | None = None) -> None:
     rows["loader, cache"] = {"row": "loader, cache", "processes": 1,
                              "train_images_per_s": loader_alone(cache, batch)}
     rows["loader, cache + augment"] = {"row": "loader, cache + augment", "processes": 1,
-                                       "train_images_per_s": loader_alone(cache, batch, augment=True)}
+                                       "train_images_per_s": loader_alone(cache, batch, flags=("--augment",))}
     for size in sorted({args.image_size, 224}):
         for kind, rate in zip(("full", "draft"), decode_per_worker(jpegs, size)):
             name = f"decode {kind} {size} px"

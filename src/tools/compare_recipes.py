@@ -1,29 +1,32 @@
-"""Train the baseline recipe and the full recipe for the same steps and compare their validation log loss.
+"""Train the baseline, the full and the modern recipe for the same steps and compare their validation log loss.
 
     python -m src.tools.compare_recipes [--data-dir DIR] [--out-dir compare] [--epochs E] [--images N] ...
 
-Runs the real train_single.py twice on the same data, split, data order, architecture, image
-size, batch size, epochs, peak learning rate and seed, each from its own fresh initialisation
-(the same for both: --seed):
+Runs the real train_single.py three times on the same data, split, data order, architecture,
+image size, batch size, epochs, peak learning rate and seed, each from its own fresh
+initialisation (the same for all: --seed):
 
 - baseline: the scripts' defaults, plain SGD (momentum 0.9) at a constant learning rate, no
   augmentation, no weight decay, no label smoothing, no clipping;
 - full: the same SGD and peak learning rate plus --augment, a cosine schedule after a linear
   warm-up over the first tenth of the steps, weight decay, label smoothing and gradient clipping
-  (FULL_RECIPE below says which values and why).
+  (FULL_RECIPE below says which values and why);
+- modern: the full recipe plus the modern augmentation of torchvision's reference recipe:
+  TrivialAugmentWide, random erasing, MixUp and CutMix (MODERN_RECIPE below).
 
 Reports, per recipe, the best and the last epoch's validation log loss (Kaggle's metric, p(dog)
 clipped to [0.005, 0.995]) and accuracy, read from each run's history.json, as a Markdown table
-(printed and written to OUT/compare.md, with the per-epoch figures below it) and OUT/compare.csv.
-It reports what it measured whichever recipe wins; one seed on one validation split, so a small
+(printed and written to OUT/compare.md, with the per-epoch figures below it) and OUT/compare.csv,
+and compares each recipe with the one before it (full with baseline, modern with full). It
+reports what it measured whichever recipe wins; one seed on one validation split, so a small
 difference may be noise (the table says how large the noise in accuracy is).
 
 Without --data-dir it writes the --hard synthetic set (src/tools/synthetic.py) of --images labelled
 images into OUT/data: on the default set any recipe reaches 1.0 accuracy in a few epochs and
 there is nothing to compare. The defaults (2500 images, ResNet-18 from random init at 64 px, batch
 32, lr 0.01, 10 epochs) take minutes on a CPU (docs/recipe.md gives the time on the machine it
-was measured on). Both runs train from one --cache in OUT/cache, decoded once; a
---data-dir without train.csv gets one (as `python -m src.tools.prepare` writes it), so that neither run
+was measured on). The runs train from one --cache in OUT/cache, decoded once; a
+--data-dir without train.csv gets one (as `python -m src.tools.prepare` writes it), so that no run
 opens every image to list them.
 
 OUT is this tool's own folder: it marks it (OUT/.compare_recipes) and replaces there only what it
@@ -68,6 +71,16 @@ FULL_RECIPE = {
     # would have cut every step, i.e. changed the learning rate, not guarded it.
     "--clip-grad-norm": "20",
 }
+# The modern recipe's augmentation on top of the full recipe: the values of torchvision's reference
+# recipe for its ResNet-50 IMAGENET1K_V2 weights (pytorch/vision#3995; the blog post "How to Train
+# State-Of-The-Art Models Using TorchVision's Latest Primitives"), which trains with label smoothing
+# 0.1 as the full recipe does. Not tuned on this data either.
+MODERN_RECIPE = {
+    "--auto-augment": "ta_wide",  # TrivialAugmentWide: no magnitude to tune
+    "--random-erase": "0.1",
+    "--mixup-alpha": "0.2",
+    "--cutmix-alpha": "1.0",  # with MixUp: one of the two per image, half and half
+}
 FIELDS = ["recipe", "flags", "epochs", "steps", "best_val_log_loss", "best_log_loss_epoch",
           "last_val_log_loss", "best_val_acc", "best_acc_epoch", "last_val_acc", "val_images",
           "train_seconds"]
@@ -84,9 +97,9 @@ def parse_args(argv: list[str] | None = None):
         help="as in the scripts: 'none' = random init, 'default' = ImageNet, or a state_dict file")
     add("--image-size", type=at_least(32), default=64, help="images are resized to this square")
     add("--epochs", type=at_least(1), default=10, help="epochs of each run")
-    add("--batch-size", type=at_least(1), default=32, help="images per step, the same in both runs")
+    add("--batch-size", type=at_least(1), default=32, help="images per step, the same in every run")
     add("--lr", type=float, default=0.01,
-        help="learning rate of the baseline recipe and peak of the full one's schedule (the scripts' "
+        help="learning rate of the baseline recipe and peak of the other two's schedule (the scripts' "
              "0.001 is for ImageNet weights; from random init it barely moves in a few epochs)")
     add("--images", type=at_least(10), default=2500,
         help="labelled images of the synthetic set (without --data-dir); 20%% are validation")
@@ -105,7 +118,10 @@ def recipes(epochs: int) -> dict[str, list[str]]:
     full = ["--augment", "--lr-schedule", "cosine", "--warmup-epochs", warmup]
     for flag, value in FULL_RECIPE.items():
         full += [flag, value]
-    return {"baseline": [], "full": full}
+    modern = list(full)
+    for flag, value in MODERN_RECIPE.items():
+        modern += [flag, value]
+    return {"baseline": [], "full": full, "modern": modern}
 
 
 def synthetic_data(args) -> Path:
@@ -176,28 +192,32 @@ def summary(name: str, flags: list[str], history: list[dict], steps_per_epoch: i
 
 
 def verdict(rows: dict[str, dict]) -> list[str]:
-    """What the figures say, in words, whichever way they go."""
-    baseline, full = rows["baseline"], rows["full"]
+    """What the figures say, in words, whichever way they go: each recipe against the one before
+    it (each adds to it), then the accuracies against their noise."""
     lines = []
-    for key, label in (("last_val_log_loss", "last-epoch"), ("best_val_log_loss", "best-epoch")):
-        a, b = baseline[key], full[key]
-        if f"{a:.4f}" == f"{b:.4f}":  # as printed: no difference to speak of
-            lines.append(f"{label} validation log loss: a tie to four decimals ({a:.4f})")
-        else:
-            winner, loser = ("full", "baseline") if b < a else ("baseline", "full")
-            share = abs(a - b) / max(a, b)
-            lines.append(f"{label} validation log loss: the {winner} recipe is lower, "
-                         f"{min(a, b):.4f} against {max(a, b):.4f} "
-                         f"({f'{share:.0%}' if share >= 0.01 else 'under 1%'} less than the {loser} recipe's)")
+    names = list(rows)
+    for before, name in zip(names, names[1:]):
+        for key, label in (("last_val_log_loss", "last-epoch"), ("best_val_log_loss", "best-epoch")):
+            a, b = rows[before][key], rows[name][key]
+            if f"{a:.4f}" == f"{b:.4f}":  # as printed: no difference to speak of
+                lines.append(f"{label} validation log loss: the {before} and {name} recipes tie to four "
+                             f"decimals ({a:.4f})")
+            else:
+                winner, loser = (name, before) if b < a else (before, name)
+                share = abs(a - b) / max(a, b)
+                lines.append(f"{label} validation log loss: the {winner} recipe is lower, "
+                             f"{min(a, b):.4f} against {max(a, b):.4f} "
+                             f"({f'{share:.0%}' if share >= 0.01 else 'under 1%'} less than the {loser} recipe's)")
+    baseline = rows[names[0]]
     n = baseline["val_images"]
-    p = (baseline["last_val_acc"] + full["last_val_acc"]) / 2
+    p = sum(row["last_val_acc"] for row in rows.values()) / len(rows)
     noise = math.sqrt(2 * p * (1 - p) / n)
-    lines.append(f"last-epoch validation accuracy: baseline {baseline['last_val_acc']:.4f}, full "
-                 f"{full['last_val_acc']:.4f}; on {n} validation images the standard error of their "
-                 f"difference is about {noise:.4f} (binomial, one seed), so differences below about "
-                 f"{2 * noise:.3f} are within the noise")
+    accuracies = ", ".join(f"{name} {row['last_val_acc']:.4f}" for name, row in rows.items())
+    lines.append(f"last-epoch validation accuracy: {accuracies}; on {n} validation images the standard error "
+                 f"of the difference of two is about {noise:.4f} (binomial, one seed), so differences below "
+                 f"about {2 * noise:.3f} are within the noise")
     if baseline["best_val_acc"] >= 1.0:
-        lines.append("the baseline recipe reached 1.0 validation accuracy: this set is too easy to tell "
+        lines.append(f"the {names[0]} recipe reached 1.0 validation accuracy: this set is too easy to tell "
                      "recipes apart by accuracy")
     return lines
 

@@ -36,6 +36,10 @@ src.inference.kaggle_test_files), and any other rank that lists them waits for i
 60 s).
 AUGMENT_SEED_SHIFT=k: augmentation draws as if the seed were seed + k (a control).
 NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP script did (a control).
+BATCH_MIXING=1: MixUp and CutMix as torchvision's reference script does them (a control): the
+training split mixes nothing, and each training micro-batch that a process's loop takes is mixed
+by src.augment.mixer's transform, which pairs each image with its neighbour in the process's own
+micro-batch (a roll by one) and draws lambda, the box and the choice from the process's generator.
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
 COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...):
 the epochs' checkpoints that the next one replaces.
@@ -237,6 +241,26 @@ if os.environ.get("AUGMENT_SEED_SHIFT"):
         params = augment.crop_params
         augment.crop_params = lambda seed, *rest: params(seed + int(os.environ["AUGMENT_SEED_SHIFT"]), *rest)
     _after_import("src.augment", _shift)
+
+if os.environ.get("BATCH_MIXING"):
+    _mixers = {}
+
+    def _no_sample_mixing(augment):
+        _mixers["make"] = augment.mixer
+        augment.mixer = lambda args: None  # TrainSplit's per-sample mixing off
+    _after_import("src.augment", _no_sample_mixing)
+
+    def _mix_local_batches(progress):
+        import torch
+        training = progress.Progress.training
+
+        def mixed(self, loader, epoch, sums):
+            mixing = _mixers["make"](self.args)
+            for micro, (images, labels, keys) in training(self, loader, epoch, sums):
+                images, targets = mixing(images.float(), labels)  # the reference's collate_fn, on this process's batch
+                yield micro, (images.round().clamp(0, 255).to(torch.uint8), targets, keys)
+        progress.Progress.training = mixed
+    _after_import("src.progress", _mix_local_batches)
 
 if os.environ.get("NO_RESHUFFLE"):
     import torch.utils.data as _data
