@@ -29,6 +29,12 @@ def process_state() -> dict:
             files[fd] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # the listing's own descriptor, closed already
             pass
+    # A closed multiprocessing queue's feeder thread ends on its own shortly after the loader shut
+    # its workers down (torch cancels the join): wait for it rather than race it. One that never
+    # ends is still there after the wait, and still counted.
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":
+            thread.join(timeout=10)
     backends = torch.backends
     return {"handlers": {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1,
                                                                           signal.SIGINT, signal.SIGHUP)},
