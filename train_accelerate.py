@@ -28,6 +28,7 @@ from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
 from src.progress import Progress, run_header
+from src.ranks import check_same_flags
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
+    check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     with lock_outputs(args):  # every output checked, their folder locked for this run
         train(args, accelerator)

@@ -32,6 +32,7 @@ from src.models import build_model
 from src.outputs import lock_outputs
 from src.process_group import process_device, torchrun_store, watch_ranks
 from src.progress import Progress, run_header
+from src.ranks import check_same_flags
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     store, rank, world_size = torchrun_store(args)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))  # a peer that stops answering fails a collective
+    check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
     with watch_ranks(store, args) as heartbeat, lock_outputs(args):  # names a rank that stops answering
         train(args, device, rank, world_size, heartbeat)
     dist.destroy_process_group()
