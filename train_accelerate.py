@@ -71,7 +71,7 @@ def train_epoch(accelerator, model, loader: DataLoader, epoch: int, progress: Pr
         sums += batch_sums(logits, labels)
         if accelerator.sync_gradients:  # that was a step's last micro-batch
             state.step += 1
-            stop = state.stop_agreed()  # SIGTERM, SIGUSR1 or Ctrl-C came to any process (src/stopping.py)
+            stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came to any process (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 state.save_step(sums)  # last.pth at this step: --resume goes on from here
             if stop:
@@ -125,7 +125,7 @@ def train(args, accelerator: Accelerator) -> None:
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    with state.stop_signals():  # from here SIGTERM, SIGUSR1 and Ctrl-C stop the run after an optimizer step
+    with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             net = torch.compile(stage.net) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device, processes)

@@ -7,7 +7,7 @@ The run
     state.py          the training state (model, optimizer, scaler, schedule, weight average,
                       history, place in the epoch) and its verbs: resume, save, stop
     checkpoint.py     what best.pth, best.json and last.pth hold; reading a last.pth back
-    stopping.py       SIGTERM, SIGUSR1, Ctrl-C: the handlers and the agreement of every rank
+    stopping.py       SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: the handlers and the agreement of every rank
     outputs.py        the files a command writes: checked at start, the run lock, atomic writes
     history.py        the per-epoch records, the best epoch, the lines a run prints
     progress.py       the progress bar, data-wait clock, TensorBoard, the profiler's hooks

@@ -13,7 +13,11 @@ from src.terminal import shown
 # EX_TEMPFAIL (sysexits.h: "temporary failure, the user is invited to retry"): stopped on a signal
 # after writing last.pth; the same command with --resume goes on (docs/reliability.md).
 EXIT_STOPPED = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SIGHUP: the terminal of the run was closed (or its SSH connection dropped). Its default action
+# ended the run where it was, with no line and nothing saved; a user who closes the terminal of a
+# run means it to stop, and a stop saves the step it reached (`nohup`, tmux or screen keep a run
+# going past its terminal instead).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class Stopped(Exception):
