@@ -236,9 +236,15 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # file is loaded into it (src.inference.load_evaluated).
         args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
-    from src.models import check_image_size  # here, not above: it loads torchvision
+    from src.models import check_batch_norm, check_image_size  # here, not above: they load torchvision
     try:
         check_image_size(args.arch, args.image_size)
+        # A micro-batch of one image per process (the last incomplete batch is dropped: only
+        # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
+        # over several processes (--sync-bn under a launcher).
+        together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1
+        if not (args.freeze or args.evaluate):
+            check_batch_norm(args.arch, args.image_size, args.batch_size * together, f"--batch-size {args.batch_size}")
     except UserError as error:
         parser.error(str(error))
     from src.devices import available_cpus

@@ -1,7 +1,9 @@
 """Building the classifier: a torchvision model with its final layer replaced by a 2-class one."""
 import contextlib
 import io
+import math
 import urllib.error
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,6 +70,48 @@ def check_image_size(arch: str, image_size: int) -> None:
     if image_size < MIN_IMAGE_SIZE.get(arch, 0):
         raise UserError(f"--arch {arch} needs --image-size {MIN_IMAGE_SIZE[arch]} or more "
                         f"(got {image_size})")
+
+
+class _OneValue(Exception):
+    """A batch norm layer's input holds one value per channel (see check_batch_norm)."""
+
+
+def check_batch_norm(arch: str, image_size: int, images: int, what: str) -> None:
+    """Refuse, before any work, a forward of `images` images that a batch norm layer of `arch`
+    cannot normalise in training: one value per channel (one image whose feature map is 1 x 1
+    there, as resnet18's last layers at 32 px), which torch refuses at the first step ("Expected
+    more than 1 value per channel when training"). `what` says where the `images` come from
+    ("--batch-size 1"). Batch norm sees images x height x width values per channel, so only one
+    image can be too few; the model is then built on the meta device (shapes, no numbers) and run
+    once to find the layer. The caller leaves out what runs batch norm in eval mode (--freeze,
+    --evaluate) or over several processes (--sync-bn)."""
+    if images > 1 or arch not in classification_models():  # an unknown --arch: build_model says so
+        return
+    from accelerate import init_empty_weights  # here: only for a micro-batch of one
+    with init_empty_weights(), warnings.catch_warnings():  # each parameter on meta as it is made: no time drawing it
+        warnings.simplefilter("ignore")  # googlenet's and inception_v3's notice of their init to come
+        model = torchvision.models.get_model(arch, num_classes=NUM_CLASSES, **model_kwargs(arch))
+    model = model.to("meta").train()
+
+    def look(name: str):
+        def hook(module, inputs):
+            shape = inputs[0].shape
+            if shape[0] * math.prod(shape[2:]) == 1:
+                raise _OneValue(name, tuple(shape))
+        return hook
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.register_forward_pre_hook(look(name))
+    try:
+        model(torch.empty(images, 3, image_size, image_size, device="meta"))
+    except _OneValue as one:
+        name, shape = one.args
+        raise UserError(f"{what}: batch norm layer {name} of {arch} would get 1 value per channel (its input is "
+                        f"{' x '.join(map(str, shape))} at --image-size {image_size}), which torch refuses in "
+                        "training: use a --batch-size of 2 or more per process, a larger --image-size, or --freeze "
+                        "(batch norm in eval mode)") from None
+    except Exception:  # the meta forward fails elsewhere (an op meta tensors cannot run): nothing found
+        return
 
 
 def _drop_aux(model: nn.Module) -> nn.Module:
