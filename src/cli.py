@@ -12,11 +12,16 @@ from src.tracking import BACKENDS
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (exit code 2), without the usage block."""
+    """argparse that reports a bad flag in one line (exit code 2), without the usage block.
+    `ranks`: the command runs as one rank of several under a launcher (train_ddp.py, train_fsdp.py,
+    train_accelerate.py); a one-process script says its line whatever RANK is left in its
+    environment."""
+
+    ranks = False
 
     def error(self, message: str) -> None:
         # Under a launcher every rank parses the same flags: rank 0 alone says what is wrong.
-        if os.environ.get("RANK", "0") != "0":
+        if self.ranks and os.environ.get("RANK", "0") != "0":
             before_a_silent_exit()
             self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -99,6 +104,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.ranks = distributed
     add = parser.add_argument
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
     add("--epochs", type=at_least(1), default=1, help="epochs to train")

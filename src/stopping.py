@@ -141,7 +141,9 @@ def how_to_go_on(command: list[str]) -> str:
     itself."""
     arguments = [argument for argument in command if argument != "--overwrite"]
     arguments += [] if "--resume" in arguments else ["--resume"]
-    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    # Under a launcher (torchrun's variable), or in a process group of several: not a WORLD_SIZE
+    # left in the environment of a one-process script.
+    if "TORCHELASTIC_RUN_ID" in os.environ or (dist.is_initialized() and dist.get_world_size() > 1):
         how = f"to go on, launch the same way: {shlex.join(arguments)}"
     else:
         how = f"to go on: python {shlex.join(arguments)}"

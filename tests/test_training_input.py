@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 import torch
-from conftest import TINY, fails_in_process, in_process, outputs
+from conftest import TINY, fails_in_process, outputs
 
 import train_single
 from src.cli import parse_args
@@ -85,3 +85,76 @@ def test_a_run_replaces_no_file_that_is_not_a_runs_output(tiny_data, tmp_path, m
                   ["--checkpoint", str(ours / "model.ckpt"), "--plot", str(ours / "curves.png"), "--overwrite"]):
         with lock_outputs(parse_args("", [*TINY, "--data-dir", str(data), *flags])):
             pass
+
+
+def test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work(tiny_data, tmp_path, monkeypatch,
+                                                                                   capsys, fake_gpus):
+    """--arch resnet18 --image-size 32 --batch-size 1 failed at the first step with batch norm's
+    ValueError (its last layers see a 1 x 1 map: one value per channel). Refused when parsed,
+    naming the layer, where torch itself refuses it (checked on the real model); let through where
+    batch norm gets more than one value (a larger image, two images), runs in eval mode (--freeze,
+    --evaluate) or over several processes (--sync-bn under a launcher). DataParallel's replicas
+    get a piece of each batch: one of 1 image is refused too."""
+    import pytest
+    import torchvision
+
+    from src.data_parallel import check_data_parallel
+    from src.errors import UserError
+    out = tmp_path / "out"
+    argv = ["--data-dir", str(tiny_data), "--arch", "resnet18", "--weights", "none", "--image-size", "32", "--workers",
+            "0", *outputs(out)]
+    layer = "batch norm layer layer4.0.bn1 of resnet18 would get 1 value per channel (its input is 1 x 512 x 1 x 1 at "
+    line = fails_in_process(train_single.main, [*argv, "--batch-size", "1"], monkeypatch, capsys,
+                            f"--batch-size 1: {layer}--image-size 32), which torch refuses in training")
+    assert line.endswith("use a --batch-size of 2 or more per process, a larger --image-size, or --freeze (batch norm "
+                         "in eval mode) (see --help)"), line
+    assert not out.exists()
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=2).train()
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        model(torch.randn(1, 3, 32, 32))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, 64)), model(torch.randn(2, 3, 32, 32))  # one image of 64 px, two of 32: fine
+    for flags in (["--batch-size", "1", "--image-size", "64"], ["--batch-size", "2"], ["--batch-size", "1", "--freeze"],
+                  ["--batch-size", "1", "--evaluate"]):
+        parse_args("", [*argv, *flags])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two processes of train_ddp.py, batch norm over both
+    parse_args("", [*argv, "--batch-size", "1", "--sync-bn"], script="train_ddp.py", distributed=True)
+    with pytest.raises(SystemExit):  # train_single.py is one process, whatever WORLD_SIZE says
+        parse_args("", [*argv, "--batch-size", "1", "--sync-bn"], script="train_single.py")
+    monkeypatch.delenv("WORLD_SIZE")
+    fake_gpus(2)
+    with pytest.raises(UserError, match=f"--batch-size 3 split over 2 GPUs by DataParallel gives a replica 1 image: "
+                                        f"{layer}".replace("(", r"\(")):
+        check_data_parallel(parse_args("", [*argv, "--batch-size", "3"], script="train_dp.py"))
+    check_data_parallel(parse_args("", [*argv, "--batch-size", "4"], script="train_dp.py"))  # 2 images a replica
+    capsys.readouterr()
+
+
+def test_a_launchers_variables_left_in_a_one_process_run_change_nothing(tiny_data, tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE=2 left in the environment of train_single.py (an `export` for another job) was
+    recorded in best.json as 2 processes; with RANK=1 left too a bad flag ended without a word
+    (after waiting a minute for a launcher that was not there), and the line of a stop said to
+    launch the same way. train_single.py is one process: none of that."""
+    import signal
+
+    import src.state as state
+    from src.errors import run_command
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    argv = [*TINY, "--data-dir", str(tiny_data), *outputs(tmp_path), "--epochs", "1"]
+    fails_in_process(train_single.main, [*argv, "--batch-size", "0"], monkeypatch, capsys,
+                     "train_single.py: error: argument --batch-size: must be at least 1, got 0")
+    save_step = state.TrainingState.save_step
+
+    def signalled(self, sums):  # SIGTERM arrives as the first step checkpoint is written
+        save_step(self, sums)
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(state.TrainingState, "save_step", signalled)
+    assert run_command(train_single.main, [*argv, "--save-every-steps", "2"]) == 75
+    said = capsys.readouterr().err
+    assert f"{tmp_path / 'last.pth'} saved there; to go on: python train_single.py " in said, said[-2000:]
+    monkeypatch.setattr(state.TrainingState, "save_step", save_step)
+    assert run_command(train_single.main, [*argv, "--save-every-steps", "2", "--resume"]) == 0, capsys.readouterr().err
+    info = json.loads((tmp_path / "best.json").read_text())
+    assert info["processes"] == 1 and info["mode"] == "single"
