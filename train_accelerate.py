@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
-    check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
+    check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
     with lock_outputs(args):  # every output checked, their folder locked for this run
         train(args, accelerator)
     accelerator.free_memory()  # what accelerate still holds of the run (measured: gloo can abort at exit otherwise)

@@ -9,8 +9,9 @@ import shutil
 import stat
 from pathlib import Path
 
+import pytest
 import torch
-from conftest import TINY, fails_in_process, outputs
+from conftest import TINY, fails_in_process, mode_run, outputs
 
 import train_single
 from src.cli import parse_args
@@ -48,6 +49,8 @@ def test_a_run_replaces_no_file_that_is_not_a_runs_output(tiny_data, tmp_path, m
     (theirs / "history.json").write_text("[1, 2]")
     (theirs / "model.ckpt").write_bytes(b"a model of another program")
     (theirs / "settings.json").write_text("{}")
+    (theirs / "data.bin").write_bytes(b"a file a best.json of another file names")
+    (theirs / "data.json").write_text(json.dumps({"sha256": hashlib.sha256(b"another file").hexdigest()}))
     out = tmp_path / "out"
     cases = [
         (["--plot", str(image)], f"--plot {image} exists and is not a plot of a training run"),
@@ -58,6 +61,8 @@ def test_a_run_replaces_no_file_that_is_not_a_runs_output(tiny_data, tmp_path, m
          f"--checkpoint (its .json) {theirs / 'best.json'} exists and is not the description of a run's checkpoint"),
         (["--checkpoint", str(theirs / "model.ckpt"), "--overwrite"],
          f"--checkpoint {theirs / 'model.ckpt'} exists and is not a checkpoint of a training run"),
+        (["--checkpoint", str(theirs / "data.bin"), "--overwrite"],
+         f"--checkpoint {theirs / 'data.bin'} exists and is not a checkpoint of a training run"),
         (["--checkpoint", str(theirs / "settings.pth"), "--resume"],
          f"--checkpoint (its .json) {theirs / 'settings.json'} exists and is not the description"),
     ]
@@ -95,7 +100,6 @@ def test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_wo
     batch norm gets more than one value (a larger image, two images), runs in eval mode (--freeze,
     --evaluate) or over several processes (--sync-bn under a launcher). DataParallel's replicas
     get a piece of each batch: one of 1 image is refused too."""
-    import pytest
     import torchvision
 
     from src.data_parallel import check_data_parallel
@@ -158,3 +162,14 @@ def test_a_launchers_variables_left_in_a_one_process_run_change_nothing(tiny_dat
     assert run_command(train_single.main, [*argv, "--save-every-steps", "2", "--resume"]) == 0, capsys.readouterr().err
     info = json.loads((tmp_path / "best.json").read_text())
     assert info["processes"] == 1 and info["mode"] == "single"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "accelerate"])
+def test_best_json_counts_the_processes_of_the_group_and_the_plot_is_a_runs(mode, runs):
+    """best.json's `processes` is the process group's size (2 here), not the environment's; the
+    plot a run wrote carries the mark by which a later run may replace it (and nothing else)."""
+    from src.plot import is_plot
+    out = mode_run(runs, mode)[0]
+    info = json.loads((out / "best.json").read_text())
+    assert (info["mode"], info["processes"]) == (mode, 2)
+    assert is_plot(out / "curves.png") and not is_plot(out / "best.pth")
