@@ -1255,6 +1255,12 @@ MUTATIONS = [
      ['tests/test_training_input.py::test_a_launchers_variables_left_in_a_one_process_run_change_nothing']),
     ('src/checkpoint.py', '"processes": dist.get_world_size() if dist.is_initialized() else 1,', '"processes": int(os.environ.get("WORLD_SIZE", 1)),',
      ['tests/test_training_input.py::test_a_launchers_variables_left_in_a_one_process_run_change_nothing']),
+    ('src/outputs.py', '        check_profile_folder(args)\n', '        pass\n',
+     ['tests/test_training_input.py::test_profile_writes_only_into_a_folder_of_profiles']),
+    ('src/profiling.py', '    return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)', '    return True',
+     ['tests/test_training_input.py::test_profile_writes_only_into_a_folder_of_profiles']),
+    ('src/profiling.py', '    return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)', '    return False',
+     ['tests/test_training_input.py::test_profile_writes_only_into_a_folder_of_profiles', 'tests/test_training_input.py::test_best_json_counts_the_processes_of_the_group_and_the_plot_is_a_runs']),
 ]
 
 

@@ -504,6 +504,9 @@ def _try_outputs(args) -> RunLock:
                   input_folders=[("--data-dir's train/", data / "train")]
                   + ([("--cache", Path(args.cache))] if args.cache else []))
     check_run_outputs(paths)  # before anything is made: a refusal leaves every folder as it was
+    if args.profile:
+        from src.profiling import check_profile_folder  # here: it loads torch
+        check_profile_folder(args)
     for name, path in paths.items():
         flag = "--plot" if name == "plot" else "--checkpoint"
         try:

@@ -167,9 +167,35 @@ def test_a_launchers_variables_left_in_a_one_process_run_change_nothing(tiny_dat
 @pytest.mark.parametrize("mode", ["ddp", "accelerate"])
 def test_best_json_counts_the_processes_of_the_group_and_the_plot_is_a_runs(mode, runs):
     """best.json's `processes` is the process group's size (2 here), not the environment's; the
-    plot a run wrote carries the mark by which a later run may replace it (and nothing else)."""
+    plot and the profile a run wrote are known as a run's (a later run may replace them, and
+    nothing else)."""
     from src.plot import is_plot
+    from src.profiling import is_profile
     out = mode_run(runs, mode)[0]
     info = json.loads((out / "best.json").read_text())
     assert (info["mode"], info["processes"]) == (mode, 2)
     assert is_plot(out / "curves.png") and not is_plot(out / "best.pth")
+    assert is_profile(out.parent / "tensorboard" / "profile"), "the profile a run wrote is one a later run may replace"
+
+
+def test_profile_writes_only_into_a_folder_of_profiles(tiny_data, tmp_path, monkeypatch, capsys):
+    """--profile writes profile/ (its trace, profile.md, profile.json) after the steps it records: a
+    file named profile there failed the run in the middle of its first epoch, and a user's
+    profile.md in --log-dir's profile/ was replaced. Both refused at start, nothing made or
+    changed; a folder of an earlier profile is written again."""
+    out, logs = tmp_path / "out", tmp_path / "tb"
+    out.mkdir()
+    (out / "profile").write_text("a file named profile")
+    (logs / "profile").mkdir(parents=True)
+    (logs / "profile" / "profile.md").write_text("a user's notes on profiling")
+    argv = [*TINY, "--data-dir", str(tiny_data), "--profile"]
+    before = snapshot(tmp_path)
+    fails_in_process(train_single.main, [*argv, *outputs(out)], monkeypatch, capsys,
+                     f"--profile writes into the folder {out / 'profile'}, which is a file: move it away, or pass --log-dir")
+    fails_in_process(train_single.main, [*argv, *outputs(tmp_path / "new"), "--log-dir", str(logs)], monkeypatch, capsys,
+                     f"--profile's folder {logs / 'profile'} holds profile.md, which --profile did not write")
+    assert snapshot(tmp_path) == before
+    (logs / "profile" / "profile.json").write_text(json.dumps({"trace": "rank0.pt.trace.json",
+                                                               "schedule": {"wait": 2, "warmup": 2, "active": 6}}))
+    with lock_outputs(parse_args("", [*argv, *outputs(tmp_path / "new"), "--log-dir", str(logs)])):
+        pass
