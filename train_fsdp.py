@@ -30,9 +30,8 @@ from src.loaders import ShardSampler, check_batches, labelled_data, loader_optio
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
-from src.process_group import process_device, torchrun_store, watch_ranks
+from src.process_group import check_same_flags, process_device, torchrun_store, watch_ranks
 from src.progress import Progress, run_header
-from src.ranks import check_same_flags
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState

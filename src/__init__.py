@@ -32,7 +32,8 @@ The model and the recipe
     divergence.py     a loss or weights that are not finite
     seeds.py          every random draw as a function of the seed and its place
 The processes
-    process_group.py  what guards init_process_group: the store, one GPU per process, a world of one
+    process_group.py  what guards init_process_group: the store, one GPU per process, a world of one,
+                      the same flags on every rank
     ranks.py          which rank speaks, what rank 0 reads for all, restarts
     heartbeat.py      naming a rank that stopped answering
     fsdp.py           FSDP2's units, validation on shards, whole tensors for checkpoints, bytes held

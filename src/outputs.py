@@ -567,7 +567,10 @@ def _is_run_output(name: str, path: Path) -> bool:
         return isinstance(info, dict) and isinstance(info.get("sha256"), str)
     if name == "best":  # a checkpoint not named .pth: ours where the .json beside it holds its digest
         info = _json(path.with_suffix(".json"))
-        return isinstance(info, dict) and info.get("sha256") == _sha256(path)
+        try:
+            return isinstance(info, dict) and info.get("sha256") == sha256_of(path)
+        except OSError:
+            return False
     return False
 
 
@@ -582,14 +585,12 @@ def _json(path: Path):
         return None
 
 
-def _sha256(path: Path) -> str | None:
+def sha256_of(path: Path) -> str:
+    """The file's sha256 (hex), read in blocks; OSError where it cannot be read."""
     digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
-    except OSError:
-        return None
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
     return digest.hexdigest()
 
 

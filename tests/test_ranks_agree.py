@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, outputs, run
 
 from src.errors import UserError
-from src.ranks import check_same_flags
+from src.process_group import check_same_flags
 
 # Each launch: a shell that adds rank 1's own flags and starts the script (torchrun and accelerate
 # launch run it as it is: --no-python, --no_python).
@@ -65,7 +65,7 @@ def test_paths_and_workers_may_differ_per_node_and_weights_are_compared_by_conte
     """check_same_flags between two ranks (their flags as gather hands them over): each node's own
     paths, --workers and spelling of a value pass; a --weights file is the same where its bytes
     are; every other flag that differs is named with the ranks that gave each value."""
-    import src.ranks as ranks
+    import src.process_group as ranks
     from src.cli import parse_args
     (tmp_path / "a.pth").write_bytes(b"the same weights")
     (tmp_path / "b.pth").write_bytes(b"the same weights")
