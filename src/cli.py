@@ -242,9 +242,10 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # file is loaded into it (src.inference.load_evaluated).
         args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
-    from src.models import check_batch_norm, check_image_size  # here, not above: they load torchvision
+    from src.models import check_batch_norm, check_dropout, check_image_size  # here, not above: they load torchvision
     try:
         check_image_size(args.arch, args.image_size)
+        check_dropout(args.arch, args.dropout)
         # A micro-batch of one image per process (the last incomplete batch is dropped: only
         # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
         # over several processes (--sync-bn under a launcher).

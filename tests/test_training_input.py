@@ -199,3 +199,20 @@ def test_profile_writes_only_into_a_folder_of_profiles(tiny_data, tmp_path, monk
                                                                "schedule": {"wait": 2, "warmup": 2, "active": 6}}))
     with lock_outputs(parse_args("", [*argv, *outputs(tmp_path / "new"), "--log-dir", str(logs)])):
         pass
+
+
+def test_dropout_for_a_model_without_dropout_layers_is_refused(tiny_data, tmp_path, monkeypatch, capsys):
+    """--arch resnet18 --dropout 0.3 trained without dropout (no nn.Dropout layer for the flag to
+    set) while best.json recorded dropout 0.3. Refused when parsed; --dropout 0 (what the model
+    does anyway) and a model with dropout layers pass."""
+    import torchvision
+    out = tmp_path / "out"
+    argv = ["--data-dir", str(tiny_data), "--weights", "none", "--image-size", "32", "--workers", "0", *outputs(out)]
+    fails_in_process(train_single.main, [*argv, "--arch", "resnet18", "--dropout", "0.3"], monkeypatch, capsys,
+                     "--dropout 0.3: --arch resnet18 has no dropout layer (nn.Dropout) for it to set, and would train "
+                     "without dropout")
+    assert not out.exists()
+    assert not any(isinstance(m, torch.nn.Dropout) for m in torchvision.models.resnet18().modules())
+    assert any(isinstance(m, torch.nn.Dropout) for m in torchvision.models.squeezenet1_1().modules())
+    assert parse_args("", [*argv, "--arch", "resnet18", "--dropout", "0"]).dropout == 0
+    assert parse_args("", [*argv, "--arch", "squeezenet1_1", "--dropout", "0.3"]).dropout == 0.3
