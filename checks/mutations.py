@@ -1260,7 +1260,7 @@ MUTATIONS = [
     ('src/profiling.py', '    return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)', '    return True',
      ['tests/test_training_input.py::test_profile_writes_only_into_a_folder_of_profiles']),
     ('src/profiling.py', '    return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)', '    return False',
-     ['tests/test_training_input.py::test_profile_writes_only_into_a_folder_of_profiles', 'tests/test_training_input.py::test_best_json_counts_the_processes_of_the_group_and_the_plot_is_a_runs']),
+     ['tests/test_training_input.py::test_profile_writes_only_into_a_folder_of_profiles']),
     ('src/cli.py', '        check_dropout(args.arch, args.dropout)\n', '',
      ['tests/test_training_input.py::test_dropout_for_a_model_without_dropout_layers_is_refused']),
     ('src/models.py', '    if not dropout or arch not in classification_models():', '    if dropout is None or arch not in classification_models():',

@@ -207,7 +207,8 @@ def test_dropout_for_a_model_without_dropout_layers_is_refused(tiny_data, tmp_pa
     does anyway) and a model with dropout layers pass."""
     import torchvision
     out = tmp_path / "out"
-    argv = ["--data-dir", str(tiny_data), "--weights", "none", "--image-size", "32", "--workers", "0", *outputs(out)]
+    argv = ["--data-dir", str(tiny_data), "--weights", "none", "--image-size", "32", "--workers", "0", "--batch-size", "8",
+            *outputs(out)]
     fails_in_process(train_single.main, [*argv, "--arch", "resnet18", "--dropout", "0.3"], monkeypatch, capsys,
                      "--dropout 0.3: --arch resnet18 has no dropout layer (nn.Dropout) for it to set, and would train "
                      "without dropout")
