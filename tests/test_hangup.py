@@ -6,12 +6,14 @@ process of their own: these run the script as a command."""
 import fcntl
 import os
 import select
+import shutil
 import struct
 import subprocess
 import sys
 import termios
 import time
 
+import pytest
 import torch
 from conftest import BIN, HOOKS, ROOT, TINY, history, outputs, run, stop_line
 
@@ -41,6 +43,8 @@ def test_closing_the_terminal_of_a_run_stops_it_at_a_step(tiny_data, tmp_path):
     kernel sends SIGHUP, and every later write to the terminal fails with EIO. The run stops at an
     optimizer step with last.pth saved there and exit code 75, its output gone to /dev/null (before,
     SIGHUP ended it at once, nothing saved)."""
+    if shutil.which("setsid") is None:
+        pytest.skip("util-linux's setsid is not installed")
     out = tmp_path / "out"
     argv = [*TINY, "--data-dir", str(tiny_data), *outputs(out), "--epochs", "2"]
     master, terminal = os.openpty()
