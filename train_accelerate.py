@@ -27,6 +27,7 @@ from src.loaders import check_batches, labelled_data, loader_options
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
+from src.process_group import check_same_flags
 from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
@@ -70,7 +71,7 @@ def train_epoch(accelerator, model, loader: DataLoader, epoch: int, progress: Pr
         sums += batch_sums(logits, labels)
         if accelerator.sync_gradients:  # that was a step's last micro-batch
             state.step += 1
-            stop = state.stop_agreed()  # SIGTERM, SIGUSR1 or Ctrl-C came to any process (src/stopping.py)
+            stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came to any process (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 state.save_step(sums)  # last.pth at this step: --resume goes on from here
             if stop:
@@ -124,7 +125,7 @@ def train(args, accelerator: Accelerator) -> None:
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    with state.stop_signals():  # from here SIGTERM, SIGUSR1 and Ctrl-C stop the run after an optimizer step
+    with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             net = torch.compile(stage.net) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device, processes)
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
+    check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
     with lock_outputs(args):  # every output checked, their folder locked for this run
         train(args, accelerator)
     accelerator.free_memory()  # what accelerate still holds of the run (measured: gloo can abort at exit otherwise)

@@ -27,7 +27,7 @@ from src.loaders import ShardSampler, check_batches, labelled_data, loader_optio
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
-from src.process_group import process_device, torchrun_store, watch_ranks
+from src.process_group import check_same_flags, process_device, torchrun_store, watch_ranks
 from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
@@ -71,7 +71,7 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         if last:
             optimizer_step(model, state.optimizer, state.scaler, state.schedule, args.clip_grad_norm)
             state.step += 1
-            stop = state.stop_agreed()  # SIGTERM, SIGUSR1 or Ctrl-C came to any rank (src/stopping.py)
+            stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came to any rank (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 state.save_step(sums)  # last.pth at this step: --resume goes on from here
             if stop:
@@ -123,7 +123,7 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    with state.stop_signals():  # from here SIGTERM, SIGUSR1 and Ctrl-C stop the run after an optimizer step
+    with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             # DDP all-reduces the gradients of the parameters that train in this stage, no others.
             net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     store, rank, world_size = torchrun_store(args)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))  # a peer that stops answering fails a collective
+    check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
     with watch_ranks(store, args) as heartbeat, lock_outputs(args):  # names a rank that stops answering
         train(args, device, rank, world_size, heartbeat)
     dist.destroy_process_group()

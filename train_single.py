@@ -57,7 +57,7 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         if last:
             optimizer_step(model, state.optimizer, state.scaler, state.schedule, args.clip_grad_norm)
             state.step += 1
-            stop = state.stop_agreed()  # SIGTERM, SIGUSR1 or Ctrl-C came (src/stopping.py)
+            stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 state.save_step(sums)  # last.pth at this step: --resume goes on from here
             if stop:
@@ -104,7 +104,7 @@ def train(args, device: torch.device) -> None:
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
-    with state.stop_signals():  # from here SIGTERM, SIGUSR1 and Ctrl-C stop the run after an optimizer step
+    with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             net = torch.compile(stage.net) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device)

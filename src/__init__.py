@@ -7,7 +7,7 @@ The run
     state.py          the training state (model, optimizer, scaler, schedule, weight average,
                       history, place in the epoch) and its verbs: resume, save, stop
     checkpoint.py     what best.pth, best.json and last.pth hold; reading a last.pth back
-    stopping.py       SIGTERM, SIGUSR1, Ctrl-C: the handlers and the agreement of every rank
+    stopping.py       SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: the handlers and the agreement of every rank
     outputs.py        the files a command writes: checked at start, the run lock, atomic writes
     history.py        the per-epoch records, the best epoch, the lines a run prints
     progress.py       the progress bar, data-wait clock, TensorBoard, the profiler's hooks
@@ -32,7 +32,8 @@ The model and the recipe
     divergence.py     a loss or weights that are not finite
     seeds.py          every random draw as a function of the seed and its place
 The processes
-    process_group.py  what guards init_process_group: the store, one GPU per process, a world of one
+    process_group.py  what guards init_process_group: the store, one GPU per process, a world of one,
+                      the same flags on every rank
     ranks.py          which rank speaks, what rank 0 reads for all, restarts
     heartbeat.py      naming a rank that stopped answering
     fsdp.py           FSDP2's units, validation on shards, whole tensors for checkpoints, bytes held

@@ -12,11 +12,16 @@ from src.tracking import BACKENDS
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (exit code 2), without the usage block."""
+    """argparse that reports a bad flag in one line (exit code 2), without the usage block.
+    `ranks`: the command runs as one rank of several under a launcher (train_ddp.py, train_fsdp.py,
+    train_accelerate.py); a one-process script says its line whatever RANK is left in its
+    environment."""
+
+    ranks = False
 
     def error(self, message: str) -> None:
         # Under a launcher every rank parses the same flags: rank 0 alone says what is wrong.
-        if os.environ.get("RANK", "0") != "0":
+        if self.ranks and os.environ.get("RANK", "0") != "0":
             before_a_silent_exit()
             self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -99,6 +104,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.ranks = distributed
     add = parser.add_argument
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
     add("--epochs", type=at_least(1), default=1, help="epochs to train")
@@ -236,9 +242,16 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # file is loaded into it (src.inference.load_evaluated).
         args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
-    from src.models import check_image_size  # here, not above: it loads torchvision
+    from src.models import check_batch_norm, check_dropout, check_image_size  # here, not above: they load torchvision
     try:
         check_image_size(args.arch, args.image_size)
+        check_dropout(args.arch, args.dropout)
+        # A micro-batch of one image per process (the last incomplete batch is dropped: only
+        # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
+        # over several processes (--sync-bn under a launcher).
+        together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1
+        if not (args.freeze or args.evaluate):
+            check_batch_norm(args.arch, args.image_size, args.batch_size * together, f"--batch-size {args.batch_size}")
     except UserError as error:
         parser.error(str(error))
     from src.devices import available_cpus

@@ -21,6 +21,7 @@ import torch.nn as nn
 from src.devices import check_bf16
 from src.dropout import sample_keys, set_samples
 from src.errors import UserError
+from src.models import check_batch_norm
 
 
 class AutocastReplica(nn.Module):
@@ -79,6 +80,11 @@ def check_data_parallel(args) -> None:
     if args.compile and gpus > 1:  # Dynamo compiles per thread, and the replicas run in threads
         raise UserError(f"--compile with DataParallel on {gpus} GPUs would compile nothing (pytorch/pytorch"
                         f"#94636): use torchrun --nproc_per_node={gpus} train_ddp.py --compile")
+    if gpus > 1 and not (args.freeze or args.evaluate):
+        # DataParallel cuts each batch into chunks of ceil(B / GPUs) images: the last can hold one.
+        smallest = min(len(piece) for piece in torch.empty(args.batch_size).chunk(gpus))
+        check_batch_norm(args.arch, args.image_size, smallest, f"--batch-size {args.batch_size} split over {gpus} "
+                         "GPUs by DataParallel gives a replica 1 image")
     if gpus < 2:
         print(f"train_dp.py: {gpus} GPU(s) visible, DataParallel runs on one device")
     elif args.evaluate:  # validated before the epoch loop, where DataParallel wraps the model

@@ -14,7 +14,11 @@ from src.terminal import shown
 # EX_TEMPFAIL (sysexits.h: "temporary failure, the user is invited to retry"): stopped on a signal
 # after writing last.pth; the same command with --resume goes on (docs/reliability.md).
 EXIT_STOPPED = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SIGHUP: the terminal of the run was closed (or its SSH connection dropped). Its default action
+# ended the run where it was, with no line and nothing saved; a user who closes the terminal of a
+# run means it to stop, and a stop saves the step it reached (`nohup`, tmux or screen keep a run
+# going past its terminal instead).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class Stopped(Exception):
@@ -74,6 +78,7 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
         if error.quiet:
             before_a_silent_exit()
         else:
+            tell_the_other_ranks()
             print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except Stopped:
@@ -83,9 +88,67 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
         return 130
     except BaseException as error:  # a traceback to show: what its frames hold goes before the group
         traceback.clear_frames(error.__traceback__)
-        raise
+        if not isinstance(error, Exception) or not another_rank_said_why():
+            raise
+        before_a_silent_exit()
+        return 2
     finally:
         end_process_group()  # after an error (a run that ends well has ended it)
+
+
+# A rank that ends on bad input in the middle of an epoch (an image that turned unreadable, met by
+# its own loader) leaves the others inside a collective, which fails when its connections close
+# (gloo: "Connection closed by peer", a traceback). So it leaves a note in the process group's
+# store first (the launcher's, which outlives it), and a rank whose error comes with such a note
+# from another ends without a word: the rank that knows has said it. PEER_NOTE_WAIT: how long a
+# failed rank looks for the note (the failing rank writes it before it exits, but through another
+# connection to the store); an error with no note after it is raised as it is.
+PEER_NOTE = "failed on bad input/"
+PEER_NOTE_WAIT = 5.0
+
+
+def _group_store():
+    """(store, rank, world size) of this process's group of two or more processes, else None."""
+    if sys.modules.get("torch") is None:
+        return None
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def tell_the_other_ranks() -> None:
+    """Leave the note that this rank ends on bad input and has said why (see PEER_NOTE)."""
+    group = _group_store()
+    if group is None:
+        return
+    store, rank, _ = group
+    try:
+        store.set(f"{PEER_NOTE}{rank}", "1")
+    except Exception:  # the store is gone: the others' errors stand as they are
+        pass
+
+
+def another_rank_said_why() -> bool:
+    """Whether another rank of the group left the note that it ended on bad input and said why."""
+    group = _group_store()
+    if group is None:
+        return False
+    store, rank, world_size = group
+    keys = [f"{PEER_NOTE}{other}" for other in range(world_size) if other != rank]
+    deadline = time.monotonic() + PEER_NOTE_WAIT
+    try:
+        while True:
+            if any(store.check([key]) for key in keys):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+    except Exception:  # the store is gone with the rank that held it: nothing to go by
+        return False
 
 
 def end_process_group() -> None:

@@ -4,7 +4,6 @@ device, --amp, --channels-last) and shared out over the processes of a launcher,
 a checkpoint validated once on a training run's validation split, in any mode (nothing trains,
 nothing is written; the scripts return before their epoch loop once it is done).
 """
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -24,17 +23,10 @@ from src.image_files import try_decode
 from src.loaders import ShardSampler
 from src.metrics import EPS
 from src.models import check_image_size, classification_models, model_kwargs, read_state_dict
+from src.outputs import sha256_of
 from src.ranks import from_rank_0, is_first
 from src.safe_csv import csv_text
 from src.transforms import normalize
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_info(checkpoint: Path) -> dict:

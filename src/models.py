@@ -1,7 +1,9 @@
 """Building the classifier: a torchvision model with its final layer replaced by a 2-class one."""
 import contextlib
 import io
+import math
 import urllib.error
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,6 +70,66 @@ def check_image_size(arch: str, image_size: int) -> None:
     if image_size < MIN_IMAGE_SIZE.get(arch, 0):
         raise UserError(f"--arch {arch} needs --image-size {MIN_IMAGE_SIZE[arch]} or more "
                         f"(got {image_size})")
+
+
+def meta_model(arch: str) -> nn.Module:
+    """Our model of `arch` (random init) on the meta device: its layers and shapes, no numbers,
+    built in a fraction of the time (for the checks made when the flags are parsed)."""
+    from accelerate import init_empty_weights  # here: only the checks that need a model load it
+    with init_empty_weights(), warnings.catch_warnings():  # each parameter on meta as it is made: no time drawing it
+        warnings.simplefilter("ignore")  # googlenet's and inception_v3's notice of their init to come
+        model = torchvision.models.get_model(arch, num_classes=NUM_CLASSES, **model_kwargs(arch))
+    return model.to("meta")
+
+
+def check_dropout(arch: str, dropout: float | None) -> None:
+    """Refuse --dropout above 0 for a model without a dropout layer (nn.Dropout: the layers it
+    sets): 37 of torchvision's 80 have none (the ResNets, RegNets, DenseNets, ConvNeXts,
+    ShuffleNets), and the flag was ignored while best.json recorded it."""
+    if not dropout or arch not in classification_models():
+        return
+    if not any(isinstance(module, nn.Dropout) for module in meta_model(arch).modules()):
+        raise UserError(f"--dropout {dropout}: --arch {arch} has no dropout layer (nn.Dropout) for it to set, and "
+                        "would train without dropout: drop --dropout, or use an --arch with dropout (vgg16, "
+                        "squeezenet1_1, efficientnet_b0, vit_b_16, ...)")
+
+
+class _OneValue(Exception):
+    """A batch norm layer's input holds one value per channel (see check_batch_norm)."""
+
+
+def check_batch_norm(arch: str, image_size: int, images: int, what: str) -> None:
+    """Refuse, before any work, a forward of `images` images that a batch norm layer of `arch`
+    cannot normalise in training: one value per channel (one image whose feature map is 1 x 1
+    there, as resnet18's last layers at 32 px), which torch refuses at the first step ("Expected
+    more than 1 value per channel when training"). `what` says where the `images` come from
+    ("--batch-size 1"). Batch norm sees images x height x width values per channel, so only one
+    image can be too few; the model is then built on the meta device (shapes, no numbers) and run
+    once to find the layer. The caller leaves out what runs batch norm in eval mode (--freeze,
+    --evaluate) or over several processes (--sync-bn)."""
+    if images > 1 or arch not in classification_models():  # an unknown --arch: build_model says so
+        return
+    model = meta_model(arch).train()
+
+    def look(name: str):
+        def hook(module, inputs):
+            shape = inputs[0].shape
+            if shape[0] * math.prod(shape[2:]) == 1:
+                raise _OneValue(name, tuple(shape))
+        return hook
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.register_forward_pre_hook(look(name))
+    try:
+        model(torch.empty(images, 3, image_size, image_size, device="meta"))
+    except _OneValue as one:
+        name, shape = one.args
+        raise UserError(f"{what}: batch norm layer {name} of {arch} would get 1 value per channel (its input is "
+                        f"{' x '.join(map(str, shape))} at --image-size {image_size}), which torch refuses in "
+                        "training: use a --batch-size of 2 or more per process, a larger --image-size, or --freeze "
+                        "(batch norm in eval mode)") from None
+    except Exception:  # the meta forward fails elsewhere (an op meta tensors cannot run): nothing found
+        return
 
 
 def _drop_aux(model: nn.Module) -> nn.Module:

@@ -503,6 +503,10 @@ def _try_outputs(args) -> RunLock:
                   inputs=[("--data-dir's train.csv", data / "train.csv"), *weights],
                   input_folders=[("--data-dir's train/", data / "train")]
                   + ([("--cache", Path(args.cache))] if args.cache else []))
+    check_run_outputs(paths)  # before anything is made: a refusal leaves every folder as it was
+    if args.profile:
+        from src.profiling import check_profile_folder  # here: it loads torch
+        check_profile_folder(args)
     for name, path in paths.items():
         flag = "--plot" if name == "plot" else "--checkpoint"
         try:
@@ -525,6 +529,69 @@ def _try_outputs(args) -> RunLock:
         for stale in temporaries(path):  # from a run killed while saving
             stale.unlink(missing_ok=True)
     return lock
+
+
+# What each output of a run is, for the line that refuses a file in its place that is not one.
+RUN_OUTPUTS = {"best": "a checkpoint of a training run (a .pth file, or one its .json describes)",
+               "info": "the description of a run's checkpoint (a best.json)",
+               "last": "a run's last.pth", "history": "a run's history (a JSON list of records)",
+               "plot": "a plot of a training run (src/plot.py marks the PNGs it writes)"}
+
+
+def check_run_outputs(paths: dict[str, Path]) -> None:
+    """Refuse, in one line, an existing file at an output of a training run (output_paths) that
+    is not that output of an earlier run: --plot notes.txt, --plot data/test/1.jpg or --checkpoint
+    naming a file of the user's. A run replaces only what an earlier run wrote (and the files
+    beside --checkpoint only with --resume or --overwrite: _check_overwrite); --overwrite replaces
+    an earlier run, never another file. What is a run's file: src.outputs.run_file's rule (any
+    .pth file, the .json beside one), or the content a run writes there. Only looks."""
+    for name, path in paths.items():
+        if os.path.lexists(path) and not _is_run_output(name, path):
+            flag = OUTPUT_FLAGS[name]
+            raise UserError(f"{flag} {path} exists and is not {RUN_OUTPUTS[name]}: a run replaces only an earlier "
+                            f"run's files, --overwrite or not; move it away, or name another file with {flag.split()[0]}")
+
+
+def _is_run_output(name: str, path: Path) -> bool:
+    """Whether the existing file `path` at the output `name` of output_paths is one a run wrote there."""
+    if name == "plot":
+        from src.plot import is_plot  # here: it loads matplotlib
+        return is_plot(path)
+    if run_file(path) is not None:  # a .pth file (best, last), the .json beside one, history.json beside last.pth
+        return True
+    if name == "history":
+        records = _json(path)
+        return isinstance(records, list) and all(isinstance(record, dict) for record in records)
+    if name == "info":
+        info = _json(path)
+        return isinstance(info, dict) and isinstance(info.get("sha256"), str)
+    if name == "best":  # a checkpoint not named .pth: ours where the .json beside it holds its digest
+        info = _json(path.with_suffix(".json"))
+        try:
+            return isinstance(info, dict) and info.get("sha256") == sha256_of(path)
+        except OSError:
+            return False
+    return False
+
+
+def _json(path: Path):
+    """The JSON value in the file, None where there is none (not a regular file, not JSON)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        with open(path, "rb") as file:
+            return json.loads(file.read())
+    except (OSError, ValueError):
+        return None
+
+
+def sha256_of(path: Path) -> str:
+    """The file's sha256 (hex), read in blocks; OSError where it cannot be read."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _check_overwrite(args, paths: dict[str, Path]) -> None:

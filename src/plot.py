@@ -1,4 +1,5 @@
-"""training_results.png: the accuracy and loss curves of a run's history."""
+"""training_results.png: the accuracy and loss curves of a run's history, marked as a run's plot
+(MARK, a PNG text chunk) so that a later run replaces it and nothing else (src.outputs)."""
 from pathlib import Path
 from typing import BinaryIO
 
@@ -11,12 +12,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 # initialisation surfaces as ImportError instead of KeyboardInterrupt.
 plt.switch_backend("Agg")
 
+# The PNG text chunk (key and value) every plot of a run holds: matplotlib writes text chunks before
+# the image data, within the file's first few hundred bytes.
+MARK = ("Source", "training curves of a dogs-vs-cats run (src/plot.py)")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
 
 def plot_history(history: list[dict], file: BinaryIO | Path) -> None:
     """Accuracy and loss curves, train and validation, one point per epoch, as a PNG."""
     figure = history_figure(history)
     try:
-        figure.savefig(file, format="png")
+        figure.savefig(file, format="png", metadata=dict([MARK]))
     finally:
         plt.close(figure)
 
@@ -35,3 +41,14 @@ def history_figure(history: list[dict]) -> plt.Figure:
         axes.legend()
     figure.tight_layout()
     return figure
+
+
+def is_plot(path: Path) -> bool:
+    """Whether the file is a plot that a training run wrote (a PNG holding MARK near its start)."""
+    key, value = MARK
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    return head.startswith(PNG_SIGNATURE) and b"tEXt" + key.encode() + b"\0" + value.encode() in head

@@ -1,6 +1,7 @@
 """What guards the process group that train_ddp.py and train_fsdp.py join with
 dist.init_process_group (and predict under torchrun): the rendezvous store, one GPU per process,
-the end of the group after an error.
+the end of the group after an error, the same flags on every rank (train_accelerate.py's group
+too).
 
 - Without a launcher a script is a world of one process, as `torchrun --nproc_per_node=1` would
   make it: an in-memory store, nothing written into the environment (predict then joins nothing:
@@ -23,6 +24,8 @@ from src.cli import dist_timeout
 from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
 from src.heartbeat import Heartbeat
+from src.outputs import sha256_of
+from src.ranks import gather, is_first
 
 # What torchrun (and accelerate launch, and SLURM's srun with torchrun) set for every process.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -89,3 +92,90 @@ def join_process_group(args: argparse.Namespace) -> tuple[int, int, torch.device
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))
     return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(args).total_seconds())
+
+
+# The flags each node may give its own value, left out of check_same_flags: places on the node's
+# own disk (a copy of the images, its --cache, its --checkpoint folder, which holds its last.pth
+# for --resume; docs/multi-node.md runs two machines with a folder each), what rank 0 alone uses
+# (--plot, --log-dir, --tracking-uri: it alone writes and tracks), and --workers (the node's CPUs:
+# how fast the batches come, not which). `command` is the command line as typed (the parsed
+# values are compared: --lr 0.01 and --lr=1e-2 agree), `local_rank` torch.distributed.launch's.
+PER_NODE = ("data_dir", "cache", "checkpoint", "plot", "log_dir", "tracking_uri", "workers", "evaluate_file",
+            "command", "local_rank")
+
+
+def check_same_flags(args) -> None:
+    """Refuse, in one line naming each flag and which ranks gave which value, ranks launched with
+    different flags (two nodes started by hand, one with --lr 0.01 and one with --lr 0.5): they
+    would train silently with rank 0's record of its own, or fail in a collective (another
+    --batch-size). Every rank calls it once, after the process group exists; without one (or in
+    a world of one) it does nothing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    said = flags_that_differ(gather(compared_flags(args)))
+    if said:
+        raise UserError(f"the ranks were launched with different flags ({said}): launch every process with the "
+                        "same flags (paths and --workers may differ per node)", quiet=not is_first())
+
+
+def compared_flags(args) -> dict:
+    """This rank's flags as check_same_flags compares them: PER_NODE left out, the script by its
+    file name, a --weights file by its content (its path is the node's)."""
+    mine = {key: value for key, value in vars(args).items() if key not in PER_NODE}
+    if "mode" in mine and getattr(args, "command", None):
+        mine["mode"] = args.command[0]
+    if mine.get("weights") not in (None, "default", "none"):
+        try:
+            mine["weights"] = f"a file of sha256 {sha256_of(mine['weights'])[:16]}"
+        except OSError as error:  # the load says it; here it only has to differ from a file that is read
+            mine["weights"] = f"a file that cannot be read ({error.strerror})"
+    return mine
+
+
+def flags_that_differ(everyone: list[dict]) -> str:
+    """"--lr: 0.01 on rank 0, 0.5 on rank 1; ..." for each flag whose value is not the same on
+    every rank (everyone: compared_flags of each rank, in rank order); "" when they agree."""
+    keys = list(dict.fromkeys(key for flags in everyone for key in flags))
+    differ = [key for key in keys if any(flags.get(key) != everyone[0].get(key) for flags in everyone)]
+    return "; ".join(f"{_flag(key)}: " + ", ".join(f"{_shown(value)} on {_ranks(ranks)}"
+                                                  for value, ranks in _by_value(everyone, key)) for key in differ)
+
+
+def _flag(key: str) -> str:
+    return "the script" if key == "mode" else "--" + key.replace("_", "-")
+
+
+def _shown(value) -> str:
+    if value is True:
+        return "given"
+    if value is False:
+        return "not given"
+    if value is None:
+        return "the default"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def _by_value(everyone: list[dict], key: str) -> list[tuple]:
+    """[(value, [ranks])] in order of the lowest rank holding each value."""
+    groups: list[tuple] = []
+    for rank, flags in enumerate(everyone):
+        value = flags.get(key)
+        for held, ranks in groups:
+            if held == value:
+                ranks.append(rank)
+                break
+        else:
+            groups.append((value, [rank]))
+    return groups
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 1", "ranks 0-3, 6" """
+    spans, start = [], ranks[0]
+    for before, rank in zip(ranks, ranks[1:] + [None]):
+        if rank != before + 1:
+            spans.append(f"{start}-{before}" if before > start else f"{start}")
+            start = rank
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(spans)

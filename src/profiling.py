@@ -326,12 +326,40 @@ def table(result: dict, where: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_folder(args: argparse.Namespace) -> Path:
+    """Where --profile writes: `profile/` in --log-dir, or in the checkpoint's folder."""
+    return (Path(args.log_dir) if args.log_dir else Path(args.checkpoint).parent) / "profile"
+
+
+def is_profile(folder: Path) -> bool:
+    """Whether profile.json in `folder` is one that --profile wrote (its trace's name and schedule)."""
+    try:
+        figures = json.loads((folder / FIGURES).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)
+
+
+def check_profile_folder(args: argparse.Namespace) -> None:
+    """Refuse, at the start of a run with --profile, a profile folder that is not a folder (the
+    profile was written after its steps, and failed there, the epoch's work lost), or one holding
+    the files --profile writes that an earlier profile did not write (a user's profile.md would be
+    replaced). An earlier profile is replaced, as the plot is: a view of a run. Only looks."""
+    folder = profile_folder(args)
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--profile writes into the folder {folder}, which is a file: move it away, or pass "
+                        "--log-dir (the profile goes to its profile/)")
+    found = [name for name in (TRACE, TABLE, FIGURES) if os.path.lexists(folder / name)]
+    if found and not is_profile(folder):
+        raise UserError(f"--profile's folder {folder} holds {', '.join(found)}, which --profile did not write: "
+                        "move them away, or pass another --log-dir (the profile goes to its profile/)")
+
+
 class Profiler:
     """Profiles a few training steps of the first training pass; one per run, on rank 0."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device):
-        base = Path(args.log_dir) if args.log_dir else Path(args.checkpoint).parent
-        self.folder = base / "profile"
+        self.folder = profile_folder(args)
         self.device = device
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         if not torch.cuda.is_available():

@@ -80,3 +80,4 @@ def restarted() -> bool:
     --requeue, docs/slurm/train.sbatch): it resumes from last.pth. A first start does neither."""
     return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
             or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0)
+

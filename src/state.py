@@ -139,7 +139,7 @@ class TrainingState:
     # Stop.
 
     def stop_signals(self) -> StopSignals:
-        """The block in which SIGTERM, SIGUSR1 and Ctrl-C stop the run at an optimizer step that every
+        """The block in which SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run at an optimizer step that every
         rank agrees on (src/stopping.py); their handlers are put back when it ends."""
         self.signals = StopSignals()
         return self.signals

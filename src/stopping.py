@@ -1,10 +1,15 @@
-"""Stopping a run at an optimizer step on SIGTERM, SIGUSR1 or Ctrl-C, at the same step on every rank
-(docs/reliability.md); the training state (src/state.py) saves last.pth there.
+"""Stopping a run at an optimizer step on SIGTERM, SIGUSR1, Ctrl-C or SIGHUP (its terminal closed), at
+the same step on every rank (docs/reliability.md); the training state (src/state.py) saves last.pth
+there.
 
 - StopSignals is a context manager: inside it a stop signal only sets a flag (the handler), and the
   handlers that were there before come back when it ends, however it ends. A second signal
   changes nothing: the stop's save goes on (atomic) and the process exits after it. DataLoader
   workers ignore the signals (src.datasets.ignore_stop_signals); their main process stops them.
+- SIGHUP after the terminal hung up: every write to it fails (EIO), and the next line of the
+  progress bar would end the run with a traceback before its stop. So the output that went to
+  that terminal goes to /dev/null from then on (detach_from_closed_terminal); output to a file or a
+  pipe, and a terminal still open (a `kill -HUP`), are left as they are.
 - Agreement, without making the host wait inside a step: in a world of one the flag is read after
   every optimizer step (a Python value, no device work). With a process group, every CHECK_EVERY
   optimizer steps of the run (the same step numbers on every rank) each rank starts an all-reduce
@@ -47,12 +52,16 @@ class StopSignals:
         self.checks = 0
         self.pending = collections.deque()  # agreements in flight, oldest first: (tensor, what to wait for)
         self.agreed = 0  # the signal every rank agreed to stop on
+        self.terminals: list[int] = []  # the descriptors of the output that went to a terminal
 
     def _note(self, signum, frame) -> None:
         self.requested = self.requested or signum
+        if signum == signal.SIGHUP:
+            detach_from_closed_terminal(self.terminals)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
+            self.terminals = [fd for fd in (1, 2) if os.isatty(fd)]  # standard output and error on a terminal
             self.handlers = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
         return self
 
@@ -107,6 +116,21 @@ class StopSignals:
         return int(tensor.item())
 
 
+def detach_from_closed_terminal(terminals: list[int]) -> None:
+    """Point each of the descriptors `terminals` (standard output, error) whose terminal has hung
+    up (it is no terminal any more: isatty is false once it has) at /dev/null, so that the run's
+    progress and its stop line do not fail on it."""
+    closed = [fd for fd in terminals if not os.isatty(fd)]
+    if not closed:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in closed:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 def signal_name(number: int) -> str:
     return signal.Signals(number).name
 
@@ -117,7 +141,9 @@ def how_to_go_on(command: list[str]) -> str:
     itself."""
     arguments = [argument for argument in command if argument != "--overwrite"]
     arguments += [] if "--resume" in arguments else ["--resume"]
-    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    # Under a launcher (torchrun's variable), or in a process group of several: not a WORLD_SIZE
+    # left in the environment of a one-process script.
+    if "TORCHELASTIC_RUN_ID" in os.environ or (dist.is_initialized() and dist.get_world_size() > 1):
         how = f"to go on, launch the same way: {shlex.join(arguments)}"
     else:
         how = f"to go on: python {shlex.join(arguments)}"

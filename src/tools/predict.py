@@ -45,6 +45,7 @@ SHOWN = 10  # rows of the table printed
 
 def parse_args(argv: list[str] | None = None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.ranks = True  # it runs under torchrun too: rank 0 says a bad flag
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="image files and folders (default: Kaggle's DATA_DIR/test, written as submission.csv)")
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="folder holding test/ (without PATH)")

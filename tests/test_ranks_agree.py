@@ -1,0 +1,143 @@
+"""Under a launcher the ranks agree before any work, and an error in the middle of an epoch is one
+line (issue 47): ranks launched with different flags are refused at start in one line naming each
+flag and the ranks (they trained silently with rank 0's record, or died in gloo with three
+tracebacks); an image that turns unreadable in the middle of an epoch is the line of the rank that
+met it, the others ending without a traceback of their own. Rank 0's exit code 2 (or the rank that
+says it), the launcher's 1; nothing written."""
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import TINY, outputs, run
+
+from src.errors import UserError
+from src.process_group import check_same_flags
+
+# Each launch: a shell that adds rank 1's own flags and starts the script (torchrun and accelerate
+# launch run it as it is: --no-python, --no_python).
+PER_RANK = 'if [ "$RANK" = 1 ]; then set -- "$@" $RANK_1_FLAGS; fi; exec python "$@"'
+LAUNCHERS = {
+    "train_ddp.py": ["torchrun", "--standalone", "--nproc_per_node=2", "--no-python", "sh", "-c", PER_RANK, "sh"],
+    "train_fsdp.py": ["torchrun", "--standalone", "--nproc_per_node=2", "--no-python", "sh", "-c", PER_RANK, "sh"],
+    "train_accelerate.py": ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "0",
+                            "--no_python", "sh", "-c", PER_RANK, "sh"],
+}
+
+
+def exit_codes(stderr: str) -> dict[str, str]:
+    """Each rank's exit code, as the launcher's report gives it."""
+    return dict(re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", stderr))
+
+
+def launch(script: str, argv: list[str], tmp_path: Path, rank_1_flags: str = ""):
+    return run([*LAUNCHERS[script], script, *argv], timeout=400,
+               env={"RANK_1_FLAGS": rank_1_flags, "ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf")})
+
+
+def no_rank_traceback(stderr: str) -> None:
+    """The launcher's own traceback (its ChildFailedError) and no other: none of a rank's."""
+    assert stderr.count("Traceback (most recent call last)") == 1, stderr[-4000:]
+    assert "ChildFailedError" in stderr.split("Traceback (most recent call last)")[1], stderr[-4000:]
+
+
+@pytest.mark.parametrize("script, rank_1, named", [
+    ("train_ddp.py", "--lr 0.5 --batch-size 4", "--batch-size: 8 on rank 0, 4 on rank 1; --lr: 0.01 on rank 0, 0.5 on rank 1"),
+    ("train_fsdp.py", "--batch-size 4", "--batch-size: 8 on rank 0, 4 on rank 1"),
+    ("train_accelerate.py", "--lr 0.5 --resume", "--lr: 0.01 on rank 0, 0.5 on rank 1; --resume: not given on rank 0, given on rank 1"),
+])
+def test_ranks_launched_with_different_flags_are_one_line(script, rank_1, named, tiny_data, tmp_path):
+    """Two nodes started with --lr 0.01 and --lr 0.5 trained silently (best.json records rank 0's);
+    another --batch-size ended in gloo's SIGABRT and three tracebacks. Rank 1's paths differ
+    from rank 0's (each node its own --checkpoint folder): they may."""
+    out = tmp_path / "out"
+    result = launch(script, [*TINY, "--data-dir", str(tiny_data), "--lr", "0.01", *outputs(out)], tmp_path,
+                    f"{rank_1} --checkpoint {tmp_path / 'node1' / 'best.pth'} --workers 1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = f"error: the ranks were launched with different flags ({named}): launch every process with the same flags"
+    assert result.stderr.count(line) == 1 and result.stderr.count("error: ") == 1, result.stderr[-3000:]
+    assert exit_codes(result.stderr)["0"] == "2", result.stderr[-3000:]
+    no_rank_traceback(result.stderr)
+    assert not out.exists() and not (tmp_path / "node1").exists(), "nothing written"
+
+
+def test_paths_and_workers_may_differ_per_node_and_weights_are_compared_by_content(tmp_path, monkeypatch):
+    """check_same_flags between two ranks (their flags as gather hands them over): each node's own
+    paths, --workers and spelling of a value pass; a --weights file is the same where its bytes
+    are; every other flag that differs is named with the ranks that gave each value."""
+    import src.process_group as ranks
+    from src.cli import parse_args
+    (tmp_path / "a.pth").write_bytes(b"the same weights")
+    (tmp_path / "b.pth").write_bytes(b"the same weights")
+    (tmp_path / "c.pth").write_bytes(b"other weights")
+    base = ["--arch", "squeezenet1_1", "--image-size", "32", "--workers", "0"]
+    rank_0 = parse_args("", [*base, "--lr", "0.01", "--weights", str(tmp_path / "a.pth"), "--data-dir", "/data",
+                             "--checkpoint", "a/best.pth", "--plot", "a.png", "--cache", "/scratch/a", "--log-dir", "tb"],
+                        script="train_ddp.py")
+
+    def refused(argv, script="train_ddp.py"):
+        """The line of rank 0 when rank 1 parsed `argv` of `script`; None if they agree."""
+        other = parse_args("", [*base, *argv], script=script)
+        monkeypatch.setattr(ranks.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(ranks.dist, "get_world_size", lambda: 2)
+        monkeypatch.setattr(ranks.dist, "get_rank", lambda: 0)
+        monkeypatch.setattr(ranks, "gather", lambda mine: [mine, ranks.compared_flags(other)])
+        try:
+            check_same_flags(rank_0)
+        except UserError as error:
+            return str(error)
+        return None
+
+    assert refused(["--lr=1e-2", "--weights", str(tmp_path / "b.pth"), "--data-dir", "/mnt/data", "--checkpoint",
+                    "b/best.pth", "--plot", "b.png", "--cache", "/scratch/b", "--workers", "1"]) is None
+    assert refused(["--lr", "0.01", "--weights", str(tmp_path / "c.pth")]).startswith(
+        "the ranks were launched with different flags (--weights: a file of sha256 ")
+    said = refused(["--lr", "0.01", "--weights", str(tmp_path / "a.pth"), "--epochs", "3", "--track", "mlflow"],
+                   script="train_fsdp.py")
+    assert said == ("the ranks were launched with different flags (--epochs: 1 on rank 0, 3 on rank 1; --track: the "
+                    "default on rank 0, mlflow on rank 1; the script: train_ddp.py on rank 0, train_fsdp.py on "
+                    "rank 1): launch every process with the same flags (paths and --workers may differ per node)"), said
+
+
+def first_epoch_files(data: Path, rank: int, batch: int) -> list[list[str]]:
+    """The training images that `rank` of two DDP ranks reads in the first epoch, batch by batch
+    (train_ddp.py's split and DistributedSampler, computed here)."""
+    import pandas as pd
+    from torch.utils.data import DistributedSampler
+
+    from src.loaders import split_indices
+    names = list(pd.read_csv(data / "train.csv")["filename"])
+    train_idx, _ = split_indices(len(names), 0.2, 42)
+    sampler = DistributedSampler(range(len(train_idx)), num_replicas=2, rank=rank, shuffle=True, seed=42,
+                                 drop_last=True)
+    sampler.set_epoch(0)
+    order = [names[train_idx[i]] for i in sampler]
+    return [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py", "train_accelerate.py"])
+def test_an_image_unreadable_in_the_middle_of_an_epoch_is_one_line_under_a_launcher(script, tiny_data, tmp_path):
+    """An image that turns unreadable during training, read by rank 1's loader worker in its
+    second batch: rank 1 said it, and rank 0, whose next collective then failed, printed gloo's
+    "Connection closed by peer" traceback. Now the one line, from the rank that met it; the other
+    ends without a word; no file of the run is written."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    names = sorted(path.name for path in (data / "train").iterdir())
+    (data / "train.csv").write_text("filename,label\n" + "".join(f"{n},{int(n.startswith('dog'))}\n" for n in names))
+    batch = 4
+    rank_0 = {name for batches in first_epoch_files(data, 0, batch) for name in batches}
+    broken = next(name for name in first_epoch_files(data, 1, batch)[1] if name not in rank_0)
+    if script == "train_accelerate.py":  # its own sampler: any image of the split's first epoch will do
+        broken = first_epoch_files(data, 1, batch)[1][0]
+    (data / "train" / broken).write_bytes(b"no longer an image")
+    out = tmp_path / "out"
+    result = launch(script, [*TINY, "--data-dir", str(data), "--batch-size", str(batch), "--workers", "1",
+                             *outputs(out)], tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = f"error: cannot read image {data / 'train' / broken} (cannot identify image file"
+    assert result.stderr.count(line) == 1 and result.stderr.count("error: ") == 1, result.stderr[-4000:]
+    no_rank_traceback(result.stderr)
+    assert set(exit_codes(result.stderr).values()) <= {"2", "-15"}, result.stderr[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == [".run.lock"], "no file of the run written"
+
