@@ -162,11 +162,12 @@ def train(args, accelerator: Accelerator, tracker: Tracker) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__, amp=False, distributed=True)
     check_launch()
+    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir's, --track's
     # split_batches: each loader batch of batch_size x processes is cut into one piece per process,
     # so the global batches are those of train_single.py --batch-size (batch_size x processes).
     # non_blocking: copies from the pinned batches do not make the host wait for the GPU.
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.accumulate, log_with=(["tensorboard"] if args.log_dir else []) + requested(args),
+        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list
         project_dir=args.log_dir, step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's

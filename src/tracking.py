@@ -7,6 +7,12 @@ every stop, from rank 0 / the main process only.
     tracker.log_step(values, step)                           # step metrics, each step once
     tracker.finish("FINISHED" | "KILLED" | "FAILED", [best.pth, best.json, curves])
 
+In the scripts: main() makes it on rank 0 right after the outputs are checked, and ends it with the
+run's status (`with lock_outputs(args), rank_0_tracker(args) as tracker:`); train() hands it to the
+training state after the resume (src/state.py `state.track(tracker)`: start() with last.pth's ids,
+the ids into every last.pth and best.json, log_epoch() after each epoch's save); src/progress.py
+sends the step metrics (log_step()).
+
 MLflow: without --tracking-uri (or MLFLOW_TRACKING_URI), a SQLite store beside --checkpoint
 (`mlflow.db`, its artifacts in `mlartifacts/`), which `mlflow ui --backend-store-uri
 sqlite:///model/mlflow.db` opens. The client is MlflowClient with explicit run ids: no global
