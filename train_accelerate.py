@@ -32,6 +32,7 @@ from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState
+from src.tracking import PROJECT, Tracker, rank_0_tracker, requested
 from src.transforms import memory_format, model_inputs
 
 
@@ -93,7 +94,7 @@ def evaluate(accelerator, model, loader: DataLoader, what: str, progress: Progre
     return sums.cpu()
 
 
-def train(args, accelerator: Accelerator) -> None:
+def train(args, accelerator: Accelerator, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     processes, device = accelerator.num_processes, accelerator.device
     torch.manual_seed(args.seed)
@@ -110,9 +111,13 @@ def train(args, accelerator: Accelerator) -> None:
     state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     state.optimizer = accelerator.prepare(optimizer)  # steps on a step's last micro-batch only, with the fp16 scaler
-    if args.log_dir:
-        accelerator.init_trackers("train_accelerate")  # on the main process only
-    progress = Progress(args, state, args.batch_size * processes, device, accelerator.log)
+    # The trackers of log_with, on the main process only: last.pth's tracked runs continued (their ids)
+    accelerator.init_trackers(PROJECT if args.track else "train_accelerate",
+                              init_kwargs=tracker.init_kwargs(state.tracked_ids, info))
+    state.track(tracker, accelerator)  # --track: its runs' ids saved with the run, each epoch logged once
+    # TensorBoard's scalars (accelerator.log would send them to --track's runs too, whose own are once each)
+    progress = Progress(args, state, args.batch_size * processes, device,
+                        accelerator.get_tracker("tensorboard").log if args.log_dir else None)
 
     if accelerator.is_main_process:
         print(run_header(args, data, device, processes) + f" (accelerate {accelerator.distributed_type.value}, "
@@ -148,7 +153,7 @@ def train(args, accelerator: Accelerator) -> None:
                 is_best = state.save_epoch(record, accelerator.get_state_dict(model))
                 if accelerator.is_main_process:
                     print(format_record(record, args.epochs) + ("  best so far" if is_best else ""))
-                progress.epoch_end(record)  # accelerator.log writes on the main process only
+                progress.epoch_end(record)  # TensorBoard's tracker writes on the main process only
                 accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(done_line(state.history, args, time.time() - since))
@@ -158,19 +163,21 @@ def train(args, accelerator: Accelerator) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__, amp=False, distributed=True)
     check_launch()
+    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir's, --track's
     # split_batches: each loader batch of batch_size x processes is cut into one piece per process,
     # so the global batches are those of train_single.py --batch-size (batch_size x processes).
     # non_blocking: copies from the pinned batches do not make the host wait for the GPU.
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.accumulate, log_with="tensorboard" if args.log_dir else None,
+        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list
         project_dir=args.log_dir, step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
-    with lock_outputs(args):  # every output checked, their folder locked for this run
-        train(args, accelerator)
+    # Every output checked, their folder locked for this run; --track's stores checked, on the main process
+    with lock_outputs(args), rank_0_tracker(args) as tracker:  # its runs end before end_training() ends them
+        train(args, accelerator, tracker)
     accelerator.free_memory()  # what accelerate still holds of the run (measured: gloo can abort at exit otherwise)
     accelerator.end_training()  # closes the trackers and the process group
 

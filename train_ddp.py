@@ -32,6 +32,7 @@ from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState
+from src.tracking import Tracker, rank_0_tracker
 from src.transforms import memory_format, model_inputs
 
 
@@ -95,7 +96,7 @@ def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, dev
     return sums.cpu()
 
 
-def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat) -> None:
+def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)
     data = labelled_data(args, dist_timeout(args).total_seconds())
@@ -111,6 +112,7 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
     info = run_info(args, global_batch, data.digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
+    state.track(tracker)  # --track: a new tracked run, or last.pth's continued; its ids saved with the run
     progress = Progress(args, state, args.batch_size * world_size, device)
 
     if rank == 0:
@@ -161,8 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))  # a peer that stops answering fails a collective
     check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
-    with watch_ranks(store, args) as heartbeat, lock_outputs(args):  # names a rank that stops answering
-        train(args, device, rank, world_size, heartbeat)
+    # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
+    with watch_ranks(store, args) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
+        train(args, device, rank, world_size, heartbeat, tracker)
     dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState
+from src.tracking import Tracker, rank_0_tracker
 from src.transforms import memory_format, model_inputs
 
 
@@ -79,7 +80,7 @@ def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, dev
     return sums.cpu()
 
 
-def train(args, device: torch.device) -> None:
+def train(args, device: torch.device, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)
     data = labelled_data(args)
@@ -94,6 +95,7 @@ def train(args, device: torch.device) -> None:
     info = run_info(args, global_batch, data.digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
+    state.track(tracker)  # --track: a new tracked run, or last.pth's continued; its ids saved with the run
     progress = Progress(args, state, args.batch_size, device)
 
     print(run_header(args, data, device))
@@ -131,8 +133,9 @@ def train(args, device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__)
     device = training_device(args.deterministic, args.amp)
-    with lock_outputs(args):  # every output checked, their folder locked for this run
-        train(args, device)
+    # Every output checked, their folder locked for this run; --track's stores checked, on rank 0
+    with lock_outputs(args), rank_0_tracker(args) as tracker:
+        train(args, device, tracker)
 
 
 if __name__ == "__main__":

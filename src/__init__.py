@@ -11,6 +11,7 @@ The run
     outputs.py        the files a command writes: checked at start, the run lock, atomic writes
     history.py        the per-epoch records, the best epoch, the lines a run prints
     progress.py       the progress bar, data-wait clock, TensorBoard, the profiler's hooks
+    tracking.py       --track: MLflow and W&B runs, one per training run across every stop
     profiling.py      --profile: torch.profiler's trace and its table
     errors.py         how a command ends: one-line errors (exit 2), a stop (75), the group after an error
     cli.py            the flags of every training script

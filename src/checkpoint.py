@@ -222,9 +222,11 @@ def _check_history(state: dict) -> None:
 
 class Resumed(NamedTuple):
     """What load_last found: the history so far, and where the run goes on inside the next epoch
-    (None: at its start): its steps done, this rank's metric sums of them and their seconds."""
+    (None: at its start): its steps done, this rank's metric sums of them and their seconds; the
+    ids of the run's tracked runs (--track, src/tracking.py), None where it has none."""
     history: list[dict]
     partial: dict | None
+    tracked_ids: dict | None = None
 
 
 def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None) -> Resumed:
@@ -272,6 +274,7 @@ def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, sched
             scaler.load_state_dict(state["scaler"])
         step = int(state.get("step", 0)) if state["epoch"] < args.epochs else 0
         partial = _partial(state, step)
+        tracked_ids = _tracked_ids(saved)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # an older or foreign last.pth
         raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
                         "delete it to start over") from None
@@ -282,7 +285,15 @@ def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, sched
         where = (f"after epoch {state['epoch']} of {args.epochs}" if not step else
                  f"in epoch {state['epoch'] + 1} of {args.epochs} after its step {step}")
         print(f"resumed from {state['from']} {where}: {more}")
-    return Resumed(list(state["history"]), partial)
+    return Resumed(list(state["history"]), partial, tracked_ids)
+
+
+def _tracked_ids(info: dict) -> dict | None:
+    """The ids of the tracked runs that last.pth's info names ({"mlflow": id, ...}), None without."""
+    ids = info.get("tracking")
+    if ids is not None and not (isinstance(ids, dict) and all(isinstance(v, str) for v in [*ids, *ids.values()])):
+        raise TypeError(f"its tracked runs' ids {ids!r} are not a mapping of names to strings")
+    return ids
 
 
 def _partial(state: dict, step: int) -> dict | None:

@@ -1,5 +1,6 @@
 """What a run shows and records as it trains, on rank 0: its header line, the progress bar
-(images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars,
+(images/s and a recent loss), the seconds spent waiting for the data loader, TensorBoard scalars
+and --track's step metrics (the state's Tracker, src/tracking.py; its epochs: TrainingState.save_epoch),
 the profiler, and at the end of an FSDP run the bytes rank 0 held (src/fsdp.py). The lines of
 the history's records: src/history.py. Each pass tells the run's heartbeat where it is
 (src/heartbeat.py). It only shows and times: the scripts save and stop (src/state.py).
@@ -24,7 +25,7 @@ from src.metrics import COUNT, LOSS
 from src.profiling import Profiler
 from src.ranks import is_first
 
-Log = Callable[[dict, int], None]  # log(values, step), as accelerate's Accelerator.log
+Log = Callable[[dict, int], None]  # log(values, step), as accelerate's trackers' log
 
 
 def run_header(args, data, device, processes: int = 1) -> str:
@@ -72,8 +73,9 @@ class Progress:
                  log: Log | None = None):
         """`state`: the run's src.state.TrainingState (the optimizer, the steps of an epoch, where a
         resumed epoch goes on, the heartbeat, the epoch's data-wait clock); `batch_images`: the
-        images of one micro-batch over all processes; `log`: where step and epoch scalars go
-        (accelerate's Accelerator.log; by default TensorBoard in --log-dir)."""
+        images of one micro-batch over all processes; `log`: where TensorBoard's step and epoch
+        scalars go (accelerate's TensorBoard tracker's log; by default TensorBoard in --log-dir);
+        the step metrics go to the state's tracker too (--track)."""
         self.args, self.state, self.batch_images, self.device, self.show = args, state, batch_images, device, is_first()
         self.tensorboard = TensorBoard(args.log_dir) if log is None else None
         self.log = log or self.tensorboard
@@ -180,4 +182,6 @@ class Progress:
             optimizer_step = epoch * self.state.steps_per_epoch + index // self.args.accumulate
             values["lr"] = self.state.optimizer.param_groups[0]["lr"]
             self.log({f"step/{name}": value for name, value in values.items()}, optimizer_step)
+            if self.state.tracker is not None:  # --track's runs (rank 0's), each step once across a resume
+                self.state.tracker.log_step(values, optimizer_step)
         return sums, index, at

@@ -24,7 +24,7 @@ from src.fsdp import is_sharded, whole_average, whole_model, whole_optimizer
 from src.heartbeat import Heartbeat
 from src.history import epoch_record
 from src.outputs import output_paths
-from src.ranks import gather, is_first
+from src.ranks import from_rank_0, gather, is_first
 from src.stopping import StopSignals, how_to_go_on, signal_name
 
 
@@ -43,6 +43,7 @@ class TrainingState:
         self.began = time.time()  # when this process began the current epoch's training
         self.data_wait = 0.0  # seconds this process waited for its training data in the current epoch
         self.signals: StopSignals | None = None
+        self.tracker, self.tracked_ids = None, None  # --track: the run's Tracker; last.pth's ids of its runs
 
     # Resume.
 
@@ -57,7 +58,7 @@ class TrainingState:
         else:
             optimizer = self.optimizer
         resumed = checkpoint.load_last(self.args, self.info, model, optimizer, self.scaler, self.schedule, self.average)
-        self.history, self.partial = resumed.history, resumed.partial
+        self.history, self.partial, self.tracked_ids = resumed.history, resumed.partial, resumed.tracked_ids
         self.epoch = len(self.history)
         self.step = self.partial["step"] if self.partial else 0
 
@@ -122,7 +123,10 @@ class TrainingState:
         if not is_first():
             return False
         self.heartbeat.at("saving")
-        return checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
+        is_best = checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
+        if self.tracker is not None:
+            self.tracker.log_epoch(record)  # after its files: a stop between them logs it at the resume
+        return is_best
 
     def _last_state(self, step: int = 0, partial: dict | None = None, model_state: dict | None = None) -> dict:
         """last.pth's content now (whole tensors: gathered on every rank under FSDP; rank 0 has them)."""
@@ -135,6 +139,19 @@ class TrainingState:
             optimizer_state, average_state = self.optimizer.state_dict(), self.average.state_dict()
         return checkpoint.last_state(self.history, model_state, optimizer_state, average_state, self.scaler,
                                      self.schedule, self.info, step, partial)
+
+    # Track (--track, src/tracking.py).
+
+    def track(self, tracker, accelerator=None) -> None:
+        """Starts the run's tracked runs (rank 0's `tracker`; the others' tracks nothing), or after
+        resume() continues those last.pth names, logging the resumed epochs they lack; their ids
+        go into every last.pth and best.json from here on, and save_epoch logs each epoch.
+        `accelerator`: under accelerate, after its init_trackers."""
+        self.tracker = tracker
+        # rank 0's ids on every rank, or its refusal (a saved run missing from the store): no rank trains on
+        ids = from_rank_0(lambda: tracker.start(self.tracked_ids, self.info, self.history, accelerator=accelerator))
+        if ids:  # the saved ids of a run not tracked now too: a later --resume --track goes on with them
+            self.info = {**self.info, "tracking": ids}
 
     # Stop.
 

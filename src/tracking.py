@@ -7,6 +7,12 @@ every stop, from rank 0 / the main process only.
     tracker.log_step(values, step)                           # step metrics, each step once
     tracker.finish("FINISHED" | "KILLED" | "FAILED", [best.pth, best.json, curves])
 
+In the scripts: main() makes it on rank 0 right after the outputs are checked, and ends it with the
+run's status (`with lock_outputs(args), rank_0_tracker(args) as tracker:`); train() hands it to the
+training state after the resume (src/state.py `state.track(tracker)`: start() with last.pth's ids,
+the ids into every last.pth and best.json, log_epoch() after each epoch's save); src/progress.py
+sends the step metrics (log_step()).
+
 MLflow: without --tracking-uri (or MLFLOW_TRACKING_URI), a SQLite store beside --checkpoint
 (`mlflow.db`, its artifacts in `mlartifacts/`), which `mlflow ui --backend-store-uri
 sqlite:///model/mlflow.db` opens. The client is MlflowClient with explicit run ids: no global
@@ -39,6 +45,7 @@ saved MLflow id reaches it as `run_id` (mlflow.start_run(run_id=...) sets it RUN
 artifact folder as `logging_dir` (a new experiment's artifact_location); the W&B id as `id` with
 `resume="allow"`, the folder as `dir`, the mode as `mode`.
 """
+import argparse
 import contextlib
 import os
 import re
@@ -49,6 +56,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from src.errors import EXIT_STOPPED, UserError, one_line
 
@@ -527,3 +535,28 @@ class Tracker:
                       f"without it", file=sys.stderr)
             self.failed.add(backend.key)
             return False
+
+
+@contextlib.contextmanager
+def rank_0_tracker(args) -> Iterator[Tracker]:
+    """with rank_0_tracker(args) as tracker: the run's Tracker on rank 0 / the main process, its
+    stores checked now (a UserError on every rank: rank 0's), one that tracks nothing elsewhere.
+    When the block ends the tracked runs end with it: FINISHED with best.pth, best.json and the
+    curves; KILLED on a stop on a signal (src.errors.Stopped) or Ctrl-C; FAILED on an error. Under
+    accelerate, the block ends before accelerator.end_training(), which would end them FINISHED."""
+    from src.errors import Stopped
+    from src.outputs import output_paths
+    from src.ranks import from_rank_0  # here: it loads torch.distributed
+    made = []
+    from_rank_0(lambda: made.append(Tracker(args)))  # nothing is sent: every rank learns of an error
+    tracker = made[0] if made else Tracker(argparse.Namespace(checkpoint=args.checkpoint))  # no --track
+    try:
+        yield tracker
+    except (Stopped, KeyboardInterrupt):
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    paths = output_paths(args)
+    tracker.finish("FINISHED", [paths["best"], paths["info"], paths["plot"]])

@@ -23,7 +23,8 @@ OWN = {
                                       "model.set_requires_gradient_sync", "get_model_state_dict", "StateDictOptions"},
     "train_accelerate.py": {"Accelerator", "accelerator.prepare", "accelerator.accumulate", "accelerator.backward",
                             "accelerator.clip_grad_norm_", "accelerator.reduce", "accelerator.gather_for_metrics",
-                            "accelerator.get_state_dict", "accelerator.skip_first_batches", "accelerator.end_training"},
+                            "accelerator.get_state_dict", "accelerator.skip_first_batches", "accelerator.end_training",
+                            "accelerator.init_trackers", "accelerator.get_tracker"},
 }
 # Calls that belong to one mode alone: no other script may make them.
 MODE_ONLY = {
@@ -31,10 +32,11 @@ MODE_ONLY = {
     "fully_shard": "train_fsdp.py", "get_model_state_dict": "train_fsdp.py",
     "model.set_requires_gradient_sync": "train_fsdp.py", "Accelerator": "train_accelerate.py",
     "accelerator.prepare": "train_accelerate.py", "accelerator.gather_for_metrics": "train_accelerate.py",
+    "accelerator.init_trackers": "train_accelerate.py",
 }
 # The training state's verbs, which every script calls where the reader sees them (src/state.py).
 STATE_VERBS = {"state.resume", "state.epoch_sums", "state.stop_agreed", "state.checkpoint_due", "state.save_step",
-               "state.stop", "state.record", "state.save_epoch", "state.stop_signals"}
+               "state.stop", "state.record", "state.save_epoch", "state.stop_signals", "state.track"}
 
 
 def dotted(node: ast.AST) -> str | None:
@@ -112,6 +114,29 @@ def test_each_script_saves_and_stops_in_its_own_loop(script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_tracks_its_run_from_rank_0_after_the_outputs_are_checked(script):
+    """--track: the tracker made in main() right after lock_outputs (rank_0_tracker, whose block
+    ends the tracked runs), handed to train(), which starts it after the resume (state.track);
+    train_accelerate.py through accelerate's trackers: Accelerator(log_with=...), then
+    init_trackers with the tracker's init_kwargs for last.pth's runs, before state.track."""
+    tree = ast.parse((ROOT / script).read_text())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    (block,) = [node for node in ast.walk(main) if isinstance(node, ast.With)
+                and any(ast.unparse(item.context_expr) == "rank_0_tracker(args)" for item in node.items)]
+    assert [ast.unparse(item.context_expr).split("(")[0] for item in block.items][-2:] == ["lock_outputs", "rank_0_tracker"]
+    assert "tracker" in [ast.unparse(arg) for call in calls(script)["train"] for arg in call.args]
+    made = calls(script)
+    (track,) = made["state.track"]
+    if script != "train_accelerate.py":
+        assert ast.unparse(track) == "state.track(tracker)"
+        return
+    assert ast.unparse(track) == "state.track(tracker, accelerator)"
+    (init,) = made["accelerator.init_trackers"]
+    assert keywords(init) == {"init_kwargs": "tracker.init_kwargs(state.tracked_ids, info)"}
+    assert init.lineno < track.lineno
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_is_a_short_recipe(script):
     """At most MOST_LINES lines; the functions a reader meets in order: its loaders, one epoch's
     training, validation, the run, main."""
@@ -128,5 +153,6 @@ def test_readmes_table_names_each_modes_calls():
     for name in ["init_process_group", "set_device", "DistributedSampler", "set_epoch", "DDP(", "no_sync", "all_reduce",
                  "destroy_process_group", "fully_shard", "get_model_state_dict", "set_requires_gradient_sync",
                  "Accelerator(", "prepare", "accumulate", "backward", "gather_for_metrics", "get_state_dict",
-                 "skip_first_batches", "RandomSampler", "DataParallel", "save_step", "save_epoch", "stop_agreed"]:
+                 "skip_first_batches", "RandomSampler", "DataParallel", "save_step", "save_epoch", "stop_agreed",
+                 "init_trackers", "state.track"]:
         assert name in table, name
