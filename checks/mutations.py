@@ -589,7 +589,7 @@ MUTATIONS = [
     ('src/outputs.py', '    lock = hold(paths["best"].parent)  # before',
      '    lock = RunLock(None)  # before',
      ['tests/test_outputs.py::test_a_second_run_in_a_folder_stops_naming_the_first']),
-    ('src/outputs.py', '    _check_overwrite(args, paths)\n', '',
+    ('src/outputs.py', '        _check_overwrite(args, paths)\n', '        pass\n',
      ['tests/test_outputs.py::test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told']),
     ('src/outputs.py', '    if restarted():\n        return\n    held',
      '    if False:\n        return\n    held',
