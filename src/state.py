@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from src import checkpoint, sharded_checkpoint
 from src.errors import Stopped
-from src.fsdp import broadcast_buffers, is_sharded, whole_average, whole_model, whole_optimizer
+from src.fsdp import broadcast_buffers, is_sharded, whole_average
 from src.heartbeat import Heartbeat
 from src.history import best_choice, epoch_record
 from src.outputs import output_paths
@@ -179,14 +179,10 @@ class TrainingState:
                                replaces=output_paths(self.args)["last"])
 
     def _last_state(self, step: int = 0, partial: dict | None = None, model_state: dict | None = None) -> dict:
-        """last.pth's content now (whole tensors: gathered on every rank under FSDP; rank 0 has them)."""
+        """last.pth's content now (of a model that is not sharded)."""
         model = getattr(self.model, "_orig_mod", self.model)  # torch.compile's wrapper: the plain names
-        if is_sharded(self.optimizer):
-            model_state = whole_model(model) if model_state is None else model_state
-            optimizer_state, average_state = whole_optimizer(model, self.optimizer), whole_average(model, self.average)
-        else:
-            model_state = model.state_dict() if model_state is None else model_state
-            optimizer_state, average_state = self.optimizer.state_dict(), self.average.state_dict()
+        model_state = model.state_dict() if model_state is None else model_state
+        optimizer_state, average_state = self.optimizer.state_dict(), self.average.state_dict()
         return checkpoint.last_state(self.history, model_state, optimizer_state, average_state, self.scaler,
                                      self.schedule, self.info, step, partial)
 

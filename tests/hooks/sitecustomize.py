@@ -37,8 +37,8 @@ src.inference.kaggle_test_files), and any other rank that lists them waits for i
 AUGMENT_SEED_SHIFT=k: augmentation draws as if the seed were seed + k (a control).
 NO_RESHUFFLE=1: every epoch takes the first epoch's order, as the seed's DDP script did (a control).
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
-COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...):
-the epochs' checkpoints that the next one replaces.
+COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...),
+and FSDP's last.dcp folder to dir/last.K.dcp: the checkpoints that the next one replaces.
 SYNC_CHECK_STEPS=a:b (with SYNC_LOG=path): on a GPU, training micro-batches a to b of every epoch
 run under torch.cuda.set_sync_debug_mode("warn"), and each host synchronisation there that this
 process's Python code makes is recorded with where it was called from (in the main thread, or in
@@ -259,6 +259,9 @@ if os.environ.get("COPY_LAST"):
             _copies[0] += 1
             os.makedirs(os.environ["COPY_LAST"], exist_ok=True)
             shutil.copy(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.pth"))
+        if os.path.basename(os.fspath(dst)) == "last.dcp":
+            _copies[0] += 1
+            shutil.copytree(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.dcp"))
         return result
     os.replace = _copy_last
 
