@@ -204,6 +204,15 @@ def _read_folder(folder: Path, sharded: bool) -> dict:
                         "delete it to start over") from None
 
 
+def last_position(folder: Path) -> tuple[int, int] | None:
+    """(finished epochs, steps into the next) of a run folder's last (the newer of last.pth and
+    last.dcp), None without either."""
+    found = _newer_here(Path(folder) / "last.pth", sharded=False)
+    if isinstance(found, UserError):
+        raise found
+    return None if found is None else found[0]
+
+
 def read_last(folder: Path) -> dict | None:
     """The last of a run's folder (the newer of last.pth and last.dcp) as last.pth holds it, read in
     this process; None without either. For the tools and tests."""

@@ -8,9 +8,11 @@ all-gathered whole just before its forward, freed after it, gathered again for i
 its gradients are reduce-scattered back to the shards; the root's fully_shard takes every parameter
 that no unit holds. See docs/fsdp.md.
 
-last.pth and best.pth hold whole tensors in every mode: gathered from the shards onto rank 0 when
-saved, and loaded into them by resume() and --evaluate, so a train_single.py or train_ddp.py
-last.pth resumes under FSDP, and an FSDP one anywhere else. The bytes of parameters, gradients and
+best.pth holds whole tensors in every mode: gathered from the shards onto rank 0 when saved, and
+loaded into them by --evaluate; so does another mode's last.pth, which resume() loads into the
+shards (WholeModel, WholeOptimizer). FSDP's own last is each rank's shards (src/sharded_checkpoint.py).
+whole_model, whole_optimizer and whole_average gather the whole state as train_fsdp.py saved it
+before (best.pth's weight average; the cost tool's "gather"). The bytes of parameters, gradients and
 optimizer state a rank holds make FSDP's line at the end of a run ("rank 0 held ... of the ... MB
 that each DDP process holds"); sizes only, no device is waited for.
 """
