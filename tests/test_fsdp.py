@@ -168,6 +168,9 @@ def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_pa
     moved = distance(last_model(tmp_path / "straight"), frozen["model"])
     assert distance(last_model(tmp_path / "single"), last_model(tmp_path / "straight")) < 1e-6 * moved
     assert len(weights(tmp_path / "single", "last.pth")["optimizer"]["state"]) == 52
+    # FSDP's own last.dcp of the frozen epoch, loaded into the shards: the last layer's momentum alone.
+    train(train_fsdp.main, "fsdp", "--epochs", "2", "--resume")
+    assert distance(last_model(tmp_path / "fsdp"), last_model(tmp_path / "straight")) < 1e-6 * moved
 
 
 def test_evaluate_loads_best_pth_into_the_shards(runs, world_of_one, tmp_path, monkeypatch, capsys):

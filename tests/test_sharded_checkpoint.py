@@ -261,6 +261,45 @@ def world_of_one_group():
     end_process_group()
 
 
+def test_a_last_dcp_that_diverged_is_refused(tmp_path, world_of_one_group):
+    """A step checkpoint whose weights are not finite (a run that diverged inside an epoch): --resume
+    refuses it in one line naming the folder and a tensor, as it refuses such a last.pth."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import run_info
+    model = _model()
+    shard_as_train_fsdp(model)
+    state = _state(tmp_path, model)
+    _step(state, 0)
+    with torch.no_grad():
+        model[2].weight.to_local()[0, 0] = float("nan")
+    state.info = info = run_info(state.args, 8, "digest")
+    state.save_step(torch.zeros(4), write=dcp.save)
+    again = _model()
+    shard_as_train_fsdp(again)
+    resumed = _state(tmp_path, again)
+    resumed.args.resume, resumed.info = True, info
+    with pytest.raises(UserError, match=f"^{tmp_path / 'last.dcp'} holds weights that are not finite .NaN or infinity. "
+                                        "in 1 tensor.s., first 2.weight: it comes from a run that diverged"):
+        resumed.resume()
+
+
+def test_a_folder_holding_a_last_dcp_holds_an_earlier_run(fsdp_stopped, tmp_path, monkeypatch, capsys, world_of_one):
+    """Without --resume a new run there is refused, as over a last.pth; --overwrite removes it (and
+    what a save left beside it) before any training."""
+    from types import SimpleNamespace
+
+    from src.outputs import _check_overwrite, output_paths
+    shutil.copytree(fsdp_stopped[0], tmp_path / "out")
+    fails_in_process(train_fsdp.main, ["--data-dir", str(tmp_path / "nowhere"), *outputs(tmp_path / "out")],
+                     monkeypatch, capsys, f"{tmp_path / 'out'} holds the files of an earlier run (last.dcp): pass --resume")
+    _folder(tmp_path / "out" / ".last.dcp.12-4.tmp", "half")
+    args = SimpleNamespace(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
+                           overwrite=True, resume=False)
+    _check_overwrite(args, output_paths(args))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock"]  # the lock file stays, meaning nothing
+
+
 # Replaced whole or not at all.
 
 def _folder(path: Path, content: str) -> Path:

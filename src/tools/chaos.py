@@ -185,11 +185,13 @@ def world_command(script: str, processes: int) -> list[str]:
 def next_stop(rng: random.Random, done: int, left: int, total: int, previous: tuple[str, int] | None) -> dict:
     """--change-world's next launch: a world other than `previous`, and its stop (None for the last
     launch): after step `done` (the furthest the run got), at its share of the steps left, with room
-    for two processes to agree on a signal before the run's end."""
+    for two processes to agree on a signal before the run's end (else a kill)."""
     world = rng.choice([world for world in WORLDS if world != previous])
     if not left:
         return {"world": world, "event": None}
     means = rng.choice(MEANS)
+    if total - done - 2 * CHECK_EVERY < 1:  # too late for two processes to agree on a signal: a kill
+        means = "sigkill"
     room = total - done - (2 * CHECK_EVERY if means != "sigkill" else 0)
     if room < 1:
         raise UserError(f"{total} optimizer steps leave no room for {left} more stop(s) after step {done}: "
@@ -369,8 +371,26 @@ def _changing_worlds(args, work: Path, out: Path, common: list[str], env: dict, 
                   {**env, "CHAOS_PLAN": json.dumps([event] if event else []), "CHAOS_ALONE": "1"}, out, said,
                   left == 0, args.launch_timeout)
     redone = len(_steps_done(steps_log, total)) - total
-    ours, (reference, alone, far_run) = read_last(out), straight
-    theirs, single, other = (read_last(folder) for folder in straight)
+    found = verdict(out, *straight)
+    to_two, to_one, floor, far = found["to two"], found["to one"], found["floor"], found["far"]
+    print(f"chaos: {args.stops} stops ({', '.join(f'{n} {m}' for m, n in counts.items())}) in {args.stops + 1} launches "
+          f"in {len(set(worlds))} worlds, {time.time() - began:.0f} s; {redone} of {total} steps done twice")
+    print(f"chaos: distance to the uninterrupted run on 2 processes {to_two[0]:.2g} (weights), {to_two[1]:.2g} "
+          f"(average), on 1 process {to_one[0]:.2g}, {to_one[1]:.2g}, as shares of the control distance {far:.3g} "
+          f"(another global batch); the float floor (1 against 2 processes) {floor[0]:.2g}, {floor[1]:.2g}, the modes' "
+          f"tolerance {TOLERANCE:g}: {'within' if found['ends'] else 'OUTSIDE'}; history {found['apart']:.2g} apart "
+          f"(the floor {found['history floor']:.2g}): {'within' if found['history'] else 'OUTSIDE'}")
+    if not (found["ends"] and found["history"]):
+        sys.exit(1)
+
+
+def verdict(out: Path, reference: Path, alone: Path, far_run: Path) -> dict:
+    """--change-world's verdict on the run in `out` (see the module's docstring): its distances (weights,
+    average) to the uninterrupted runs on 2 processes (`reference`) and on 1 (`alone`), and theirs to
+    each other (the float floor), as shares of `far` (reference against far_run, another global
+    batch); whether it ends within the floor (or TOLERANCE) of one of them; the history's largest
+    relative difference from theirs, and whether it is within theirs from each other (or CLOSE)."""
+    ours, theirs, single, other = (read_last(folder) for folder in (out, reference, alone, far_run))
     for name, folder, state in (("--reference", reference, theirs), ("--alone", alone, single)):
         for key in RESUME_KEYS + ("epochs",):
             if ours["info"].get(key) != state["info"].get(key):
@@ -385,18 +405,11 @@ def _changing_worlds(args, work: Path, out: Path, common: list[str], env: dict, 
         return distance(a["model"], b["model"]) / far, distance(a["average"]["model"], b["average"]["model"]) / far
     to_two, to_one, floor = share(ours, theirs), share(ours, single), share(single, theirs)
     bound = max(floor[0], TOLERANCE), max(floor[1], TOLERANCE)
-    ends = all(min(a, b) <= limit for a, b, limit in zip(to_two, to_one, bound))
     apart = min(history_apart(history(out), history(folder)) for folder in (reference, alone))
-    history_bound = max(history_apart(history(alone), history(reference)), CLOSE)
-    print(f"chaos: {args.stops} stops ({', '.join(f'{n} {m}' for m, n in counts.items())}) in {args.stops + 1} launches "
-          f"in {len(set(worlds))} worlds, {time.time() - began:.0f} s; {redone} of {total} steps done twice")
-    print(f"chaos: distance to the uninterrupted run on 2 processes {to_two[0]:.2g} (weights), {to_two[1]:.2g} "
-          f"(average), on 1 process {to_one[0]:.2g}, {to_one[1]:.2g}, as shares of the control distance {far:.3g} "
-          f"(another global batch); the float floor (1 against 2 processes) {floor[0]:.2g}, {floor[1]:.2g}, the modes' "
-          f"tolerance {TOLERANCE:g}: {'within' if ends else 'OUTSIDE'}; history {apart:.2g} apart "
-          f"(the floor {history_bound:.2g}): {'within' if apart <= history_bound else 'OUTSIDE'}")
-    if not (ends and apart <= history_bound):
-        sys.exit(1)
+    history_floor = max(history_apart(history(alone), history(reference)), CLOSE)
+    return {"far": far, "to two": to_two, "to one": to_one, "floor": floor,
+            "ends": all(min(a, b) <= limit for a, b, limit in zip(to_two, to_one, bound)),
+            "apart": apart, "history floor": history_floor, "history": apart <= history_floor}
 
 
 if __name__ == "__main__":
