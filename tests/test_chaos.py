@@ -4,10 +4,13 @@ uninterrupted run (the session's) does; with --change-world, resumed each time i
 and number of processes, it ends within the float floor of the uninterrupted runs."""
 import random
 import re
+import shutil
 
 import pytest
+import torch
 from conftest import EXACT, RESUMABLE, VAL, B, python, resumable_run
 
+from src.checkpoint import read_last
 from src.errors import UserError
 from src.tools.chaos import WORLDS, compare, next_stop, plan, verdict
 
@@ -94,12 +97,18 @@ def test_stops_that_change_the_world_end_within_the_float_floor(runs, exact_data
     assert lines[5].count(": within") == 2, lines[5]
 
 
-def test_the_world_verdict_refuses_a_run_of_another_global_batch(runs):
-    """The control: the run of another global batch is 1 control distance from the uninterrupted run
-    on 2 processes (by definition) and not within the float floor of either; the run on 1 process is
-    within it (its own floor); a control of the run's own global batch is refused."""
+def test_the_world_verdict_refuses_a_run_of_another_global_batch(runs, tmp_path):
+    """The control: a run of the job that ends at the weights of the run of another global batch is 1
+    control distance from the uninterrupted run on 2 processes (by definition) and not within the
+    float floor of either; the run on 1 process is within it (its own floor); a control of the run's
+    own global batch is refused."""
     reference, alone, far = _world_runs(runs)
-    found = verdict(far, reference, alone, far)
+    # The run's flags (the verdict refuses a run of other flags), the control's weights and average.
+    shutil.copytree(reference, tmp_path / "ended-far")
+    last, control = torch.load(reference / "last.pth", weights_only=True), read_last(far)
+    last["model"], last["average"]["model"] = control["model"], control["average"]["model"]
+    torch.save(last, tmp_path / "ended-far" / "last.pth")
+    found = verdict(tmp_path / "ended-far", reference, alone, far)
     assert found["to two"][0] == 1.0 and not found["ends"]
     found = verdict(alone, reference, alone, far)
     assert found["ends"] and found["to one"] == (0.0, 0.0) and found["history"]
