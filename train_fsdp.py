@@ -7,6 +7,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -78,7 +79,9 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
             state.step += 1
             stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came to any rank (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
-                state.save_step(sums)  # last.pth at this step: --resume goes on from here
+                # last.dcp at this step, each rank writing its own shards (torch.distributed.checkpoint);
+                # the next steps run while they are written: --resume goes on from here
+                state.save_step(sums, write=dcp.async_save)
             if stop:
                 state.stop()  # exit code 75, with the command that goes on
     dist.all_reduce(sums)  # every rank's samples
@@ -126,8 +129,8 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     info = run_info(args, global_batch, data.digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps, heartbeat)
-    state.resume()  # --resume: last.pth into all of them, and where it stopped
-    state.track(tracker)  # --track: a new tracked run, or last.pth's continued; its ids saved with the run
+    state.resume()  # --resume: last.dcp (any number of processes) or any mode's last.pth into the shards
+    state.track(tracker)  # --track: a new tracked run, or last's continued; its ids saved with the run
     progress = Progress(args, state, args.batch_size * world_size, device)
 
     if rank == 0:
@@ -158,9 +161,10 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
                 val_sums = evaluate(net, val_loader, "val", progress, args, device)
                 average_sums = ema.validate(lambda: evaluate(net, val_loader, "average", progress, args, device))
                 record = state.record(train_sums, val_sums, average_sums, middle - start, time.time() - middle)
-                # best.pth and last.pth hold whole tensors: every rank sends its shards, rank 0 keeps them.
+                # best.pth holds whole tensors: every rank sends its shards, rank 0 keeps them.
                 whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-                is_best = state.save_epoch(record, whole)  # history.json, last.pth, and best.pth if better (rank 0)
+                # best.pth if better and history.json (rank 0); last.dcp, each rank writing its own shards
+                is_best = state.save_epoch(record, whole, write=dcp.save)
                 if rank == 0:
                     progress.epoch_end(record)
                     print(format_record(record, args.epochs) + ("  best so far" if is_best else ""))

@@ -389,11 +389,13 @@ class Launches:
 
 
 def _model(out: Path) -> dict:
-    return torch.load(out / "last.pth", map_location="cpu", weights_only=True)["model"]
+    return _last(out)["model"]
 
 
 def _last(out: Path) -> dict:
-    return torch.load(out / "last.pth", map_location="cpu", weights_only=True)
+    """A run's last: last.pth, or train_fsdp.py's last.dcp read whole (src.checkpoint.read_last)."""
+    from src.checkpoint import read_last
+    return read_last(out)
 
 
 def _distance(a: dict, b: dict) -> float:

@@ -6,7 +6,8 @@ import them). One module per subject, no import circle:
 The run
     state.py          the training state (model, optimizer, scaler, schedule, weight average,
                       history, place in the epoch) and its verbs: resume, save, stop
-    checkpoint.py     what best.pth, best.json and last.pth hold; reading a last.pth back
+    checkpoint.py     what best.pth, best.json and last.pth hold; reading a last back (last.pth or last.dcp)
+    sharded_checkpoint.py  FSDP's last.dcp: each rank's shards through torch.distributed.checkpoint
     stopping.py       SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: the handlers and the agreement of every rank
     outputs.py        the files a command writes: checked at start, the run lock, atomic writes
     history.py        the per-epoch records, the best epoch, the lines a run prints

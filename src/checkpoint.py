@@ -6,6 +6,8 @@
 - last.pth   everything to resume: model, optimizer, scaler, schedule, epoch, history; written at
              each epoch's end, and with --save-every-steps (or a stop on a signal) inside an epoch
              too, with the steps done in it and their partial sums (src/state.py)
+- last.dcp/  the same under FSDP, each rank's shards written by itself (src/sharded_checkpoint.py);
+             --resume reads whichever of the two is newer, in any mode
 - history.json  one record per finished epoch
 """
 import json
@@ -17,10 +19,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from src import sharded_checkpoint
 from src.datasets import CLASSES
 from src.devices import hardware
-from src.divergence import check_finite_weights
+from src.divergence import check_finite_weights, refuse_non_finite
 from src.errors import UserError, one_line
 from src.history import RECORD_KEYS, best_choice, history_text
 from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, output_paths
@@ -79,6 +83,17 @@ def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: 
     `model_state`: the plain model's state_dict; `average_state`: the weight average's
     (src.ema.WeightAverage.state_dict(): {"model", "updates"}), None without --ema-decay. best.pth
     holds whichever of the weights and their average --best-by picks, and best.json says which."""
+    is_best = write_best(args, history, info, model_state, average_state)
+    paths = output_paths(args)
+    atomic_torch_save(last, paths["last"])
+    sharded_checkpoint.remove(sharded_checkpoint.folder_of(args))  # an FSDP run's, that this one resumed: older
+    write_history(args, history)
+    return is_best
+
+
+def write_best(args, history: list[dict], info: dict, model_state: dict, average_state: dict | None) -> bool:
+    """best.pth and best.json if the last epoch of `history` is the best so far (write_epoch's
+    first files); whether it is."""
     paths = output_paths(args)
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
@@ -86,10 +101,14 @@ def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: 
         digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"])
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
-    atomic_torch_save(last, paths["last"])
+    return is_best
+
+
+def write_history(args, history: list[dict]) -> None:
+    """history.json and the plot (write_epoch's last files)."""
+    paths = output_paths(args)
     atomic_write_text(paths["history"], history_text(history))
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
-    return is_best
 
 
 def last_state(history: list[dict], model_state: dict, optimizer_state: dict, average_state: dict | None,
@@ -121,36 +140,91 @@ def _where(path: Path) -> str:
     return f"{socket.gethostname()}:{path}" if nodes > 1 else str(path)
 
 
-def _epoch_here(path: Path) -> tuple[int, int] | None | UserError:
-    """What this node's last.pth holds, as its first process sees it: (the epoch, the steps of the
-    next one), None without a file (or on the node's other processes), or why it cannot be read."""
-    if not is_node_first():
-        return None
+def _epoch_here(path: Path, sharded: bool = False) -> tuple[tuple[int, int], int, str] | None | UserError:
+    """What this node's last holds, as its first process sees it: ((the epoch, the steps of the
+    next one), a preference, its path) of the newer of last.pth and last.dcp (on a tie the one
+    this mode writes: last.dcp under FSDP), None without either (or on the node's other
+    processes), or why it cannot be read."""
+    return _newer_here(path, sharded) if is_node_first() else None
+
+
+def _newer_here(path: Path, sharded: bool) -> tuple[tuple[int, int], int, str] | None | UserError:
+    found = []
     try:
         state = _read_last(path, mmap=True)  # the epoch only: the tensors stay on disk
-        return None if state is None else (int(state["epoch"]), int(state.get("step", 0)))
+        if state is not None:
+            found.append(((int(state["epoch"]), int(state.get("step", 0))), int(not sharded), str(path)))
     except UserError as error:
         return error
     except (KeyError, IndexError, TypeError, ValueError):  # another kind of file
         return UserError(f"cannot resume from {_where(path)} (no epoch in it); delete it to start over")
+    folder = path.parent / sharded_checkpoint.NAME
+    try:
+        at = sharded_checkpoint.position(folder)
+        if at is not None:
+            found.append((at, int(sharded), str(folder)))
+    except Exception as error:  # a truncated or foreign training.pt: many exception types
+        return UserError(f"cannot resume from {_where(folder)} ({type(error).__name__} in its "
+                         f"{sharded_checkpoint.TRAINING}); delete it to start over")
+    return max(found) if found else None
 
 
-def _newest_last(path: Path) -> tuple[int, dict | None]:
-    """(the rank it came from, its content) of the newest last.pth on any node, on every rank.
+def _newest_last(path: Path, sharded: bool = False) -> tuple[int, dict | None]:
+    """(the rank it came from, its content) of the newest last (last.pth or last.dcp) on any node,
+    on every rank. A last.dcp as last.pth holds it (read whole), or `sharded` (FSDP, which loads
+    its pieces itself) its training.pt with the folder under "shards".
 
     Without a shared disk each node has its own folder, and rank 0 may sit on another node
     than in the run that wrote the file (torchrun's c10d rendezvous places it anew at every
-    start and restart). So each node's first process reports the epoch of its last.pth, and
+    start and restart). So each node's first process reports the epoch of its last, and
     the newest is sent from there (rank 0's on a tie: nothing to copy)."""
-    epochs = gather(_epoch_here(path))
+    epochs = gather(_epoch_here(path, sharded))
     for epoch in epochs:
         if isinstance(epoch, UserError):
             raise UserError(str(epoch), quiet=not is_first())
-    held = [(epoch, -rank) for rank, epoch in enumerate(epochs) if epoch is not None]
+    held = [(epoch[:2], -rank) for rank, epoch in enumerate(epochs) if epoch is not None]
     if not held:
         return 0, None
     source = -max(held)[1]
-    return source, from_rank(source, lambda: {**_read_last(path), "from": _where(path)})
+    found = Path(epochs[source][2])
+    if found == path:
+        return source, from_rank(source, lambda: {**_read_last(path), "from": _where(path)})
+    return source, from_rank(source, lambda: _read_folder(found, sharded))
+
+
+def _read_folder(folder: Path, sharded: bool) -> dict:
+    """A whole last.dcp as _newest_last sends it."""
+    whole = sharded_checkpoint.whole_folder(folder)
+    try:
+        if sharded:
+            return {**sharded_checkpoint.read_training(whole), "from": _where(folder), "shards": str(whole)}
+        return {**sharded_checkpoint.read_whole(whole), "from": _where(folder)}
+    except (Exception, CheckpointException) as error:  # a torn or foreign folder: many exception types
+        raise UserError(f"cannot resume from {_where(folder)} ({type(error).__name__}: {one_line(error)}); "
+                        "delete it to start over") from None
+
+
+def last_position(folder: Path) -> tuple[int, int] | None:
+    """(finished epochs, steps into the next) of a run folder's last (the newer of last.pth and
+    last.dcp), None without either."""
+    found = _newer_here(Path(folder) / "last.pth", sharded=False)
+    if isinstance(found, UserError):
+        raise found
+    return None if found is None else found[0]
+
+
+def read_last(folder: Path) -> dict | None:
+    """The last of a run's folder (the newer of last.pth and last.dcp) as last.pth holds it, read in
+    this process; None without either. For the tools and tests."""
+    path = Path(folder) / "last.pth"
+    found = _newer_here(path, sharded=False)
+    if isinstance(found, UserError):
+        raise found
+    if found is None:
+        return None
+    if Path(found[2]) == path:
+        return _read_last(path)
+    return _read_folder(Path(found[2]), sharded=False)
 
 
 def _best_files(args) -> tuple[bytes | None, str | None]:
@@ -229,19 +303,22 @@ class Resumed(NamedTuple):
     tracked_ids: dict | None = None
 
 
-def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None) -> Resumed:
-    """With --resume (or in a worker that torchrun restarted), load last.pth into model,
-    optimizer, the weight average, scaler and schedule; returns the history so far and the place
-    in the next epoch (nothing without).
+def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None,
+              shards=None) -> Resumed:
+    """With --resume (or in a worker that torchrun restarted), load last.pth (or last.dcp) into
+    model, optimizer, the weight average, scaler and schedule; returns the history so far and the
+    place in the next epoch (nothing without).
 
-    The newest last.pth of any node is sent to every rank (_newest_last): nodes without a
-    shared disk each hold their own, and rank 0 may have moved. Refuses a last.pth of another
-    run (flags, data) or one that has --epochs already.
+    The newest last of any node is sent to every rank (_newest_last): nodes without a
+    shared disk each hold their own, and rank 0 may have moved. Refuses a last of another
+    run (flags, data) or one that has --epochs already. `shards(folder, updates)` (FSDP): loads a
+    last.dcp into this rank's shards and returns the names of its weights that are not finite;
+    without it a last.dcp is read whole.
     """
     if not (args.resume or restarted()):
         return Resumed([], None)
     path, announce = output_paths(args)["last"], is_first()
-    source, state = _newest_last(path)
+    source, state = _newest_last(path, sharded=shards is not None)
     if state is None:
         if announce:
             print(f"--resume: no {path} yet, starting from epoch 1")
@@ -262,23 +339,30 @@ def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, sched
         if state["epoch"] > args.epochs:
             raise UserError(f"{state['from']} has finished {state['epoch']} epochs, more than --epochs "
                             f"{args.epochs}; pass --epochs above {state['epoch']} to train more")
-        check_finite_weights(state["model"], state["from"], "delete it to start over, with a lower --lr")
-        getattr(model, "_orig_mod", model).load_state_dict(state["model"])
-        # The optimizer before the average: loading a sharded (FSDP) optimizer steps it once with zero
-        # gradients (torch's set_optimizer_state_dict), which would count as an update of the average.
-        load_optimizer(optimizer, state["optimizer"])
-        if average is not None:
-            average.load(getattr(model, "_orig_mod", model), state["average"])
+        advice = "delete it to start over, with a lower --lr"
+        if "shards" in state:  # FSDP's last.dcp: each rank reads the pieces its shards cover
+            _check_shared(Path(state["shards"]), state["from"])
+            found = gather(shards(Path(state["shards"]), (state["average"] or {}).get("updates")))
+            refuse_non_finite(list(dict.fromkeys(name for names in found for name in names)), state["from"], advice)
+        else:
+            check_finite_weights(state["model"], state["from"], advice)
+            getattr(model, "_orig_mod", model).load_state_dict(state["model"])
+            # The optimizer before the average: loading a sharded (FSDP) optimizer steps it once with zero
+            # gradients (torch's set_optimizer_state_dict), which would count as an update of the average.
+            load_optimizer(optimizer, state["optimizer"])
+            if average is not None:
+                average.load(getattr(model, "_orig_mod", model), state["average"])
         schedule.load_state_dict(state["schedule"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
         step = int(state.get("step", 0)) if state["epoch"] < args.epochs else 0
         partial = _partial(state, step)
         tracked_ids = _tracked_ids(saved)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:  # an older or foreign last.pth
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, CheckpointException) as error:
+        # an older or foreign last, or a last.dcp that lacks a piece
         raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over") from None
-    if source != 0:
+                        "delete it to start over", quiet=not is_first()) from None
+    if source != 0 and "shards" not in state:  # a last.dcp is where every node sees it already
         _copy_to_rank_0(args, state, source)
     if announce:
         more = "nothing left to train" if state["epoch"] == args.epochs else "going on"
@@ -294,6 +378,14 @@ def _tracked_ids(info: dict) -> dict | None:
     if ids is not None and not (isinstance(ids, dict) and all(isinstance(v, str) for v in [*ids, *ids.values()])):
         raise TypeError(f"its tracked runs' ids {ids!r} are not a mapping of names to strings")
     return ids
+
+
+def _check_shared(folder: Path, where: str) -> None:
+    """Every rank sees the last.dcp folder: each reads its pieces from every rank's file in it."""
+    blind = [rank for rank, seen in enumerate(gather(folder.is_dir())) if not seen]
+    if blind:
+        raise UserError(f"cannot resume from {where}: rank(s) {', '.join(map(str, blind))} do not see it; FSDP's "
+                        "last.dcp must be in a folder that every node shares (--checkpoint)", quiet=not is_first())
 
 
 def _partial(state: dict, step: int) -> dict | None:

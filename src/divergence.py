@@ -36,7 +36,11 @@ def non_finite(state: dict) -> list[str]:
 def check_finite_weights(state: dict, path, advice: str) -> None:
     """Refuse the weights of a run that diverged, naming the file and its first bad tensor (every
     rank that reads them refuses; rank 0 says it)."""
-    bad = non_finite(state)
+    refuse_non_finite(non_finite(state), path, advice)
+
+
+def refuse_non_finite(bad: list[str], path, advice: str) -> None:
+    """check_finite_weights' refusal, of the names of the tensors found not finite (`bad`)."""
     if bad:
         raise UserError(f"{path} holds weights that are not finite (NaN or infinity) in {len(bad)} tensor(s), "
                         f"first {bad[0]}: it comes from a run that diverged; {advice}", quiet=not is_first())

@@ -8,15 +8,19 @@ all-gathered whole just before its forward, freed after it, gathered again for i
 its gradients are reduce-scattered back to the shards; the root's fully_shard takes every parameter
 that no unit holds. See docs/fsdp.md.
 
-last.pth and best.pth hold whole tensors in every mode: gathered from the shards onto rank 0 when
-saved, and loaded into them by resume() and --evaluate, so a train_single.py or train_ddp.py
-last.pth resumes under FSDP, and an FSDP one anywhere else. The bytes of parameters, gradients and
+best.pth holds whole tensors in every mode: gathered from the shards onto rank 0 when saved, and
+loaded into them by --evaluate; so does another mode's last.pth, which resume() loads into the
+shards (WholeModel, WholeOptimizer). FSDP's own last is each rank's shards (src/sharded_checkpoint.py).
+whole_model, whole_optimizer and whole_average gather the whole state as train_fsdp.py saved it
+before (best.pth's weight average; the cost tool's "gather"). The bytes of parameters, gradients and
 optimizer state a rank holds make FSDP's line at the end of a run ("rank 0 held ... of the ... MB
 that each DDP process holds"); sizes only, no device is waited for.
 """
+import contextlib
 import math
 import re
 import types
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -266,21 +270,29 @@ class WholeOptimizer:
         by_name = {"state": {names[i]: dict(saved) for i, saved in state["state"].items()},
                    "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
                                     for group in state["param_groups"]]}
-        # A parameter that was frozen when last.pth was written has no state in it, and must get
-        # none, as a plain load_state_dict leaves it: set_optimizer_state_dict first steps the
-        # optimizer once with zero gradients, which gives every parameter that requires a
-        # gradient a state (SGD's momentum buffer = weight decay x weights), and keeps that
-        # state where the file has none. So during the load exactly the parameters with a state
-        # in the file require gradients.
-        trains = [param.requires_grad for param in params]
-        for i, param in enumerate(params):
-            param.requires_grad_(i in state["state"])
-        try:
+        with requiring_grad(params, [i in state["state"] for i in range(len(params))]):
             set_optimizer_state_dict(self.model, self.optimizer, by_name,
                                      options=StateDictOptions(full_state_dict=True))
-        finally:
-            for param, flag in zip(params, trains):
-                param.requires_grad_(flag)
+
+
+@contextlib.contextmanager
+def requiring_grad(params: list[torch.Tensor], flags: list[bool]) -> Iterator[None]:
+    """Inside the block each parameter requires a gradient where its flag says so (those with an
+    optimizer state in the file being loaded); as before after it.
+
+    A parameter that was frozen when a checkpoint was written has no state in it, and must get
+    none, as a plain load_state_dict leaves it: torch's get_optimizer_state_dict and
+    set_optimizer_state_dict first step an optimizer without a state once with zero gradients,
+    which gives every parameter that requires a gradient a state (SGD's momentum buffer = weight
+    decay x weights), and keeps that state where the file has none."""
+    trains = [param.requires_grad for param in params]
+    for param, flag in zip(params, flags):
+        param.requires_grad_(flag)
+    try:
+        yield
+    finally:
+        for param, flag in zip(params, trains):
+            param.requires_grad_(flag)
 
 
 def parameters_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -387,7 +387,7 @@ def run_file(path: Path) -> str | None:
         return "a checkpoint (.pth)"
     if path.suffix == ".json" and path.with_suffix(".pth").exists():
         return f"the description of the checkpoint {path.with_suffix('.pth').name} beside it"
-    if path.name == "history.json" and any((path.parent / name).exists() for name in ("last.pth", LOCK_NAME)):
+    if path.name == "history.json" and any((path.parent / name).exists() for name in ("last.pth", "last.dcp", LOCK_NAME)):
         return "the history"
     return None
 
@@ -528,6 +528,8 @@ def _try_outputs(args) -> RunLock:
     for path in paths.values():
         for stale in temporaries(path):  # from a run killed while saving
             stale.unlink(missing_ok=True)
+    from src import sharded_checkpoint  # here: it loads torch
+    sharded_checkpoint.repair(sharded_checkpoint.folder_of(args))  # FSDP's last.dcp, after a crash in a save
     return lock
 
 
@@ -599,15 +601,19 @@ def _check_overwrite(args, paths: dict[str, Path]) -> None:
     that run (from its last.pth: a folder of best.pth and history.json alone has nothing to go on
     from, and a new run would replace them), --overwrite replaces it. (torchrun's restarted
     workers and requeued SLURM jobs resume on their own.)"""
+    from src import sharded_checkpoint
     from src.ranks import restarted
     if restarted():
         return
+    shards = sharded_checkpoint.folder_of(args)  # FSDP's last: a folder (or, after a crash in a save, the one before)
     held = [paths[name] for name in ("best", "info", "last", "history") if os.path.lexists(paths[name])]
+    held += [shards] if sharded_checkpoint.whole_folder(shards) else []
     if args.overwrite:
         # The earlier run's resumable state goes now: a restart of this run must not resume it.
         paths["last"].unlink(missing_ok=True)
+        sharded_checkpoint.remove(shards)
         return
-    if not held or (args.resume and paths["last"] in held):
+    if not held or (args.resume and (paths["last"] in held or shards in held)):
         return
     try:
         epochs = f" of {len(json.loads(paths['history'].read_text()))} epoch(s)"

@@ -9,20 +9,24 @@ rank's metric sums of them and the seconds they took. Nothing random is saved: d
 augmentation are functions of (seed, epoch, sample), so a resumed epoch that skips the finished
 steps' samples draws what an uninterrupted run draws.
 
-Under FSDP (sharded parameters) every save gathers the whole tensors onto rank 0 first
-(src/fsdp.py), so every rank calls the saves; rank 0 alone writes.
+Under FSDP (sharded parameters) `last` is a folder of torch.distributed.checkpoint (DCP), last.dcp,
+in which each rank writes its own shards (src/sharded_checkpoint.py), with the DCP call the script
+passes (`write`: dcp.async_save for step checkpoints, dcp.save at an epoch's end); best.pth holds
+whole tensors, which the script gathers. Every rank calls the saves; rank 0 alone writes the
+files that are not shards.
 """
+import contextlib
 import time
-from typing import NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from src import checkpoint
+from src import checkpoint, sharded_checkpoint
 from src.errors import Stopped
-from src.fsdp import is_sharded, whole_average, whole_model, whole_optimizer
+from src.fsdp import broadcast_buffers, is_sharded, whole_average
 from src.heartbeat import Heartbeat
-from src.history import epoch_record
+from src.history import best_choice, epoch_record
 from src.outputs import output_paths
 from src.ranks import from_rank_0, gather, is_first
 from src.stopping import StopSignals, how_to_go_on, signal_name
@@ -44,6 +48,7 @@ class TrainingState:
         self.data_wait = 0.0  # seconds this process waited for its training data in the current epoch
         self.signals: StopSignals | None = None
         self.tracker, self.tracked_ids = None, None  # --track: the run's Tracker; last.pth's ids of its runs
+        self.shard_writer = sharded_checkpoint.ShardWriter()  # FSDP's last.dcp, one save at a time
 
     # Resume.
 
@@ -51,16 +56,23 @@ class TrainingState:
         """--resume (or a worker that torchrun restarted, a requeued SLURM job): last.pth into the
         model, optimizer, scaler, schedule and weight average; the history and the place in the
         epoch it stopped in. Without last.pth, nothing."""
-        model = self.model
-        if is_sharded(self.optimizer):  # each rank loads its pieces of the whole tensors
+        model, optimizer, shards = self.model, self.optimizer, None
+        if is_sharded(self.optimizer):  # each rank loads its pieces: of a last.dcp, or of any mode's last.pth
             from src.fsdp import WholeModel, WholeOptimizer
             model, optimizer = WholeModel(self.model), WholeOptimizer(self.model, self.optimizer)
-        else:
-            optimizer = self.optimizer
-        resumed = checkpoint.load_last(self.args, self.info, model, optimizer, self.scaler, self.schedule, self.average)
+            shards = self._load_shards
+        resumed = checkpoint.load_last(self.args, self.info, model, optimizer, self.scaler, self.schedule, self.average,
+                                       shards=shards)
         self.history, self.partial, self.tracked_ids = resumed.history, resumed.partial, resumed.tracked_ids
         self.epoch = len(self.history)
         self.step = self.partial["step"] if self.partial else 0
+
+    def _load_shards(self, folder, updates: int | None) -> list[str]:
+        """A last.dcp into this rank's shards (at any world size); the names of the weights that
+        are not finite in them."""
+        sharded_checkpoint.load_shards(folder, self.model, self.optimizer, self.average, updates)
+        from src.divergence import non_finite
+        return non_finite(sharded_checkpoint.local_tensors(self.model.state_dict()))
 
     def epoch_sums(self, device: torch.device) -> torch.Tensor:
         """The metric sums (src.metrics.batch_sums) an epoch's training starts from: zeros, or in a
@@ -89,13 +101,17 @@ class TrainingState:
         every = self.args.save_every_steps
         return bool(every) and self.run_step % every == 0 and self.step < self.steps_per_epoch
 
-    def save_step(self, sums: torch.Tensor) -> None:
+    def save_step(self, sums: torch.Tensor, write: Callable | None = None) -> None:
         """last.pth here, inside the epoch; best.pth, history.json and the plot stay those of the last
         finished epoch. Every rank calls it: each rank's sums go into the file (a host read, at a
-        checkpoint only), and FSDP's shards are gathered."""
+        checkpoint only). Under FSDP last.dcp, each rank writing its shards with `write`
+        (dcp.async_save: the next steps run while they are written)."""
         rows = gather(sums.detach().float().cpu())
         partial = {"sums": torch.stack(rows), "train_seconds": self.train_seconds(),
                    "data_wait_seconds": self.data_wait}
+        if is_sharded(self.optimizer):
+            self._save_shards(write, step=self.step, partial=partial)
+            return
         last = self._last_state(step=self.step, partial=partial)
         if is_first():
             self.heartbeat.at("saving")
@@ -111,32 +127,67 @@ class TrainingState:
                             train_seconds=earlier + train_seconds, val_seconds=val_seconds,
                             data_wait_seconds=self.data_wait, lr=self.optimizer.param_groups[0]["lr"])
 
-    def save_epoch(self, record: dict, model_state: dict | None = None) -> bool:
+    def save_epoch(self, record: dict, model_state: dict | None = None, write: Callable | None = None) -> bool:
         """The epoch is finished: its record joins the history, and rank 0 writes best.pth if it
         is the best so far, best.json, last.pth, history.json and the plot. Returns whether it is
         the best so far (on rank 0; False elsewhere). `model_state`: the plain model's state_dict
-        where the script gathered it (FSDP: get_model_state_dict); without it, the plain model's
-        (gathered from the shards under FSDP). Every rank calls it: it gathers under FSDP."""
+        where the script gathered it (FSDP: get_model_state_dict); else model.state_dict().
+        Under FSDP last.dcp instead of last.pth, each rank writing its shards with `write` (dcp.save).
+        Every rank calls it."""
         self.history.append(record)
         self.epoch, self.step, self.partial = self.epoch + 1, 0, None
-        last = self._last_state(model_state=model_state)
-        if not is_first():
-            return False
-        self.heartbeat.at("saving")
-        is_best = checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
-        if self.tracker is not None:
+        if is_sharded(self.optimizer):
+            is_best = self._save_epoch_shards(model_state, write)
+        else:
+            last = self._last_state(model_state=model_state)
+            if not is_first():
+                return False
+            self.heartbeat.at("saving")
+            is_best = checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
+        if self.tracker is not None:  # rank 0's
             self.tracker.log_epoch(record)  # after its files: a stop between them logs it at the resume
         return is_best
 
+    def _save_epoch_shards(self, model_state: dict, write: Callable | None) -> bool:
+        """save_epoch under FSDP: best.pth and best.json first (rank 0; the whole weight average
+        gathered only where best.pth is to hold it), then last.dcp, then history.json and the
+        plot: a last that has the epoch comes after the best.pth that weighed it."""
+        model = getattr(self.model, "_orig_mod", self.model)
+        best, weights = best_choice(self.history, self.args.best_by)
+        average = whole_average(model, self.average) if weights == "average" and best["epoch"] == self.epoch else None
+        is_best = False
+        if is_first():
+            self.heartbeat.at("saving")
+            is_best = checkpoint.write_best(self.args, self.history, self.info, model_state, average)
+        self._save_shards(write)
+        if is_first():
+            checkpoint.write_history(self.args, self.history)
+        return is_best
+
+    def _save_shards(self, write: Callable | None, step: int = 0, partial: dict | None = None) -> None:
+        """last.dcp here: each rank writes its shards with `write` (dcp.save by default), rank 0
+        training.pt (last.pth's content but the tensors); an older last.pth beside it goes."""
+        model = getattr(self.model, "_orig_mod", self.model)
+        broadcast_buffers(model)  # rank 0's batch norm statistics, as best.pth holds them (DCP keeps one rank's)
+        shards = sharded_checkpoint.shards_of(model, self.optimizer, self.average)
+        training = None
+        if is_first():
+            self.heartbeat.at("saving")
+            average = {"updates": self.average.count()} if self.average.on else None
+            training = checkpoint.last_state(self.history, None, None, average, self.scaler, self.schedule,
+                                             self.info, step, partial)
+            training = {key: value for key, value in training.items() if key not in ("model", "optimizer")}
+        if write is None:
+            import torch.distributed.checkpoint as dcp
+            write = dcp.save
+        self.shard_writer.save(write, sharded_checkpoint.folder_of(self.args), shards, training, self.run_step,
+                               replaces=output_paths(self.args)["last"])
+
     def _last_state(self, step: int = 0, partial: dict | None = None, model_state: dict | None = None) -> dict:
-        """last.pth's content now (whole tensors: gathered on every rank under FSDP; rank 0 has them)."""
+        """last.pth's content now (of a model that is not sharded)."""
         model = getattr(self.model, "_orig_mod", self.model)  # torch.compile's wrapper: the plain names
-        if is_sharded(self.optimizer):
-            model_state = whole_model(model) if model_state is None else model_state
-            optimizer_state, average_state = whole_optimizer(model, self.optimizer), whole_average(model, self.average)
-        else:
-            model_state = model.state_dict() if model_state is None else model_state
-            optimizer_state, average_state = self.optimizer.state_dict(), self.average.state_dict()
+        model_state = model.state_dict() if model_state is None else model_state
+        optimizer_state, average_state = self.optimizer.state_dict(), self.average.state_dict()
         return checkpoint.last_state(self.history, model_state, optimizer_state, average_state, self.scaler,
                                      self.schedule, self.info, step, partial)
 
@@ -155,11 +206,20 @@ class TrainingState:
 
     # Stop.
 
-    def stop_signals(self) -> StopSignals:
-        """The block in which SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run at an optimizer step that every
-        rank agrees on (src/stopping.py); their handlers are put back when it ends."""
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[StopSignals]:
+        """The block in which SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run at an optimizer step that
+        every rank agrees on (src/stopping.py); their handlers are put back when it ends, after a step
+        checkpoint still being written (FSDP's dcp.async_save) is in place."""
         self.signals = StopSignals()
-        return self.signals
+        with self.signals:
+            try:
+                yield self.signals
+            except BaseException:
+                with contextlib.suppress(Exception):  # the error that ends the run is the one to tell
+                    self.shard_writer.wait()
+                raise
+            self.shard_writer.wait()
 
     def stop_agreed(self, now: bool = False) -> bool:
         """Whether a stop signal came to any rank and every rank stops here: after an optimizer step
@@ -172,7 +232,10 @@ class TrainingState:
     def stop(self) -> NoReturn:
         """Every rank ends here, after the step or epoch last.pth holds: rank 0 says where and how to
         go on, and no rank leaves before the file is there (exit code 75, src/errors.py)."""
+        self.shard_writer.wait()  # FSDP's step checkpoint, written while the last steps ran
         last = output_paths(self.args)["last"]
+        if is_sharded(self.optimizer):
+            last = sharded_checkpoint.folder_of(self.args)
         if self.step:
             where = f"at epoch {self.epoch + 1} step {self.step} of {self.steps_per_epoch}: {last} saved there"
         elif self.epoch:

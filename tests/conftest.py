@@ -179,7 +179,20 @@ def history(folder: Path) -> list[dict]:
 
 
 def weights(folder: Path, name: str = "best.pth") -> dict:
+    """A file of a run's folder; "last.pth": the run's last, FSDP's last.dcp read whole as last.pth
+    holds it (src.checkpoint.read_last: the newer of the two)."""
+    if name == "last.pth":
+        from src.checkpoint import read_last
+        return read_last(folder)
     return torch.load(folder / name, map_location="cpu", weights_only=True)
+
+
+def read_last_copy(path: Path) -> dict:
+    """A copy of a last (COPY_LAST): a last.K.pth file, or a last.K.dcp folder read whole."""
+    if path.is_dir():
+        from src.sharded_checkpoint import read_whole
+        return read_whole(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def last_model(folder: Path) -> dict:

@@ -1,13 +1,18 @@
 """python -m src.tools.chaos: a run stopped at random steps of random ranks, by SIGINT to torchrun
 and SIGKILL of a worker under --max-restarts, resumed each time, ends bit for bit where the
-uninterrupted run (the session's) does."""
+uninterrupted run (the session's) does; with --change-world, resumed each time in another mode
+and number of processes, it ends within the float floor of the uninterrupted runs."""
 import random
+import re
+import shutil
 
 import pytest
-from conftest import EXACT, VAL, B, python, resumable_run
+import torch
+from conftest import EXACT, RESUMABLE, VAL, B, python, resumable_run
 
+from src.checkpoint import read_last
 from src.errors import UserError
-from src.tools.chaos import compare, plan
+from src.tools.chaos import WORLDS, compare, next_stop, plan, verdict
 
 
 def test_two_stops_end_bit_for_bit_where_the_straight_run_does(runs, exact_data, tmp_path):
@@ -54,3 +59,73 @@ def test_another_run_is_not_at_distance_0(runs):
     other = runs("single", *EXACT, *VAL, "--epochs", "2", "--batch-size", str(B))[0]  # conftest's `far` run
     with pytest.raises(UserError, match="is another run: its batch_size is 10, not 20"):
         compare(single, other)
+
+
+# --change-world: 100 training images in global batches of 10, 10 steps an epoch (a signal to two
+# processes is agreed on within 2 x CHECK_EVERY steps: room for two stops in 20).
+WORLD_FLAGS = [*RESUMABLE, *VAL, "--epochs", "2"]
+
+
+def _world_runs(runs):
+    """The uninterrupted runs --change-world compares with: two DDP processes of 5 images, one
+    process of 10 (the float floor), and two processes of 10 (another global batch: the control)."""
+    return (runs("ddp", *WORLD_FLAGS, "--batch-size", "5")[0], runs("single", *WORLD_FLAGS, "--batch-size", "10")[0],
+            runs("ddp", *WORLD_FLAGS, "--batch-size", "10")[0])
+
+
+def test_stops_that_change_the_world_end_within_the_float_floor(runs, exact_data, tmp_path):
+    """Seed 3: two stops, each ending its launch, each launch in another world than the one before
+    (a step checkpoint of one mode and number of processes resumed by another: last.pth or FSDP's
+    last.dcp), the steps each done once or redone after a kill; the run ends within the float floor
+    of an uninterrupted run, weights, average and history."""
+    reference, alone, far = _world_runs(runs)
+    result = python("-m", "src.tools.chaos", "--change-world", "--stops", "2", "--seed", "3", "--epochs", "2",
+                    "--batch-size", "5", "--data-dir", str(exact_data), "--reference", str(reference), "--alone",
+                    str(alone), "--far", str(far), "--work-dir", str(tmp_path), timeout=1200)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    launches = [re.match(r"launch (\d): (train_\w+\.py) x (\d): (.*); exit (-?\d+), (last\.\w+) at epoch (\d) \+ (\d+) steps",
+                         line) for line in lines[1:4]]
+    assert all(launches), lines
+    worlds = [(match[2], int(match[3])) for match in launches]
+    assert all(world in WORLDS for world in worlds) and worlds[0] != worlds[1] != worlds[2]
+    assert [match[5] != "0" for match in launches] == [True, True, False]
+    assert launches[2][4] == "no stop" and launches[2].group(6, 7, 8) == (
+        "last.dcp" if worlds[2][0] == "train_fsdp.py" else "last.pth", "2", "0")
+    assert lines[4].startswith("chaos: 2 stops (") and " in 3 launches in 3 worlds, " in lines[4]
+    assert lines[5].startswith("chaos: distance to the uninterrupted run on 2 processes ")
+    assert lines[5].count(": within") == 2, lines[5]
+
+
+def test_the_world_verdict_refuses_a_run_of_another_global_batch(runs, tmp_path):
+    """The control: a run of the job that ends at the weights of the run of another global batch is 1
+    control distance from the uninterrupted run on 2 processes (by definition) and not within the
+    float floor of either; the run on 1 process is within it (its own floor); a control of the run's
+    own global batch is refused."""
+    reference, alone, far = _world_runs(runs)
+    # The run's flags (the verdict refuses a run of other flags), the control's weights and average.
+    shutil.copytree(reference, tmp_path / "ended-far")
+    last, control = torch.load(reference / "last.pth", weights_only=True), read_last(far)
+    last["model"], last["average"]["model"] = control["model"], control["average"]["model"]
+    torch.save(last, tmp_path / "ended-far" / "last.pth")
+    found = verdict(tmp_path / "ended-far", reference, alone, far)
+    assert found["to two"][0] == 1.0 and not found["ends"]
+    found = verdict(alone, reference, alone, far)
+    assert found["ends"] and found["to one"] == (0.0, 0.0) and found["history"]
+    with pytest.raises(UserError, match="has the global batch of the run"):
+        verdict(alone, reference, alone, reference)
+
+
+def test_each_stop_is_planned_in_the_steps_left_and_another_world():
+    for seed in range(20):
+        rng, done, previous = random.Random(seed), 0, None
+        for left in range(5, 0, -1):
+            chosen = next_stop(rng, done, left, 100, previous)
+            event = chosen["event"]
+            assert chosen["world"] != previous and chosen["world"] in WORLDS
+            assert done < event["step"] <= 100 - (8 if event["means"] != "sigkill" else 0)
+            assert 0 <= event["rank"] < chosen["world"][1]
+            done, previous = event["step"], chosen["world"]
+        assert next_stop(rng, done, 0, 100, previous)["event"] is None
+    with pytest.raises(UserError, match="20 optimizer steps leave no room for 1 more stop.s. after step 20"):
+        next_stop(random.Random(0), 20, 1, 20, None)

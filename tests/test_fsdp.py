@@ -69,7 +69,7 @@ def test_only_rank_0_writes_and_prints_and_best_pth_is_the_plain_model(fsdp_run)
     out, result = fsdp_run
     writes = [line.split(" ", 1) for line in (out.parent / "writes.log").read_text().splitlines()]
     assert {rank for rank, _ in writes} == {"0"}, writes
-    assert {Path(path).name for _, path in writes} >= {"best.pth", "best.json", "last.pth", "history.json",
+    assert {Path(path).name for _, path in writes} >= {"best.pth", "best.json", "last.dcp", "history.json",
                                                         "curves.png"}
     for line in ("epoch 1/2  train loss", "done in ", "rank 0 held "):
         assert result.stdout.count(line) == 1, line
@@ -100,14 +100,14 @@ def test_each_rank_holds_half_of_the_model_at_a_step(fsdp_run):
     assert ": 0.500 of the " in line and "MB of gradients" in line, line
 
 
-def test_an_fsdp_last_pth_resumes_under_train_single(fsdp_run, runs, reference, recipe_far, tmp_path):
-    """Epoch 1's last.pth of the FSDP run (whole tensors gathered from the two ranks' shards, the
-    optimizer's state numbered as one process numbers it), resumed by one process with the same
-    global batch in the middle of the cosine schedule: it ends where the reference does."""
+def test_an_fsdp_last_dcp_resumes_under_train_single(fsdp_run, runs, reference, recipe_far, tmp_path):
+    """Epoch 1's last.dcp of the FSDP run (each rank's shards; read whole, the optimizer's state
+    numbered as one process numbers it), resumed by one process with the same global batch in the
+    middle of the cosine schedule: it ends where the reference does."""
     out, _ = fsdp_run
     (tmp_path / "out").mkdir()
-    shutil.copy(out.parent / "copies" / "last.1.pth", tmp_path / "out" / "last.pth")
-    saved = torch.load(tmp_path / "out" / "last.pth", weights_only=True)
+    shutil.copytree(out.parent / "copies" / "last.1.dcp", tmp_path / "out" / "last.dcp")
+    saved = weights(tmp_path / "out", "last.pth")
     assert saved["epoch"] == 1 and sorted(saved["optimizer"]["state"]) == list(range(52))
     result = python("train_single.py", "--data-dir", str(runs.exact_data), *EXACT, *VAL, *RECIPE, "--epochs", "2",
                     "--batch-size", str(B), "--accumulate", "4", "--resume", *outputs(tmp_path / "out"))
@@ -153,7 +153,7 @@ def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_pa
 
     printed = train(train_fsdp.main, "fsdp", "--epochs", "1")
     assert printed.count("--freeze under FSDP runs the frozen backbone on every image") == 1
-    frozen = torch.load(tmp_path / "fsdp" / "last.pth", weights_only=True)
+    frozen = weights(tmp_path / "fsdp", "last.pth")  # last.dcp, read whole
     torch.manual_seed(42)  # what main() draws the model from
     start = build_model("squeezenet1_1", "none").state_dict()
     head = head_of(torchvision.models.squeezenet1_1())[0]
@@ -167,7 +167,10 @@ def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_pa
     train(train_single.main, "straight", "--epochs", "2")
     moved = distance(last_model(tmp_path / "straight"), frozen["model"])
     assert distance(last_model(tmp_path / "single"), last_model(tmp_path / "straight")) < 1e-6 * moved
-    assert len(torch.load(tmp_path / "single" / "last.pth", weights_only=True)["optimizer"]["state"]) == 52
+    assert len(weights(tmp_path / "single", "last.pth")["optimizer"]["state"]) == 52
+    # FSDP's own last.dcp of the frozen epoch, loaded into the shards: the last layer's momentum alone.
+    train(train_fsdp.main, "fsdp", "--epochs", "2", "--resume")
+    assert distance(last_model(tmp_path / "fsdp"), last_model(tmp_path / "straight")) < 1e-6 * moved
 
 
 def test_evaluate_loads_best_pth_into_the_shards(runs, world_of_one, tmp_path, monkeypatch, capsys):

@@ -139,7 +139,8 @@ class FakeLaunches:
 
 def _save(folder, value: float, scale: float = 2.0 ** 14, log: str = "") -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": {"w": torch.full((4,), value)}, "scaler": {"scale": scale}}, folder / "last.pth")
+    # A finished run's last.pth as the legs write it (its epoch tells it from train_fsdp.py's last.dcp).
+    torch.save({"epoch": 1, "model": {"w": torch.full((4,), value)}, "scaler": {"scale": scale}}, folder / "last.pth")
     (folder / f"log-{folder.name}.txt").write_text(log)
 
 

@@ -20,7 +20,8 @@ OWN = {
     "train_dp.py": {"RandomSampler", "AutocastDataParallel"},
     "train_ddp.py": PROCESS_GROUP | {"torch.cuda.set_device", "DDP", "model.no_sync"},
     "train_fsdp.py": PROCESS_GROUP | {"torch.cuda.set_device", "fully_shard", "init_device_mesh",
-                                      "model.set_requires_gradient_sync", "get_model_state_dict", "StateDictOptions"},
+                                      "model.set_requires_gradient_sync", "get_model_state_dict", "StateDictOptions",
+                                      "state.save_step", "state.save_epoch"},
     "train_accelerate.py": {"Accelerator", "accelerator.prepare", "accelerator.accumulate", "accelerator.backward",
                             "accelerator.clip_grad_norm_", "accelerator.reduce", "accelerator.gather_for_metrics",
                             "accelerator.get_state_dict", "accelerator.skip_first_batches", "accelerator.end_training",
@@ -95,6 +96,24 @@ def test_fsdp_shards_each_unit_and_the_root_and_gathers_best_pth_with_torchs_cal
     (gather,) = made["get_model_state_dict"]
     assert ast.unparse(gather) == ("get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
                                    "cpu_offload=True))")
+
+
+def test_fsdp_writes_last_with_torchs_distributed_checkpoint():
+    """Each rank writes its own shards of `last` with torch.distributed.checkpoint: dcp.async_save
+    at a step checkpoint (training goes on while it is written), dcp.save at an epoch's end; the
+    training state's verbs take them, and no other script names DCP."""
+    made = calls("train_fsdp.py")
+    (step,) = made["state.save_step"]
+    assert keywords(step) == {"write": "dcp.async_save"}
+    (epoch,) = made["state.save_epoch"]
+    assert keywords(epoch) == {"write": "dcp.save"}
+    imports = [node for node in ast.walk(ast.parse((ROOT / "train_fsdp.py").read_text())) if isinstance(node, ast.Import)]
+    assert any(alias.name == "torch.distributed.checkpoint" and alias.asname == "dcp"
+               for node in imports for alias in node.names)
+    for script in SCRIPTS:
+        if script != "train_fsdp.py":
+            assert "dcp" not in {name.split(".")[0] for name in calls(script)}, script
+            assert "write" not in {key for call in calls(script).get("state.save_step", []) for key in keywords(call)}
 
 
 def test_data_parallel_is_torchs_data_parallel():

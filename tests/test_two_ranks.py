@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torchvision
-from conftest import HOOKS, TINY, outputs, read_predictions, write_checkpoint
+from conftest import HOOKS, TINY, outputs, read_predictions, weights, write_checkpoint
 
 from src.errors import end_process_group
 from src.metrics import batch_sums
@@ -364,10 +364,10 @@ def test_each_epoch_counts_the_samples_of_both_ranks(script, launch):
 
 
 def test_fsdp_fp16_scales_the_loss_on_both_ranks(launch):
-    """train_fsdp.py --amp fp16: the gradient scaler's state in last.pth (a disabled scaler keeps
+    """train_fsdp.py --amp fp16: the gradient scaler's state in last.dcp (a disabled scaler keeps
     none): a power of two at most its initial 2^16 (halved for each overflow), steps counted."""
     result(launch, "fsdp", 0)
-    scaler = torch.load(launch / "fsdp" / "last.pth", weights_only=True)["scaler"]
+    scaler = weights(launch / "fsdp", "last.pth")["scaler"]  # last.dcp's training.pt
     assert scaler, "no gradient scaler under fp16"
     assert scaler["scale"] <= 2.0 ** 16 and math.log2(scaler["scale"]).is_integer(), scaler
     assert 1 <= scaler["_growth_tracker"] <= 6, scaler  # 2 epochs of 3 steps
@@ -441,8 +441,10 @@ def test_rank_0_alone_writes_each_file_in_its_order_with_the_usual_mode(launch):
     assert {rank for rank, _ in written} == {"0"}, written
     for script in ("ddp", "fsdp", "accelerate"):
         best = ["best so far" in line for line in printed(launch, script, 0)[0].splitlines() if line.startswith("epoch ")]
-        want = [f"{script}/{name}" for is_best in best
-                for name in (["best.pth", "best.json"] if is_best else []) + ["last.pth", "history.json", "curves.png"]]
+        # FSDP's last is a folder of each rank's shards: the one before moved aside, the new one renamed into place.
+        last = {"fsdp": lambda epoch: [".last.dcp.previous"] * (epoch > 0) + ["last.dcp"]}.get(script, lambda _: ["last.pth"])
+        want = [f"{script}/{name}" for epoch, is_best in enumerate(best)
+                for name in (["best.pth", "best.json"] if is_best else []) + last(epoch) + ["history.json", "curves.png"]]
         assert [path for _, path in written if path.startswith(f"{script}/")] == want, script
     cache = [path for _, path in written if path.startswith("cache/")]
     assert len(cache) == 2 and cache[0].endswith(".u8") and cache[1] == cache[0][:-len(".u8")] + ".json"

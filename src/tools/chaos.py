@@ -2,6 +2,7 @@
 
     python -m src.tools.chaos [--stops N] [--seed S] [--epochs E] [--batch-size B] [--save-every-steps M]
                               [--data-dir DIR] [--reference DIR] [--work-dir DIR]
+    python -m src.tools.chaos --change-world [--far DIR] [the same options]
 
 Trains SqueezeNet 1.1 (64 px, dropout, a weight average, one loader worker per process) with
 `torchrun --standalone --nproc_per_node=2 train_ddp.py --save-every-steps M` on a synthetic set (or
@@ -22,9 +23,26 @@ whether the histories match, and the steps that were done twice; the exit code i
 distance is 0 and the histories match (on a CPU the resumed run must be bit for bit the same).
 The work folder is this tool's own: it marks it (WORK/.chaos) and replaces there only what it
 wrote; a folder holding what it writes without the mark is refused (src.outputs.claim_folder).
+
+--change-world: every stop ends its launch (SIGTERM or SIGINT as above, or SIGKILL of a worker,
+which torchrun does not restart, or of the one process), and each launch resumes the run in a
+world drawn anew, another one than the launch before: train_single.py, or train_ddp.py or
+train_fsdp.py on 1 or 2 processes (WORLDS), each with the same global batch (--batch-size x 2),
+so that it goes on from the last of any mode (last.pth, or FSDP's last.dcp resharded). Each stop
+is planned after the steps done so far, among the steps left (a signal needs up to 2 x
+CHECK_EVERY steps to be agreed on by two processes, src/stopping.py). Processes of another count
+sum floats in another order, so the end is not bit for bit. The distances are shares of the
+control distance (the yardstick of the tests: between the uninterrupted run and the same job with
+another global batch, trained here or --far), and the float floor is the share between the
+uninterrupted run on two processes and on one (train_single.py, trained here or --alone): the
+order of the sums alone, grown over the run's steps. The verdict: the run ends within the floor,
+or within the modes' tolerance (src/tools/agreement.py TOLERANCE) where that is larger, of one of
+the two uninterrupted runs (weights and average), and its history's figures differ from theirs by
+no more relatively than theirs from each other, or 1e-4; the exit code is 1 otherwise.
 """
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -34,12 +52,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from src.checkpoint import RESUME_KEYS
+from src import sharded_checkpoint
+from src.checkpoint import RESUME_KEYS, last_position, read_last
 from src.errors import UserError, exit_on_error
 from src.outputs import claim_folder
-from src.tools.agreement import distance
+from src.stopping import CHECK_EVERY
+from src.tools.agreement import TOLERANCE, distance
 from src.tools.commands import ROOT
 
 # RESUMABLE of tests/conftest.py: what a resumed run must restore (dropout's draws, a weight
@@ -50,17 +68,25 @@ PROCESSES = 2
 MEANS = ("sigterm", "sigint", "sigkill")
 TIMINGS = {"train_seconds", "val_seconds", "seconds", "data_wait_seconds"}
 MARK = ".chaos"  # says that this tool wrote the work folder, and may write it again
-WRITES = ("data", "reference", "chaos", "hook", "steps.log", "reference.log", "launch-1.log")
+WRITES = ("data", "reference", "far", "alone", "chaos", "hook", "steps.log", "reference.log", "far.log", "alone.log",
+          "launch-1.log")
+# The worlds that --change-world draws from: (script, processes).
+WORLDS = (("train_single.py", 1), ("train_ddp.py", 1), ("train_ddp.py", 2), ("train_fsdp.py", 1), ("train_fsdp.py", 2))
+CLOSE = 1e-4  # how close the histories' figures must be when the processes change (as the tests hold the modes)
 INTERRUPTED = "interrupted: the launches so far are in the work folder; run the command again (it starts over)"
 
 HOOK = '''"""Written by src/tools/chaos.py: after each optimizer step, the planned stops (CHAOS_PLAN)."""
 import json
+import math
 import os
 import signal
 import time
 
 PLAN = json.loads(os.environ.get("CHAOS_PLAN", "[]"))
 RANK, ATTEMPT = int(os.environ.get("RANK", -1)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+if not UNDER_TORCHRUN and os.environ.get("CHAOS_ALONE"):  # train_single.py: the one process
+    RANK = 0
 
 if RANK >= 0:  # a worker, not torchrun itself
     import src.state as state
@@ -79,7 +105,8 @@ if RANK >= 0:  # a worker, not torchrun itself
             if (event["attempt"], event["rank"], event["step"]) == (ATTEMPT, RANK, done):
                 if event["means"] == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
-                os.kill(os.getppid(), signal.SIGTERM if event["means"] == "sigterm" else signal.SIGINT)
+                target = os.getppid() if UNDER_TORCHRUN else os.getpid()  # torchrun forwards it to every worker
+                os.kill(target, signal.SIGTERM if event["means"] == "sigterm" else signal.SIGINT)
                 for _ in range(3000):  # until torchrun has forwarded it here
                     if self.signals.requested:
                         break
@@ -105,6 +132,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="output folder of an uninterrupted run of the same flags (default: train one)")
     parser.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--launch-timeout", type=float, default=600, help="seconds one launch may take")
+    parser.add_argument("--change-world", action="store_true",
+                        help="resume each launch in another mode and number of processes (the same global batch)")
+    parser.add_argument("--far", default=None,
+                        help="--change-world: output folder of an uninterrupted run of the same flags but twice "
+                             "the --batch-size, the control distance (default: train one)")
+    parser.add_argument("--alone", default=None,
+                        help="--change-world: output folder of an uninterrupted train_single.py run of the same "
+                             "flags and global batch, the float floor (default: train one)")
     args = parser.parse_args(argv)
     for name in ("stops", "epochs", "batch_size", "save_every_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -137,9 +172,47 @@ def plan(rng: random.Random, stops: int, total: int) -> list[list[dict]]:
     return launches
 
 
-def torchrun(restarts: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={PROCESSES}",
-            f"--max-restarts={restarts}", "train_ddp.py"]
+def torchrun(restarts: int, script: str = "train_ddp.py", processes: int = PROCESSES) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+            f"--max-restarts={restarts}", script]
+
+
+def world_command(script: str, processes: int) -> list[str]:
+    """How a launch of that world starts: train_single.py alone, the others under torchrun."""
+    return [sys.executable, script] if script == "train_single.py" else torchrun(0, script, processes)
+
+
+def next_stop(rng: random.Random, done: int, left: int, total: int, previous: tuple[str, int] | None) -> dict:
+    """--change-world's next launch: a world other than `previous`, and its stop (None for the last
+    launch): after step `done` (the furthest the run got), at its share of the steps left, with room
+    for two processes to agree on a signal before the run's end (else a kill)."""
+    world = rng.choice([world for world in WORLDS if world != previous])
+    if not left:
+        return {"world": world, "event": None}
+    means = rng.choice(MEANS)
+    if total - done - 2 * CHECK_EVERY < 1:  # too late for two processes to agree on a signal: a kill
+        means = "sigkill"
+    room = total - done - (2 * CHECK_EVERY if means != "sigkill" else 0)
+    if room < 1:
+        raise UserError(f"{total} optimizer steps leave no room for {left} more stop(s) after step {done}: "
+                        "raise --epochs or lower --batch-size")
+    step = done + rng.randint(1, max(1, room // left))
+    return {"world": world, "event": {"attempt": 0, "rank": rng.randrange(world[1]), "step": step, "means": means}}
+
+
+def history_apart(ours: list[dict], theirs: list[dict]) -> float:
+    """The largest relative difference between two histories' figures (timings left out); infinite
+    where their epochs, fields or sample counts differ."""
+    if len(ours) != len(theirs) or any(a.keys() != b.keys() for a, b in zip(ours, theirs)):
+        return math.inf
+    apart = 0.0
+    for a, b in zip(ours, theirs):
+        for key in a:
+            if isinstance(a[key], float) or isinstance(b[key], float):
+                apart = max(apart, abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-12))
+            elif a[key] != b[key]:
+                return math.inf
+    return apart
 
 
 def launch(command: list[str], env: dict, log: Path, timeout: float) -> int:
@@ -154,12 +227,9 @@ def launch(command: list[str], env: dict, log: Path, timeout: float) -> int:
 
 
 def position(folder: Path) -> tuple[int, int]:
-    """(finished epochs, steps into the next) of folder's last.pth; (0, 0) without one."""
-    path = folder / "last.pth"
-    if not path.exists():
-        return 0, 0
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return int(state["epoch"]), int(state.get("step", 0))
+    """(finished epochs, steps into the next) of folder's last (last.pth, or FSDP's last.dcp: the
+    newer); (0, 0) without one."""
+    return last_position(folder) or (0, 0)
 
 
 def history(folder: Path) -> list[dict]:
@@ -170,7 +240,7 @@ def history(folder: Path) -> list[dict]:
 def compare(out: Path, reference: Path) -> tuple[float, float, bool]:
     """The distance between the weights of two runs' last.pth, between their weight averages, and
     whether their histories match (timings left out); a reference of other flags is refused."""
-    ours, theirs = (torch.load(folder / "last.pth", map_location="cpu", weights_only=True) for folder in (out, reference))
+    ours, theirs = (read_last(folder) for folder in (out, reference))
     for key in RESUME_KEYS + ("epochs",):
         if ours["info"].get(key) != theirs["info"].get(key):
             raise UserError(f"--reference {reference} is another run: its {key} is {theirs['info'].get(key)!r}, "
@@ -189,22 +259,22 @@ def main(argv: list[str] | None = None) -> None:
         write_dataset(data, n_train=201, n_test=0, size=64, seed=2)
     train_images = round(len(list((data / "train").iterdir())) * (1 - 0.5025))
     steps = train_images // (args.batch_size * PROCESSES)
-    epochs = args.epochs or max(3, -(-(3 * args.stops + 2) // steps))  # a signal's stop takes up to 3 steps
+    # A signal's stop takes up to 3 steps; with world changes, up to 2 x CHECK_EVERY, and each
+    # stop gets room for its own.
+    per_stop = 2 * CHECK_EVERY + 2 if args.change_world else 3
+    epochs = args.epochs or max(3, -(-(per_stop * args.stops + 2) // steps))
     total = epochs * steps
-    flags = ["--data-dir", str(data), *FLAGS, "--epochs", str(epochs), "--batch-size", str(args.batch_size)]
-    events = plan(random.Random(args.seed), args.stops, total)
-    print(f"chaos: {args.stops} stops of a {total}-step run (2 processes, --save-every-steps "
-          f"{args.save_every_steps}), seed {args.seed}, in {work}", flush=True)
+    flags = ["--data-dir", str(data), *FLAGS, "--epochs", str(epochs)]
     began = time.time()
-
-    reference = Path(args.reference) if args.reference else work / "reference"
-    if not args.reference:
-        shutil.rmtree(reference, ignore_errors=True)  # an earlier check's, in our own folder
-        code = launch([*torchrun(0), *flags, "--checkpoint", str(reference / "best.pth"),
-                       "--plot", str(reference / "curves.png")], {}, work / "reference.log", args.launch_timeout)
-        if code != 0:
-            raise UserError(f"the uninterrupted run failed (exit {code}); its output is in {work / 'reference.log'}")
-
+    if args.change_world:
+        print(f"chaos: {args.stops} stops of a {total}-step run, each launch in a world drawn anew (global batch "
+              f"{args.batch_size * PROCESSES}, --save-every-steps {args.save_every_steps}), seed {args.seed}, in {work}",
+              flush=True)
+    else:
+        print(f"chaos: {args.stops} stops of a {total}-step run (2 processes, --save-every-steps "
+              f"{args.save_every_steps}), seed {args.seed}, in {work}", flush=True)
+    reference = _straight(args.reference, work / "reference", flags, args.batch_size, work / "reference.log",
+                          args.launch_timeout)
     out = work / "chaos"
     shutil.rmtree(out, ignore_errors=True)
     hook = work / "hook"
@@ -212,27 +282,67 @@ def main(argv: list[str] | None = None) -> None:
     (hook / "sitecustomize.py").write_text(HOOK)
     steps_log = work / "steps.log"
     steps_log.write_text("")
-    for number, events_here in enumerate(events):
-        kills = sum(event["means"] == "sigkill" for event in events_here)
-        env = {"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "CHAOS_PLAN": json.dumps(events_here), "CHAOS_LOG": str(steps_log)}
-        log = work / f"launch-{number + 1}.log"
-        code = launch([*torchrun(kills), *flags, "--save-every-steps", str(args.save_every_steps),
-                       "--log-every", "1", "--checkpoint", str(out / "best.pth"), "--plot", str(out / "curves.png"),
-                       *(["--resume"] if number else [])], env, log, args.launch_timeout)
-        epoch, step = position(out)
-        said = ", ".join(f"{event['means']} (rank {event['rank']}) after step {event['step']}" for event in events_here)
-        print(f"launch {number + 1}: {said or 'no stop'}; exit {code}, last.pth at epoch {epoch} + "
-              f"{step} steps", flush=True)
-        last_launch = number == len(events) - 1
-        if last_launch != (code == 0):
-            raise UserError(f"launch {number + 1} {'failed' if last_launch else 'did not stop'} (exit {code}); "
-                            f"its output is in {log}")
+    common = [*flags, "--save-every-steps", str(args.save_every_steps), "--log-every", "1",
+              "--checkpoint", str(out / "best.pth"), "--plot", str(out / "curves.png")]
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "CHAOS_LOG": str(steps_log)}
+    if args.change_world:
+        far = _straight(args.far, work / "far", flags, 2 * args.batch_size, work / "far.log", args.launch_timeout)
+        alone = _straight(args.alone, work / "alone", flags, PROCESSES * args.batch_size, work / "alone.log",
+                          args.launch_timeout, alone=True)
+        _changing_worlds(args, work, out, common, env, total, steps_log, (reference, alone, far), began)
+    else:
+        _one_world(args, work, out, common, env, total, steps_log, reference, began)
 
+
+def _straight(given: str | None, folder: Path, flags: list[str], batch_size: int, log: Path, timeout: float,
+              alone: bool = False) -> Path:
+    """An uninterrupted run of two DDP processes, or of train_single.py (`alone`): `given` (--reference,
+    --far, --alone), else trained here."""
+    if given:
+        return Path(given)
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier check's, in our own folder
+    command = [sys.executable, "train_single.py"] if alone else torchrun(0)
+    code = launch([*command, *flags, "--batch-size", str(batch_size), "--checkpoint", str(folder / "best.pth"),
+                   "--plot", str(folder / "curves.png")], {}, log, timeout)
+    if code != 0:
+        raise UserError(f"the uninterrupted run failed (exit {code}); its output is in {log}")
+    return folder
+
+
+def _launched(work: Path, number: int, command: list[str], env: dict, out: Path, said: str, last_launch: bool,
+              timeout: float) -> None:
+    """Run one launch; say where it left the run; refuse a launch that did not stop, or a last one
+    that failed."""
+    log = work / f"launch-{number + 1}.log"
+    code = launch([*command, *(["--resume"] if number else [])], env, log, timeout)
+    epoch, step = position(out)
+    kind = "last.dcp" if sharded_checkpoint.whole_folder(out / sharded_checkpoint.NAME) and \
+        sharded_checkpoint.position(out / sharded_checkpoint.NAME) == (epoch, step) else "last.pth"
+    print(f"launch {number + 1}: {said}; exit {code}, {kind} at epoch {epoch} + {step} steps", flush=True)
+    if last_launch != (code == 0):
+        raise UserError(f"launch {number + 1} {'failed' if last_launch else 'did not stop'} (exit {code}); "
+                        f"its output is in {log}")
+
+
+def _steps_done(steps_log: Path, total: int) -> list[int]:
     done = [int(line.split()[1]) for line in steps_log.read_text().splitlines()]
-    redone = len(done) - total
     if sorted(set(done)) != list(range(1, total + 1)):
         raise UserError(f"the steps logged in {steps_log} are not each of 1 to {total}")
+    return done
+
+
+def _one_world(args, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
+               reference: Path, began: float) -> None:
+    """Two DDP processes in every launch, resumed by torchrun after a kill: bit for bit."""
+    events = plan(random.Random(args.seed), args.stops, total)
+    for number, events_here in enumerate(events):
+        kills = sum(event["means"] == "sigkill" for event in events_here)
+        said = ", ".join(f"{event['means']} (rank {event['rank']}) after step {event['step']}" for event in events_here)
+        _launched(work, number, [*torchrun(kills), *common, "--batch-size", str(args.batch_size)],
+                  {**env, "CHAOS_PLAN": json.dumps(events_here)}, out, said or "no stop", number == len(events) - 1,
+                  args.launch_timeout)
+    redone = len(_steps_done(steps_log, total)) - total
     weights, average, same_history = compare(out, reference)
     counts = {means: sum(e["means"] == means for launch_ in events for e in launch_) for means in MEANS}
     print(f"chaos: {args.stops} stops ({', '.join(f'{n} {m}' for m, n in counts.items())}) in {len(events)} launches, "
@@ -240,6 +350,66 @@ def main(argv: list[str] | None = None) -> None:
           f"{weights:g} (weights), {average:g} (average); history {'the same' if same_history else 'DIFFERENT'}")
     if weights != 0 or average != 0 or not same_history:
         sys.exit(1)
+
+
+def _changing_worlds(args, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
+                     straight: tuple[Path, Path, Path], began: float) -> None:
+    """Each launch in a world drawn anew, each stop ending its launch; the verdict against the float floor."""
+    rng, worlds, counts = random.Random(args.seed), [], dict.fromkeys(MEANS, 0)
+    for number in range(args.stops + 1):
+        done = max([0] + [int(line.split()[1]) for line in steps_log.read_text().splitlines()])
+        left = args.stops - number
+        chosen = next_stop(rng, done, left, total, worlds[-1] if worlds else None)
+        (script, processes), event = chosen["world"], chosen["event"]
+        worlds.append((script, processes))
+        batch = args.batch_size * PROCESSES // processes  # the same global batch
+        said = f"{script} x {processes}: " + (f"{event['means']} (rank {event['rank']}) after step {event['step']}"
+                                               if event else "no stop")
+        if event:
+            counts[event["means"]] += 1
+        _launched(work, number, [*world_command(script, processes), *common, "--batch-size", str(batch)],
+                  {**env, "CHAOS_PLAN": json.dumps([event] if event else []), "CHAOS_ALONE": "1"}, out, said,
+                  left == 0, args.launch_timeout)
+    redone = len(_steps_done(steps_log, total)) - total
+    found = verdict(out, *straight)
+    to_two, to_one, floor, far = found["to two"], found["to one"], found["floor"], found["far"]
+    print(f"chaos: {args.stops} stops ({', '.join(f'{n} {m}' for m, n in counts.items())}) in {args.stops + 1} launches "
+          f"in {len(set(worlds))} worlds, {time.time() - began:.0f} s; {redone} of {total} steps done twice")
+    print(f"chaos: distance to the uninterrupted run on 2 processes {to_two[0]:.2g} (weights), {to_two[1]:.2g} "
+          f"(average), on 1 process {to_one[0]:.2g}, {to_one[1]:.2g}, as shares of the control distance {far:.3g} "
+          f"(another global batch); the float floor (1 against 2 processes) {floor[0]:.2g}, {floor[1]:.2g}, the modes' "
+          f"tolerance {TOLERANCE:g}: {'within' if found['ends'] else 'OUTSIDE'}; history {found['apart']:.2g} apart "
+          f"(the floor {found['history floor']:.2g}): {'within' if found['history'] else 'OUTSIDE'}")
+    if not (found["ends"] and found["history"]):
+        sys.exit(1)
+
+
+def verdict(out: Path, reference: Path, alone: Path, far_run: Path) -> dict:
+    """--change-world's verdict on the run in `out` (see the module's docstring): its distances (weights,
+    average) to the uninterrupted runs on 2 processes (`reference`) and on 1 (`alone`), and theirs to
+    each other (the float floor), as shares of `far` (reference against far_run, another global
+    batch); whether it ends within the floor (or TOLERANCE) of one of them; the history's largest
+    relative difference from theirs, and whether it is within theirs from each other (or CLOSE)."""
+    ours, theirs, single, other = (read_last(folder) for folder in (out, reference, alone, far_run))
+    for name, folder, state in (("--reference", reference, theirs), ("--alone", alone, single)):
+        for key in RESUME_KEYS + ("epochs",):
+            if ours["info"].get(key) != state["info"].get(key):
+                raise UserError(f"{name} {folder} is another run: its {key} is {state['info'].get(key)!r}, "
+                                f"not {ours['info'].get(key)!r}")
+    if other["info"].get("batch_size") == theirs["info"]["batch_size"]:
+        raise UserError(f"--far {far_run} has the global batch of the run ({other['info'].get('batch_size')}): "
+                        "the control is the same job with another one")
+    far = distance(theirs["model"], other["model"])
+
+    def share(a: dict, b: dict) -> tuple[float, float]:  # weights, average
+        return distance(a["model"], b["model"]) / far, distance(a["average"]["model"], b["average"]["model"]) / far
+    to_two, to_one, floor = share(ours, theirs), share(ours, single), share(single, theirs)
+    bound = max(floor[0], TOLERANCE), max(floor[1], TOLERANCE)
+    apart = min(history_apart(history(out), history(folder)) for folder in (reference, alone))
+    history_floor = max(history_apart(history(alone), history(reference)), CLOSE)
+    return {"far": far, "to two": to_two, "to one": to_one, "floor": floor,
+            "ends": all(min(a, b) <= limit for a, b, limit in zip(to_two, to_one, bound)),
+            "apart": apart, "history floor": history_floor, "history": apart <= history_floor}
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch
 from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
-from src.checkpoint import RESUME_KEYS, flag_of
+from src.checkpoint import RESUME_KEYS, flag_of, read_last
 from src.cli import OneLineParser, at_least
 from src.datasets import CLASSES
 from src.devices import default_workers, hardware, training_device
@@ -58,6 +58,7 @@ from src.metrics import EPS, batch_sums, summarize
 from src.outputs import atomic_write_text, check_tool_output
 from src.plot import plt
 from src.safe_csv import original
+from src.sharded_checkpoint import NAME, whole_folder
 from src.tools.agreement import TOLERANCE, distance
 
 GALLERY = 24  # validation images in each gallery: the highest loss, the most uncertain
@@ -363,13 +364,16 @@ def job_of(run: Run) -> str:
 
 
 def final_weights(run: Run) -> dict[str, torch.Tensor]:
-    """The weights after the run's last epoch: last.pth's model (memory-mapped), else best.pth.
+    """The weights after the run's last epoch: last.pth's model (memory-mapped) or FSDP's last.dcp's
+    (whichever is newer), else best.pth.
 
     The final weights, not best.pth's: a run of another global batch (the yardstick) may pick
     another best epoch, and the tolerance was measured on the final weights.
     """
     last, best = run.folder / "last.pth", run.folder / "best.pth"
     try:
+        if whole_folder(run.folder / NAME) is not None:
+            return read_last(run.folder)["model"]
         if last.exists():
             return torch.load(last, map_location="cpu", weights_only=True, mmap=True)["model"]
         return torch.load(best, map_location="cpu", weights_only=True, mmap=True)

@@ -18,6 +18,9 @@ attempt only, to itself or to its parent (torchrun), and then waits until the si
 back to it (torchrun forwards it; at most 30 s): the stop then begins in that step.
 SIGNAL_AT_REPLACE=name:k: the process sends itself SIGNAL_NAME as the k-th rename onto `name`
 starts (a second signal during the stop's save).
+KILL_AT_SHARD=k (with KILL_RANK=r): the process of rank r SIGKILLs itself as it starts writing its
+k-th shard file of FSDP's last.dcp (torch.distributed.checkpoint's FileSystemWriter.write_data, in
+dcp.async_save's writing thread), in the first attempt only: a worker dying in the middle of a save.
 STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
@@ -41,8 +44,8 @@ training split mixes nothing, and each training micro-batch that a process's loo
 by src.augment.mixer's transform, which pairs each image with its neighbour in the process's own
 micro-batch (a roll by one) and draws lambda, the box and the choice from the process's generator.
 COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
-COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...):
-the epochs' checkpoints that the next one replaces.
+COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...),
+and FSDP's last.dcp folder to dir/last.K.dcp: the checkpoints that the next one replaces.
 SYNC_CHECK_STEPS=a:b (with SYNC_LOG=path): on a GPU, training micro-batches a to b of every epoch
 run under torch.cuda.set_sync_debug_mode("warn"), and each host synchronisation there that this
 process's Python code makes is recorded with where it was called from (in the main thread, or in
@@ -156,6 +159,19 @@ if (os.environ.get("KILL_AT_STEP") and RANK == os.environ.get("KILL_RANK", "1")
                 log.write(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGKILL)
     _on_step(int(os.environ["KILL_AT_STEP"]), _die)
+
+if (os.environ.get("KILL_AT_SHARD") and RANK == os.environ.get("KILL_RANK", "1")
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+    def _kill_at_shard(sharded):
+        write, shards = sharded._Writer.write_data, [0]
+
+        def write_data(self, *args, **kwargs):
+            shards[0] += 1
+            if shards[0] == int(os.environ["KILL_AT_SHARD"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(self, *args, **kwargs)
+        sharded._Writer.write_data = write_data
+    _after_import("src.sharded_checkpoint", _kill_at_shard)
 
 if os.environ.get("INTERRUPT_AT_STEP") and RANK == "0":
     _on_step(int(os.environ["INTERRUPT_AT_STEP"]), lambda: os.kill(os.getpid(), signal.SIGINT))
@@ -283,6 +299,9 @@ if os.environ.get("COPY_LAST"):
             _copies[0] += 1
             os.makedirs(os.environ["COPY_LAST"], exist_ok=True)
             shutil.copy(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.pth"))
+        if os.path.basename(os.fspath(dst)) == "last.dcp":
+            _copies[0] += 1
+            shutil.copytree(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.dcp"))
         return result
     os.replace = _copy_last
 

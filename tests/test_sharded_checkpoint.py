@@ -1,0 +1,482 @@
+"""FSDP's `last` as a torch.distributed.checkpoint (DCP) folder (src/sharded_checkpoint.py): each
+rank writes its own shards, a step checkpoint while training goes on (dcp.async_save), and no rank
+gathers more than its own; the folder is replaced whole or not at all (a kill in a save, a crash
+between its renames); and a run's last resumes at another number of processes and in another mode
+(FSDP on 2 processes stopped by SIGTERM mid-epoch, resumed by FSDP and by DDP on 1 process with
+twice the --batch-size; DDP's last.pth resumed by FSDP; ResNet-18 with --sync-bn and a weight
+average), ending where the straight run ends within the modes' tolerance."""
+import os
+import shutil
+import socket
+import sys
+import threading
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import (
+    HOOKS,
+    LAUNCH,
+    LEARN,
+    RESUMABLE,
+    TOLERANCE,
+    VAL,
+    assert_same_run,
+    distance,
+    fails_in_process,
+    in_process,
+    last_model,
+    outputs,
+    run,
+    same_end,
+    shard_as_train_fsdp,
+    stop_line,
+    weights,
+)
+
+import train_ddp
+import train_fsdp
+from src import sharded_checkpoint
+from src.errors import UserError, end_process_group
+
+SHARDS = [".metadata", "__0_0.distcp", "__1_0.distcp", "training.pt"]
+TORCHRUN = LAUNCH["fsdp"]()[:-1]  # two processes, without the script
+# 100 training images in global batches of 10 (5 per process): 10 steps an epoch, so that a stop
+# under torchrun, agreed every CHECK_EVERY = 4 steps, falls inside an epoch.
+FLAGS = [*RESUMABLE, *VAL, "--epochs", "2"]
+
+
+# Two real gloo ranks (torch.multiprocessing's spawn), saving a step checkpoint of a small sharded
+# model through the training state, as train_fsdp.py does.
+
+def _model() -> nn.Module:
+    """Linear layers whose rows do not split evenly in two (45 and 3: 23 + 22, 2 + 1), batch norm."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 45), nn.BatchNorm1d(45), nn.Linear(45, 3))
+
+
+def _state(folder: Path, model: nn.Module):
+    """The training state train_fsdp.py makes around the sharded model: SGD with momentum, a weight
+    average, after a step on this rank's own batch."""
+    from src.cli import parse_args
+    from src.ema import WeightAverage
+    from src.recipe import make_optimizer, make_schedule
+    from src.state import TrainingState
+    args = parse_args("", ["--checkpoint", str(folder / "best.pth"), "--ema-decay", "0.9"])
+    optimizer = make_optimizer(model, args, torch.device("cpu"))
+    average = WeightAverage(model, optimizer, 0.9)
+    state = TrainingState(args, {"run": "ours"}, model, optimizer, torch.amp.GradScaler("cpu", enabled=False),
+                          make_schedule(optimizer, args, 10), average, steps_per_epoch=10)
+    return state
+
+
+def _step(state, rank: int) -> None:
+    generator = torch.Generator().manual_seed(rank + 10 * state.step)
+    inputs, labels = torch.randn(8, 64, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+    F.cross_entropy(state.model(inputs), labels).backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+
+
+def _whole(state) -> dict:
+    """The whole weights, optimizer state and average as train_fsdp.py gathered them before (rank 0)."""
+    from src.fsdp import whole_average, whole_model, whole_optimizer
+    return {"model": whole_model(state.model), "optimizer": whole_optimizer(state.model, state.optimizer),
+            "average": whole_average(state.model, state.average)}
+
+
+def _two_ranks_save(rank: int, folder: Path) -> dict:
+    """A step checkpoint with dcp.async_save whose writing is held until the next training step is
+    done (a writer that waits for it); the memory each rank's save takes (HeldBytes) against the
+    gather of before; what every rank sees of a folder only rank 0 has."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import _check_shared
+    from src.fsdp import whole_average, whole_model, whole_optimizer
+    from src.tools.checkpoint_cost import HeldBytes, rank_tensors
+    model = _model()
+    shard_as_train_fsdp(model)
+    state = _state(folder, model)
+    for _ in range(3):
+        _step(state, rank)
+    local = [tensor for tensor in rank_tensors(model, state.optimizer, state.average)]
+    found = {"local": sum(t.numel() * t.element_size() for t in local),
+             "largest local": max(t.numel() * t.element_size() for t in local)}
+    with HeldBytes(local) as held:  # the gather of before: whole tensors on rank 0
+        saved_whole = _whole(state)
+    found["gather"] = (held.peak, held.largest)
+
+    released, waited = threading.Event(), []
+    write_data = sharded_checkpoint._Writer.write_data
+
+    def held_back(self, *args, **kwargs):  # the writing thread waits for the training's next step
+        waited.append(released.wait(timeout=20))
+        return write_data(self, *args, **kwargs)
+    sharded_checkpoint._Writer.write_data = held_back
+    try:
+        held = HeldBytes(local)  # on while the save runs in this thread, not while the step runs
+        with held:
+            state.save_step(torch.tensor([1.0, 2.0, 3.0, 4.0 + rank]), write=dcp.async_save)
+        found["returned before writing"] = not waited
+        _step(state, rank)  # training goes on while the shards are written
+        released.set()
+        with held:
+            state.shard_writer.wait()
+        found["async"] = (held.peak, held.largest)
+        found["waited"] = waited
+    finally:
+        sharded_checkpoint._Writer.write_data = write_data
+    dist.barrier()
+    last = folder / "last.dcp"
+    if rank == 0:
+        found["files"] = sorted(os.listdir(last))
+        found["beside"] = sorted(os.listdir(folder))
+        found["saved"] = sharded_checkpoint.read_whole(last)  # no process group needed
+        found["whole"] = saved_whole
+    found["after"] = {"model": whole_model(model), "optimizer": whole_optimizer(model, state.optimizer),
+                      "average": whole_average(model, state.average)}
+    try:
+        _check_shared(last if rank == 0 else folder / "elsewhere" / "last.dcp", "the folder")
+    except UserError as error:
+        found["shared"] = str(error)
+    return found
+
+
+def _rank(rank: int, port: int, folder: str, results: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        result = {"value": _two_ranks_save(rank, Path(folder))}
+    except BaseException as error:
+        result = {"error": "".join(traceback.format_exception(error))}
+    finally:
+        end_process_group()
+    torch.save(result, f"{results}.{rank}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(module_tmp):
+    folder = module_tmp / "two"
+    folder.mkdir()
+    mp.start_processes(_rank, args=(_free_port(), str(folder), str(module_tmp / "result")), nprocs=2,
+                       start_method="spawn")
+    found = []
+    for rank in (0, 1):
+        saved = torch.load(module_tmp / f"result.{rank}", weights_only=False)
+        assert "error" not in saved, saved["error"][-3000:]
+        found.append(saved["value"])
+    return folder, found
+
+
+def test_each_rank_writes_its_own_shard_and_none_holds_the_whole_state(two_ranks):
+    """The folder holds one shard file per rank, DCP's metadata and training.pt, and nothing is
+    left beside it. The save makes no tensor larger than the rank's largest shard, and at most a
+    copy of the rank's own shards (the staging of dcp.async_save, which its thread writes from)
+    and one shard more (bounds from each rank's tensors, not measured), where the gather of before
+    made whole tensors and held the whole weights, optimizer state and average on rank 0 (the
+    control: HeldBytes sees them)."""
+    folder, ranks = two_ranks
+    assert ranks[0]["files"] == SHARDS
+    assert ranks[0]["beside"] == ["last.dcp"], "no temporary folder, no previous one, no last.pth"
+    model_bytes = sum(t.numel() * t.element_size() for key, t in ranks[0]["whole"]["model"].items()
+                      if key in dict(_model().named_parameters()))
+    for rank in ranks:
+        peak, largest = rank["async"]
+        assert largest <= rank["largest local"], (largest, rank["largest local"])
+        assert peak <= rank["local"] + rank["largest local"], (peak, rank["local"])
+    gather_peak, gather_largest = ranks[0]["gather"]
+    assert gather_peak >= 3 * model_bytes > ranks[0]["local"] + ranks[0]["largest local"]  # weights, momentum, average
+    assert gather_largest > max(rank["largest local"] for rank in ranks)
+
+
+def test_a_step_checkpoint_is_written_while_training_goes_on_and_holds_its_step(two_ranks):
+    """save_step with dcp.async_save returns before any shard is written (the writing thread
+    waited for the next training step, which changed every weight); what it wrote is the state at
+    the save, read whole without a process group: the weights, momentum, average and its count
+    of the gather, bit for bit."""
+    _, ranks = two_ranks
+    for rank in ranks:
+        assert rank["returned before writing"] and rank["waited"] == [True]
+    saved, whole, after = ranks[0]["saved"], ranks[0]["whole"], ranks[0]["after"]
+    assert (saved["epoch"], saved["step"], saved["info"]) == (0, 3, {"run": "ours"})
+    assert saved["partial"]["sums"].tolist() == [[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 5.0]]  # each rank's row
+    for part in ("model",):
+        assert saved[part].keys() == whole[part].keys()
+        assert all(torch.equal(saved[part][key], whole[part][key]) for key in whole[part])
+    assert saved["optimizer"]["param_groups"] == whole["optimizer"]["param_groups"]
+    assert sorted(saved["optimizer"]["state"]) == sorted(whole["optimizer"]["state"]) == list(range(8))
+    for number, state in whole["optimizer"]["state"].items():
+        assert torch.equal(saved["optimizer"]["state"][number]["momentum_buffer"], state["momentum_buffer"])
+    assert saved["average"]["updates"] == whole["average"]["updates"] == 3
+    assert all(torch.equal(saved["average"]["model"][key], value) for key, value in whole["average"]["model"].items())
+    moved = [key for key in whole["model"] if not torch.equal(after["model"][key], whole["model"][key])]
+    assert "0.weight" in moved and "4.bias" in moved, "the next step changed the weights during the write"
+
+
+def test_every_rank_must_see_the_folder(two_ranks):
+    _, ranks = two_ranks
+    assert ranks[0]["shared"] == ("cannot resume from the folder: rank(s) 1 do not see it; FSDP's last.dcp must be "
+                                  "in a folder that every node shares (--checkpoint)")
+
+
+def test_two_ranks_shards_load_into_one_rank(two_ranks, world_of_one_group):
+    """The two ranks' last.dcp loaded into the shards of a world of one (DCP cuts each tensor from
+    the two saved pieces): the weights, momentum and average that were saved, bit for bit."""
+    folder, ranks = two_ranks
+    from src.fsdp import whole_average, whole_model, whole_optimizer
+    model = _model()
+    shard_as_train_fsdp(model)
+    state = _state(folder, model)
+    saved = ranks[0]["saved"]
+    sharded_checkpoint.load_shards(folder / "last.dcp", model, state.optimizer, state.average,
+                                   saved["average"]["updates"])
+    loaded = {"model": whole_model(model), "optimizer": whole_optimizer(model, state.optimizer),
+              "average": whole_average(model, state.average)}
+    assert all(torch.equal(loaded["model"][key], value) for key, value in saved["model"].items())
+    for number, value in saved["optimizer"]["state"].items():
+        assert torch.equal(loaded["optimizer"]["state"][number]["momentum_buffer"], value["momentum_buffer"])
+    assert loaded["average"]["updates"] == 3
+    assert all(torch.equal(loaded["average"]["model"][key], value) for key, value in saved["average"]["model"].items())
+
+
+@pytest.fixture
+def world_of_one_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    end_process_group()
+
+
+def test_a_last_dcp_that_diverged_is_refused(tmp_path, world_of_one_group):
+    """A step checkpoint whose weights are not finite (a run that diverged inside an epoch): --resume
+    refuses it in one line naming the folder and a tensor, as it refuses such a last.pth."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import run_info
+    model = _model()
+    shard_as_train_fsdp(model)
+    state = _state(tmp_path, model)
+    _step(state, 0)
+    with torch.no_grad():
+        model[2].weight.to_local()[0, 0] = float("nan")
+    state.info = info = run_info(state.args, 8, "digest")
+    state.save_step(torch.zeros(4), write=dcp.save)
+    again = _model()
+    shard_as_train_fsdp(again)
+    resumed = _state(tmp_path, again)
+    resumed.args.resume, resumed.info = True, info
+    with pytest.raises(UserError, match=f"^{tmp_path / 'last.dcp'} holds weights that are not finite .NaN or infinity. "
+                                        "in 1 tensor.s., first 2.weight: it comes from a run that diverged"):
+        resumed.resume()
+
+
+def test_a_folder_holding_a_last_dcp_holds_an_earlier_run(fsdp_stopped, tmp_path, monkeypatch, capsys, world_of_one):
+    """Without --resume a new run there is refused, as over a last.pth; --overwrite removes it (and
+    what a save left beside it) before any training."""
+    from types import SimpleNamespace
+
+    from src.outputs import _check_overwrite, output_paths
+    shutil.copytree(fsdp_stopped[0], tmp_path / "out")
+    fails_in_process(train_fsdp.main, ["--data-dir", str(tmp_path / "nowhere"), *outputs(tmp_path / "out")],
+                     monkeypatch, capsys, f"{tmp_path / 'out'} holds the files of an earlier run (last.dcp): pass --resume")
+    _folder(tmp_path / "out" / ".last.dcp.12-4.tmp", "half")
+    args = SimpleNamespace(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
+                           overwrite=True, resume=False)
+    _check_overwrite(args, output_paths(args))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock"]  # the lock file stays, meaning nothing
+
+
+# Replaced whole or not at all.
+
+def _folder(path: Path, content: str) -> Path:
+    path.mkdir(parents=True)
+    (path / "training.pt").write_text(content)
+    return path
+
+
+def test_a_crash_between_the_renames_leaves_the_previous_folder_which_the_next_start_puts_back(tmp_path, monkeypatch):
+    last = _folder(tmp_path / "last.dcp", "old")
+    new = _folder(tmp_path / ".last.dcp.6-2.tmp", "new")
+    replace, calls = os.replace, []
+
+    def crash_after_the_first(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process ends here
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", crash_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        sharded_checkpoint.commit(new, last)
+    monkeypatch.setattr(os, "replace", replace)
+    assert not last.exists() and sharded_checkpoint.whole_folder(last) == tmp_path / ".last.dcp.previous"
+    assert (sharded_checkpoint.whole_folder(last) / "training.pt").read_text() == "old"
+    sharded_checkpoint.repair(last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp"] and (last / "training.pt").read_text() == "old"
+    # A crash after both renames: the new one is in place, the previous one goes at the next start.
+    _folder(tmp_path / ".last.dcp.previous", "older")
+    sharded_checkpoint.repair(last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp"] and (last / "training.pt").read_text() == "old"
+    new = _folder(tmp_path / ".last.dcp.9-3.tmp", "newer")
+    sharded_checkpoint.commit(new, last, replaces=tmp_path / "last.pth")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp"] and (last / "training.pt").read_text() == "newer"
+
+
+def test_resume_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
+    from src.checkpoint import _newer_here
+    torch.save({"epoch": 1, "step": 0}, tmp_path / "last.pth")
+    (tmp_path / "last.dcp").mkdir()
+    torch.save({"epoch": 1, "step": 3}, tmp_path / "last.dcp" / "training.pt")
+    assert _newer_here(tmp_path / "last.pth", sharded=False) == ((1, 3), 0, str(tmp_path / "last.dcp"))
+    torch.save({"epoch": 2, "step": 0}, tmp_path / "last.pth")
+    assert _newer_here(tmp_path / "last.pth", sharded=True) == ((2, 0), 0, str(tmp_path / "last.pth"))
+    torch.save({"epoch": 1, "step": 3}, tmp_path / "last.pth")  # the same place: the one this mode writes
+    assert _newer_here(tmp_path / "last.pth", sharded=True)[2] == str(tmp_path / "last.dcp")
+    assert _newer_here(tmp_path / "last.pth", sharded=False)[2] == str(tmp_path / "last.pth")
+
+
+# Stopped on two processes, resumed elsewhere (the real scripts).
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """The environment torchrun gives a world of one, on a free port, for a script's main() here."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(name, value)
+    yield
+    end_process_group()
+
+
+# SIGTERM to rank 0 in step 1 (as SLURM sends it to each task; torchrun, which would forward it,
+# gives its workers 30 s before it kills them, less than ResNet-18's steps take here): the ranks
+# agree after step 4 and stop after step 8 of epoch 1, exit code 75.
+SIGTERM_AT_STEP_1 = {"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_NAME": "SIGTERM"}
+
+
+def _stopped(mode: str, exact_data, folder: Path, *flags: str, env: dict | None = None):
+    """A two-process run of `mode` (5 images a process) with --save-every-steps 3, stopped by SIGTERM."""
+    script = "train_fsdp.py" if mode == "fsdp" else "train_ddp.py"
+    result = run([*TORCHRUN, script, "--data-dir", str(exact_data), *(flags or FLAGS), "--batch-size", "5",
+                  "--save-every-steps", "3", "--log-every", "1", *outputs(folder)],
+                 env={**SIGTERM_AT_STEP_1, **(env or {})}, timeout=900)
+    assert result.returncode == 1 and "exitcode: 75" in result.stderr, result.stderr[-3000:]
+    where = folder / ("last.dcp" if mode == "fsdp" else "last.pth")
+    assert stop_line(result.stderr).startswith(f"stopped by SIGTERM at epoch 1 step 8 of 10: {where} saved there;")
+    return result
+
+
+def _resume(main, data, folder: Path, monkeypatch, capsys, *extra: str) -> str:
+    code, out, err = in_process(main, ["--data-dir", str(data), *FLAGS, "--workers", "0", "--batch-size", "10",
+                                       "--resume", *extra, *outputs(folder)], monkeypatch, capsys)
+    end_process_group()
+    assert code == 0, err[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_stopped(exact_data, module_tmp):
+    folder = module_tmp / "fsdp-stopped"
+    result = _stopped("fsdp", exact_data, folder)
+    return folder, result
+
+
+def test_an_fsdp_run_stopped_on_two_processes_leaves_one_shard_per_rank(fsdp_stopped):
+    folder, result = fsdp_stopped
+    assert sorted(os.listdir(folder / "last.dcp")) == SHARDS
+    assert not (folder / "last.pth").exists() and sharded_checkpoint.position(folder / "last.dcp") == (0, 8)
+
+
+@pytest.mark.parametrize("main", [train_fsdp.main, train_ddp.main], ids=["fsdp", "ddp"])
+def test_resumed_on_one_process_with_twice_the_batch_it_ends_where_the_straight_run_does(
+        main, fsdp_stopped, runs, far, tmp_path, world_of_one, monkeypatch, capsys):
+    """The stopped FSDP run's last.dcp, resumed by one process of FSDP (DCP reshards the two
+    ranks' pieces into one) or of DDP (read whole) with --batch-size 10: the finished steps
+    skipped, both ranks' partial sums taken by the one, it ends where the straight two-process FSDP
+    run ends (weights, average, history) within the modes' tolerance."""
+    folder, _ = fsdp_stopped
+    shutil.copytree(folder, tmp_path / "out")
+    printed = _resume(main, runs.exact_data, tmp_path / "out", monkeypatch, capsys)
+    assert f"resumed from {tmp_path / 'out' / 'last.dcp'} in epoch 1 of 2 after its step 8: going on" in printed
+    straight = runs("fsdp", *FLAGS, "--batch-size", "5")[0]
+    assert_same_run(tmp_path / "out", straight, far)
+    assert (tmp_path / "out" / "last.dcp").exists() == (main is train_fsdp.main)
+    assert (tmp_path / "out" / "last.pth").exists() == (main is train_ddp.main), "one last, the newest"
+
+
+def test_a_ddp_last_pth_resumes_under_fsdp_on_one_process(exact_data, runs, far, tmp_path, world_of_one, monkeypatch,
+                                                           capsys):
+    """DDP's step checkpoint of two processes (whole tensors, each rank's sums) into FSDP's shards
+    of one process, weight average and all: the same end as the straight DDP run."""
+    _stopped("ddp", exact_data, tmp_path / "out")
+    assert weights(tmp_path / "out", "last.pth")["step"] == 8
+    printed = _resume(train_fsdp.main, runs.exact_data, tmp_path / "out", monkeypatch, capsys)
+    assert f"resumed from {tmp_path / 'out' / 'last.pth'} in epoch 1 of 2 after its step 8" in printed
+    assert_same_run(tmp_path / "out", runs("ddp", *FLAGS, "--batch-size", "5")[0], far)
+    assert not (tmp_path / "out" / "last.pth").exists(), "last.dcp replaced it"
+
+
+def test_another_global_batch_is_refused_before_any_work(fsdp_stopped, runs, tmp_path, world_of_one, monkeypatch,
+                                                         capsys):
+    shutil.copytree(fsdp_stopped[0], tmp_path / "out")
+    fails_in_process(train_fsdp.main, ["--data-dir", str(runs.exact_data), *FLAGS, "--workers", "0", "--batch-size",
+                                       "5", "--resume", *outputs(tmp_path / "out")], monkeypatch, capsys,
+                     f"{tmp_path / 'out' / 'last.dcp'} was trained with --batch-size (x processes x --accumulate) 10, "
+                     "not 5")
+    assert sharded_checkpoint.position(tmp_path / "out" / "last.dcp") == (0, 8)
+
+
+def test_a_kill_in_a_save_leaves_the_previous_last_dcp_and_the_restart_goes_on_from_it(exact_data, runs, tmp_path):
+    """Rank 1 killed as it starts writing its shard of the second step checkpoint (after step 6;
+    the first was after step 3): torchrun restarts both workers, which find last.dcp of step 3 whole
+    (the half-written new folder removed) and end bit for bit where the straight run does."""
+    straight = runs("fsdp", *FLAGS, "--batch-size", "5")[0]
+    result = run([*TORCHRUN, "--max-restarts=1", "train_fsdp.py", "--data-dir", str(exact_data), *FLAGS, "--batch-size",
+                  "5", "--save-every-steps", "3", *outputs(tmp_path)],
+                 env={"PYTHONPATH": HOOKS, "KILL_AT_SHARD": "2", "KILL_RANK": "1"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exitcode: -9" in result.stderr
+    assert f"resumed from {tmp_path / 'last.dcp'} in epoch 1 of 2 after its step 3: going on" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".last", "last"))) == ["last.dcp"]
+    same_end(tmp_path, straight)
+
+
+# ResNet-18 with batch norm synchronised and a weight average, in float64 (test_sync_bn.py says why).
+
+RESNET = [*LEARN, *VAL, "--workers", "0", "--epochs", "2", "--sync-bn", "--ema-decay", "0.9"]
+FLOAT64 = {"FLOAT64": "1"}
+
+
+@pytest.mark.parametrize("script", ["train_fsdp.py", "train_ddp.py"])
+def test_resnet18_with_sync_bn_and_ema_stopped_on_two_resumes_on_one(script, exact_data, runs, module_tmp, tmp_path):
+    """FSDP on two processes (--sync-bn, --ema-decay) stopped mid-epoch, resumed by one process of
+    FSDP or DDP with twice the batch: the weights, their average and batch norm's statistics end
+    where the straight two-process run's do; the yardstick is the same job with another global
+    batch."""
+    stopped = module_tmp / "resnet-stopped"
+    if not stopped.exists():
+        _stopped("fsdp", exact_data, stopped, *RESNET, env=FLOAT64)
+    shutil.copytree(stopped, tmp_path / "out")
+    result = run([sys.executable, script, "--data-dir", str(exact_data), *RESNET, "--batch-size", "10", "--resume",
+                  *outputs(tmp_path / "out")], env={"PYTHONPATH": HOOKS, **FLOAT64})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "in epoch 1 of 2 after its step 8: going on" in result.stdout
+    straight = runs("fsdp", *RESNET, "--batch-size", "5", env=FLOAT64)[0]
+    other = runs("single", *RESNET, "--batch-size", "20", env=FLOAT64)[0]
+    far = distance(last_model(other), last_model(straight))
+    assert_same_run(tmp_path / "out", straight, far)
+    statistics = [key for key in last_model(straight) if "running" in key]
+    assert statistics and distance({k: last_model(tmp_path / "out")[k] for k in statistics},
+                                   {k: last_model(straight)[k] for k in statistics}) < TOLERANCE * far
