@@ -149,8 +149,8 @@ MUTATIONS = [
       "tests/test_modes.py::test_ddp_validation_metrics_are_what_one_process_computes"]),
     ("train_ddp.py", "    if rank == 0:\n        print(run_header(", "    if True:\n        print(run_header(",
      ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
-    ('src/state.py', '        if not is_first():\n            return False\n',
-     '        if False:\n            return False\n',
+    ('src/state.py', '            if not is_first():\n                return False\n',
+     '            if False:\n                return False\n',
      ['tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans']),
     ("src/loaders.py", "table = from_rank_0(lambda: load_labels(data_dir, show))", "table = load_labels(data_dir, show)",
      ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
@@ -1359,6 +1359,9 @@ MUTATIONS = [
      ['tests/test_chaos.py::test_each_stop_is_planned_in_the_steps_left_and_another_world']),
     ('src/tools/chaos.py', '"ends": all(min(a, b) <= limit for a, b, limit in zip(to_two, to_one, bound)),', '"ends": True,',
      ['tests/test_chaos.py::test_the_world_verdict_refuses_a_run_of_another_global_batch']),
+    ('src/state.py', "        if self.tracker is not None:  # rank 0's\n",
+     "        if self.tracker is not None and not is_sharded(self.optimizer):  # rank 0's\n",
+     ['tests/test_tracking_scripts.py::test_fsdp_logs_each_epoch_after_its_sharded_save']),
 ]
 
 

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import EXACT, HOOKS, LAUNCH, VAL, fails_in_process, history, in_process, outputs, python, run
+from conftest import EXACT, HOOKS, LAUNCH, VAL, fails_in_process, history, in_process, outputs, python, run, weights
 
 import train_single
 from src.tracking import EXIT_CODES, PROJECT, default_uri, wandb_files, wandb_history, wandb_records
@@ -44,7 +43,8 @@ def _report_steps(steps_per_epoch: int, every: int, epochs: int = 2) -> list[int
 
 
 def _saved(out: Path) -> dict:
-    return torch.load(out / "last.pth", map_location="cpu", weights_only=True)
+    """The run's last: last.pth, or FSDP's last.dcp read whole."""
+    return weights(out, "last.pth")
 
 
 def _store(out: Path):
@@ -187,6 +187,16 @@ def test_accelerate_stopped_and_resumed_is_one_tracked_run(exact_data, tmp_path)
     _assert_one_finished_run(out, info, "accelerate", steps)
     _assert_one_wandb_run(out, info["tracking"]["wandb"], 2, steps)
     assert {path.parent.name for path in (tmp_path / "tb").rglob("events.out.tfevents.*")} == {PROJECT}
+
+
+def test_fsdp_logs_each_epoch_after_its_sharded_save(exact_data, tmp_path):
+    """train_fsdp.py on 2 processes writes last.dcp (each rank its shards), not last.pth: its tracked
+    run still logs each epoch once, FINISHED, its id in last.dcp and best.json."""
+    out = tmp_path / "out"
+    result = run([*LAUNCH["fsdp"](), *_flags(exact_data, out, 5, 4, "--track", "mlflow")], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "last.dcp").is_dir() and not (out / "last.pth").exists()
+    _assert_one_finished_run(out, _saved(out)["info"], "fsdp", _report_steps(10, 4))
 
 
 def test_a_run_that_fails_ends_its_tracked_run_failed(exact_data, tmp_path, monkeypatch, capsys):
