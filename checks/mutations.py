@@ -953,9 +953,9 @@ MUTATIONS = [
     ('src/state.py', '            close_bars()\n',
      '',
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
-    ('src/state.py', '        rows = gather(sums.detach().float().cpu())',
-     '        rows = [sums.detach().float().cpu()]',
-     ['tests/test_stopping.py::test_a_two_rank_step_checkpoint_resumes_in_one_process_with_both_ranks_sums']),
+    ('src/state.py', '    if not (dist.is_initialized() and dist.get_world_size() > 1):\n        return mine.unsqueeze(0)',
+     '    if True:\n        return mine.unsqueeze(0)',
+     ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
     ('train_ddp.py', "        torch.cuda.set_device(device)  # the process's",
      "        pass  # the process's",
      ['tests/test_scripts.py::test_each_script_calls_its_modes_api_and_no_other_modes']),
@@ -1200,6 +1200,17 @@ MUTATIONS = [
      ['tests/test_tracking.py::test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record']),
     ('src/cli.py', '    check_tracking(parser, args)\n', '',
      ['tests/test_tracking.py::test_tracking_flags_refused_when_parsed', 'tests/test_tracking.py::test_a_tracker_not_installed_is_refused_when_parsed']),
+    # The GPU path of issue 46: step checkpoints in the background, the stop agreement's read, the
+    # stop bound, the heartbeat under NCCL, the proof and make test-gpu.
+    ('src/checkpoint_writer.py', '        self.thread.start()', '        self.thread.start()\n        self.thread.join()',
+     ['tests/test_checkpoint_writer.py::test_the_steps_after_a_save_train_while_it_is_written']),
+    ('src/checkpoint_writer.py', '        buffer.copy_(tensor, non_blocking=pinned)\n        return buffer', '        return tensor',
+     ['tests/test_checkpoint_writer.py::test_the_steps_after_a_save_train_while_it_is_written']),
+    ('src/state.py', '        self.writer.wait()  # a step\'s last.pth still being written', '        pass  #',
+     ['tests/test_checkpoint_writer.py::test_an_epochs_last_pth_is_never_replaced_by_an_older_steps_write']),
+    ('src/checkpoint_writer.py', '        error, self.error = self.error, None', '        error, self.error = None, None',
+     ['tests/test_checkpoint_writer.py::test_a_write_that_fails_says_so_in_the_training_thread']),
+
 ]
 
 

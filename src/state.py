@@ -9,22 +9,27 @@ rank's metric sums of them and the seconds they took. Nothing random is saved: d
 augmentation are functions of (seed, epoch, sample), so a resumed epoch that skips the finished
 steps' samples draws what an uninterrupted run draws.
 
-Under FSDP (sharded parameters) every save gathers the whole tensors onto rank 0 first
-(src/fsdp.py), so every rank calls the saves; rank 0 alone writes.
+A step checkpoint is written in the background (src/checkpoint_writer.py): the next steps train
+while it goes to disk; every other write of last.pth, a stop and the end of the training block
+wait for it first. Under FSDP (sharded parameters) every save gathers the whole tensors onto rank
+0 first (src/fsdp.py), so every rank calls the saves; rank 0 alone writes, there in the training
+thread.
 """
+import contextlib
 import time
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from src import checkpoint
+from src.checkpoint_writer import CheckpointWriter
 from src.errors import Stopped
 from src.fsdp import is_sharded, whole_average, whole_model, whole_optimizer
 from src.heartbeat import Heartbeat
 from src.history import epoch_record
-from src.outputs import output_paths
-from src.ranks import gather, is_first
+from src.outputs import atomic_torch_save, output_paths
+from src.ranks import is_first
 from src.stopping import StopSignals, how_to_go_on, signal_name
 
 
@@ -43,6 +48,7 @@ class TrainingState:
         self.began = time.time()  # when this process began the current epoch's training
         self.data_wait = 0.0  # seconds this process waited for its training data in the current epoch
         self.signals: StopSignals | None = None
+        self.writer = CheckpointWriter()  # rank 0's step checkpoints, in the background
 
     # Resume.
 
@@ -90,16 +96,18 @@ class TrainingState:
 
     def save_step(self, sums: torch.Tensor) -> None:
         """last.pth here, inside the epoch; best.pth, history.json and the plot stay those of the last
-        finished epoch. Every rank calls it: each rank's sums go into the file (a host read, at a
-        checkpoint only), and FSDP's shards are gathered."""
-        rows = gather(sums.detach().float().cpu())
-        partial = {"sums": torch.stack(rows), "train_seconds": self.train_seconds(),
+        finished epoch. Every rank calls it: each rank's sums go into the file (gathered where they
+        are: no host read), and FSDP's shards are gathered. Rank 0 writes it in the background."""
+        partial = {"sums": _every_rank(sums), "train_seconds": self.train_seconds(),
                    "data_wait_seconds": self.data_wait}
         last = self._last_state(step=self.step, partial=partial)
         if is_first():
             self.heartbeat.at("saving")
-            from src.outputs import atomic_torch_save
-            atomic_torch_save(last, output_paths(self.args)["last"])
+            if is_sharded(self.optimizer):  # gathered into new host tensors: written here, as at an epoch's end
+                self.writer.wait()
+                atomic_torch_save(last, output_paths(self.args)["last"])
+            else:
+                self.writer.save(last, output_paths(self.args)["last"])
 
     def record(self, train_sums: torch.Tensor, val_sums: torch.Tensor, average_sums: torch.Tensor | None,
                train_seconds: float, val_seconds: float) -> dict:
@@ -122,6 +130,7 @@ class TrainingState:
         if not is_first():
             return False
         self.heartbeat.at("saving")
+        self.writer.wait()  # a step's last.pth still being written must not land after this one
         return checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
 
     def _last_state(self, step: int = 0, partial: dict | None = None, model_state: dict | None = None) -> dict:
@@ -138,11 +147,20 @@ class TrainingState:
 
     # Stop.
 
-    def stop_signals(self) -> StopSignals:
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[StopSignals]:
         """The block in which SIGTERM, SIGUSR1 and Ctrl-C stop the run at an optimizer step that every
-        rank agrees on (src/stopping.py); their handlers are put back when it ends."""
+        rank agrees on (src/stopping.py); their handlers are put back when it ends, after the step
+        checkpoint being written is on disk (however the block ends)."""
         self.signals = StopSignals()
-        return self.signals
+        with self.signals:
+            try:
+                yield self.signals
+            except BaseException:
+                with contextlib.suppress(Exception):  # the error in flight is the one to tell
+                    self.writer.wait()
+                raise
+            self.writer.wait()
 
     def stop_agreed(self, now: bool = False) -> bool:
         """Whether a stop signal came to any rank and every rank stops here: after an optimizer step
@@ -156,6 +174,7 @@ class TrainingState:
         """Every rank ends here, after the step or epoch last.pth holds: rank 0 says where and how to
         go on, and no rank leaves before the file is there (exit code 75, src/errors.py)."""
         last = output_paths(self.args)["last"]
+        self.writer.wait()  # the stop's step checkpoint is on disk before anyone says so
         if self.step:
             where = f"at epoch {self.epoch + 1} step {self.step} of {self.steps_per_epoch}: {last} saved there"
         elif self.epoch:
@@ -171,3 +190,14 @@ class TrainingState:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         raise Stopped()
+
+
+def _every_rank(sums: torch.Tensor) -> torch.Tensor:
+    """Every rank's metric sums, one row per rank, on every rank, where they are (all_gather: no
+    host read; the checkpoint's copy brings them to the host)."""
+    mine = sums.detach().float().clone()  # the loop goes on adding to `sums`
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine.unsqueeze(0)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows)

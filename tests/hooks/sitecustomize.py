@@ -18,6 +18,9 @@ attempt only, to itself or to its parent (torchrun), and then waits until the si
 back to it (torchrun forwards it; at most 30 s): the stop then begins in that step.
 SIGNAL_AT_REPLACE=name:k: the process sends itself SIGNAL_NAME as the k-th rename onto `name`
 starts (a second signal during the stop's save).
+KILL_IN_WRITE=name:k: the process SIGKILLs itself in the middle of its k-th write of a file called
+`name` (src.outputs.atomic_write): part of the content is in the temporary file, flushed, and the
+rename never comes (a kill while a step checkpoint is written in the background).
 STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
@@ -174,6 +177,27 @@ if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
         time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
+
+if os.environ.get("KILL_IN_WRITE"):
+    def _kill_in_write(outputs):
+        name, k = os.environ["KILL_IN_WRITE"].split(":")
+        atomic_write, writes = outputs.atomic_write, [0]
+
+        def killed_in(path, write, *args, **kwargs):
+            if os.path.basename(os.fspath(path)) != name:
+                return atomic_write(path, write, *args, **kwargs)
+            writes[0] += 1
+            if writes[0] != int(k):
+                return atomic_write(path, write, *args, **kwargs)
+
+            def half(file):
+                file.write(b"PK\x03\x04 half of a checkpoint")
+                file.flush()
+                os.fsync(file.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+            return atomic_write(path, half, *args, **kwargs)
+        outputs.atomic_write = killed_in
+    _after_import("src.outputs", _kill_in_write)
 
 if os.environ.get("FAKE_GPUS"):
     import torch
