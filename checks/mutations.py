@@ -1210,7 +1210,8 @@ MUTATIONS = [
      ['tests/test_checkpoint_writer.py::test_an_epochs_last_pth_is_never_replaced_by_an_older_steps_write']),
     ('src/checkpoint_writer.py', '        error, self.error = self.error, None', '        error, self.error = None, None',
      ['tests/test_checkpoint_writer.py::test_a_write_that_fails_says_so_in_the_training_thread']),
-
+    ('src/stopping.py', '        done = waiter.query() if self.on_gpu else waiter.is_completed()', '        done = False',
+     ['tests/test_stopping.py::test_the_agreement_is_read_a_check_late_without_waiting_when_it_is_done']),
 ]
 
 

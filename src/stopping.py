@@ -10,8 +10,9 @@
   optimizer steps of the run (the same step numbers on every rank) each rank starts an all-reduce
   (MAX) of a one-element tensor holding its flag (on the CPU under gloo; on the GPU under NCCL,
   copied to pinned host memory behind the collective), and reads the one it started at the check
-  before: CHECK_EVERY steps old, done by then, so the read waits for nothing, and every rank reads
-  the same value at the same step. A signal is acted on CHECK_EVERY to 2 x CHECK_EVERY steps after
+  before: CHECK_EVERY steps old, done by then (asked with the event's query() or the work's
+  is_completed(), which wait for nothing; one not done is waited for, counted and, under the sync
+  debug mode, warned of), and every rank reads the same value at the same step. A signal is acted on CHECK_EVERY to 2 x CHECK_EVERY steps after
   it arrives. At the start of an epoch the check is a plain (blocking) all-reduce: the previous
   epoch is saved, and nothing runs on the GPU.
 - When they agree, every rank stops after that step; rank 0 prints one line (where, what was saved,
@@ -22,6 +23,7 @@ import os
 import shlex
 import signal
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,7 @@ class StopSignals:
         self.checks = 0
         self.pending = collections.deque()  # agreements in flight, oldest first: (tensor, what to wait for)
         self.agreed = 0  # the signal every rank agreed to stop on
+        self.waits = 0  # agreements read before they were done (waited for)
 
     def _note(self, signum, frame) -> None:
         self.requested = self.requested or signum
@@ -102,8 +105,18 @@ class StopSignals:
         return torch.full((1,), float(self.requested), device="cuda" if self.on_gpu else "cpu")
 
     def _read(self, tensor: torch.Tensor, waiter) -> int:
-        """An agreement's value: started a check before, so done already (the wait returns at once)."""
-        waiter.synchronize() if self.on_gpu else waiter.wait()
+        """An agreement's value. Started a check before (CHECK_EVERY steps), so done as a rule: its
+        event (NCCL) or work (gloo) is asked, which waits for nothing, and the value read. Only one
+        not done yet (the host ran more than CHECK_EVERY steps ahead of the GPU) is waited for, since
+        every rank must read the same value at the same step: an event's wait, which
+        set_sync_debug_mode does not see, so it is counted (`waits`) and warned of under that mode."""
+        done = waiter.query() if self.on_gpu else waiter.is_completed()
+        if not done:
+            self.waits += 1
+            if self.on_gpu and torch.cuda.is_available() and torch.cuda.get_sync_debug_mode():
+                warnings.warn("the stop agreement waited for the GPU: the host ran more than "
+                              f"{CHECK_EVERY} optimizer steps ahead of it")
+            waiter.synchronize() if self.on_gpu else waiter.wait()
         return int(tensor.item())
 
 
