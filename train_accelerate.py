@@ -21,12 +21,14 @@ from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.freeze import epoch_stages
+from src.heartbeat import Heartbeat
 from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
 from src.loaders import check_batches, labelled_data, loader_options
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
+from src.process_group import joined_store, watch_ranks
 from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
@@ -92,7 +94,7 @@ def evaluate(accelerator, model, loader: DataLoader, what: str, progress: Progre
     return sums.cpu()
 
 
-def train(args, accelerator: Accelerator) -> None:
+def train(args, accelerator: Accelerator, heartbeat: Heartbeat) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     processes, device = accelerator.num_processes, accelerator.device
     torch.manual_seed(args.seed)
@@ -106,7 +108,7 @@ def train(args, accelerator: Accelerator) -> None:
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     info = run_info(args, global_batch, data.digest)
-    state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps)
+    state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     state.optimizer = accelerator.prepare(optimizer)  # steps on a step's last micro-batch only, with the fp16 scaler
     if args.log_dir:
@@ -167,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
-    with lock_outputs(args):  # every output checked, their folder locked for this run
-        train(args, accelerator)
+    # The watch that names a rank that stops answering, in the store of the group accelerate joined.
+    with watch_ranks(joined_store(), args, accelerator.device) as heartbeat, lock_outputs(args):
+        train(args, accelerator, heartbeat)
     accelerator.free_memory()  # what accelerate still holds of the run (measured: gloo can abort at exit otherwise)
     accelerator.end_training()  # closes the trackers and the process group
 

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     store, rank, world_size = torchrun_store(args)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))  # a peer that stops answering fails a collective
-    with watch_ranks(store, args) as heartbeat, lock_outputs(args):  # names a rank that stops answering
+    with watch_ranks(store, args, device) as heartbeat, lock_outputs(args):  # names a rank that stops answering
         train(args, device, rank, world_size, heartbeat)
     dist.destroy_process_group()
 

@@ -154,12 +154,15 @@ class TrainingState:
         checkpoint being written is on disk (however the block ends)."""
         self.signals = StopSignals()
         with self.signals:
+            self.heartbeat.stop_pending = self.signals.pending_since  # a stop no rank can agree on ends
             try:
                 yield self.signals
             except BaseException:
                 with contextlib.suppress(Exception):  # the error in flight is the one to tell
                     self.writer.wait()
                 raise
+            finally:
+                self.heartbeat.stop_pending = None
             self.writer.wait()
 
     def stop_agreed(self, now: bool = False) -> bool:

@@ -1,15 +1,21 @@
 """The split and the scripts' loaders: the same global batches in every mode, each validation sample
 once, a resumed epoch's finished steps skipped without reading them."""
+import os
+import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT, run
+from torch.utils.data import DataLoader
 
 import train_accelerate
 import train_ddp
 import train_single
 from src.errors import UserError
-from src.loaders import Data, check_batches, skip_first_batches, split_indices
+from src.heartbeat import Heartbeat
+from src.loaders import Data, check_batches, loader_options, skip_first_batches, split_indices
 
 CPU = torch.device("cpu")
 
@@ -148,3 +154,86 @@ def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(m
         assert [labels.tolist() for _, labels, _ in skipped] == whole[k * accumulate:]
         assert sorted(reads) == sorted(sum(whole[k * accumulate:], []))
         assert skip_first_batches(loader, 0) is loader
+
+
+class _ThreadStates:
+    """A thread that makes and drops Python thread states without holding the GIL, as the C++
+    threads of torch.distributed and autograd do when they call into Python: each takes the
+    interpreter's thread-state lock (HEAD_LOCK) then. A fork taken while it is held leaves the lock
+    held in the child, which hangs in its own start (PyOS_AfterFork_Child, CPython gh-112275,
+    fixed in 3.11.8): plain forks of this process beside it hung 46 times in 300 on this machine's
+    Python 3.11.7."""
+
+    def __init__(self):
+        import ctypes
+        self.lib = ctypes.CDLL(None)  # its calls release the GIL, unlike ctypes.pythonapi's
+        self.lib.PyThreadState_New.restype = ctypes.c_void_p
+        self.lib.PyThreadState_New.argtypes = self.lib.PyThreadState_Clear.argtypes = [ctypes.c_void_p]
+        self.lib.PyThreadState_Delete.argtypes = [ctypes.c_void_p]
+        main = ctypes.pythonapi.PyInterpreterState_Main
+        main.restype = ctypes.c_void_p
+        self.interpreter, self.done = main(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="thread states", daemon=True)
+
+    def _run(self):
+        while not self.done.is_set():
+            state = self.lib.PyThreadState_New(self.interpreter)
+            self.lib.PyThreadState_Clear(state)
+            self.lib.PyThreadState_Delete(state)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+
+def test_loader_workers_started_many_times_beside_running_threads_never_hang():
+    """The scripts' loader options (src.loaders.loader_options: workers from the fork server) start
+    2 workers for each of 30 passes while the heartbeat's thread writes its beats and another
+    thread takes the thread-state lock as fast as it can: every pass ends (a worker that hung in its
+    start would leave the loader waiting until its timeout, an error). The training process never
+    forks; the fork server, a process without threads, does."""
+    args = SimpleNamespace(workers=2)
+    dataset = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i % 2) for i in range(16)]
+    store = torch.distributed.HashStore()
+    with Heartbeat(store, 0, 2, timeout_s=3600) as beat, _ThreadStates():
+        assert beat.thread.is_alive()
+        for epoch in range(30):
+            beat.at("training", epoch, 0, 0)
+            loader = DataLoader(dataset, batch_size=4, timeout=120, **loader_options(args, CPU))
+            assert sum(len(labels) for _, labels in loader) == 16
+    assert store.check(["beat/0"])
+
+
+MAIN_SCRIPT = """
+import sys
+import torch
+from types import SimpleNamespace
+from torch.utils.data import DataLoader
+import imported_once  # noqa: F401  (its import writes a line)
+from src.loaders import loader_options
+
+if __name__ == "__main__":
+    dataset = [(torch.zeros(2), i) for i in range(8)]
+    for _ in range(2):
+        assert sum(len(b) for _, b in DataLoader(dataset, batch_size=2, **loader_options(SimpleNamespace(workers=2),
+                                                                                         torch.device("cpu")))) == 8
+"""
+
+
+def test_the_fork_server_imports_the_main_scripts_modules_once(tmp_path):
+    """A script whose imports take time (train_single.py's: matplotlib, the src modules) as the main
+    module, two passes of 2 workers from the fork server: each worker runs the main script again
+    (multiprocessing's preparation), but its imports were made once, in the fork server, so the
+    module it imports is imported by the script's process and the fork server, by no worker."""
+    (tmp_path / "imported_once.py").write_text("import os\nwith open(os.environ['IMPORT_LOG'], 'a') as log:\n"
+                                               "    log.write(f'{os.getpid()}\\n')\n")
+    (tmp_path / "main_script.py").write_text(MAIN_SCRIPT)
+    log = tmp_path / "imports.log"
+    result = run([sys.executable, str(tmp_path / "main_script.py")],
+                 env={"IMPORT_LOG": str(log), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(log.read_text().split()) == 2, log.read_text()

@@ -24,6 +24,15 @@ backward at VGG16's classifier (50 x 4096) and a ViT-B/16 block's activations (8
 one thread, best of N alternating rounds, with the aten ops of each forward; and the aten ops
 that stochastic depth dispatches in a training forward of EfficientNet-B0, ConvNeXt-T and Swin-T
 (on a GPU each op but a view is a kernel launch). It prints a table and writes nothing.
+    python -m src.tools.benchmark --worker-start [--images N] [--steps PASSES]
+
+measures what starting the loader workers costs (docs/performance.md#loader-workers-a-fork-server):
+train_single.py's training loader over the JPEGs and over the --cache, its workers started from
+the fork server as the scripts start them, from a fork server importing only the worker's modules
+(not the main script's), and forked from the training process; each in a fresh process whose main
+module is train_single.py (a worker from a fork server runs it again, as a run's workers do), for
+PASSES passes: the seconds from a pass's start to its first batch (the workers' start; the first
+pass's includes the fork server's own) and the images/s of a pass. It prints a table.
 OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
@@ -100,6 +109,9 @@ def parse_args(argv: list[str] | None = None):
         help="timed steps of the bare-step ceilings (with --dropout-cost: rounds)")
     add("--dropout-cost", action="store_true",
         help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
+    add("--worker-start", action="store_true",
+        help="only the loader workers' start, from the fork server and forked (see above), over the "
+             "JPEGs and the cache: a table")
     args = parser.parse_args(argv)
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
@@ -369,6 +381,65 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
             / (arrivals[-1][0] - arrivals[start][0]))
 
 
+# How the loader workers start: the scripts' fork server (the worker's modules and the main
+# script's imported in it once), the fork server as it was before it imported the main script's,
+# and forks of the training process (src.datasets.worker_options says why not).
+WORKER_STARTS = {"fork server": None, "fork server, worker modules only": "no main", "fork": "fork"}
+
+
+def worker_start(start: str, dataset_kind: str, data_dir: Path, cache_dir: Path, size: int, batch: int,
+                 workers: int, passes: int) -> dict:
+    """In a fresh process (run it in one): `passes` passes of train_single.py's training loader over
+    the JPEGs or the cache, its workers started as WORKER_STARTS[start] says, with train_single.py
+    as the main module (the module a run's workers from a fork server run again). Per pass: the
+    seconds from its start to its first batch (the workers' start) and its images/s."""
+    import src.datasets
+    import train_single
+    sys.modules["__main__"] = train_single
+    how = WORKER_STARTS[start]
+    if how == "fork":
+        src.datasets._fork_server = lambda: multiprocessing.get_context("fork")
+    elif how == "no main":
+        src.datasets.main_module = lambda: []
+    images = labelled_images(data_dir, size, show_progress=False)
+    dataset = images if dataset_kind == "JPEG" else cached(images, size, cache_dir, workers, show_progress=False)
+    firsts, rates = [], []
+    for _ in range(passes):
+        loader = training_loader(dataset, batch, workers)
+        began, first, count = time.perf_counter(), None, 0
+        for batch_images, *_ in loader:
+            first = time.perf_counter() - began if first is None else first
+            count += len(batch_images)
+        firsts.append(first)
+        rates.append(count / (time.perf_counter() - began))
+    return {"first": firsts, "rates": rates}
+
+
+def worker_start_report(data_dir: Path, cache_dir: Path, size: int, batch: int, workers: int, passes: int,
+                        run=None) -> str:
+    """--worker-start's Markdown: per data path and start, the first pass's worker start (with the
+    fork server's own), the median of the later passes' and their median images/s. `run(function,
+    *args)`: where each measurement runs (a fresh process by default)."""
+    def fresh(function, *args):
+        with fresh_process() as pool:
+            return pool.submit(function, *args).result()
+    run = run or fresh
+    cached(labelled_images(data_dir, size, show_progress=False), size, cache_dir, workers, show_progress=False)
+    lines = [f"Loader workers' start, {date.today().isoformat()}, {hardware()}", "",
+             f"train_single.py's training loader, {workers} workers, batch {batch}, {size} px, {passes} passes "
+             "(the first one's start includes the fork server's own):", "",
+             "| data | workers start from | first pass: s to the first batch | later passes: s to the first batch "
+             "| later passes: images/s |", "|---|---|---|---|---|"]
+    for kind in ("JPEG", "cache"):
+        for start in WORKER_STARTS:
+            found = run(worker_start, start, kind, data_dir, cache_dir, size, batch, workers, passes)
+            later = found["first"][1:] or found["first"]
+            rates = found["rates"][1:] or found["rates"]
+            lines.append(f"| {kind} | {start} | {found['first'][0]:.2f} | {sorted(later)[len(later) // 2]:.2f} "
+                         f"| {sorted(rates)[len(rates) // 2]:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
                       repeats: int = 5) -> tuple[float, float]:
     """Images/s one worker decodes and resizes: (full decode then Resize, draft decode).
@@ -579,6 +650,10 @@ def main(argv: list[str] | None = None) -> None:
     jpegs = labelled_images(data_dir, args.image_size)
     if not (data_dir / "train.csv").exists():  # so that no run rescans every image
         atomic_write_text(data_dir / "train.csv", jpegs.frame.to_csv(index=False))
+    if args.worker_start:
+        print(worker_start_report(data_dir, args.out_dir / "cache", args.image_size, args.batch_size,
+                                  default_workers(), args.steps), end="")
+        return
     batch = args.batch_size * args.processes
     rows, notes = {}, []
 
