@@ -48,7 +48,8 @@ process's Python code makes is recorded with where it was called from (in the ma
 a backward, whose warnings autograd hands to the thread that called it; gloo's own threads, which
 copy CUDA tensors through the host for ranks sharing a GPU, only print theirs). At the first
 micro-batch of each window the hook reads a tensor back itself: the control, which the record
-must show. Each process writes its record to SYNC_LOG.RANK (JSON) at exit.
+must show. Each process writes its record to SYNC_LOG.RANK (JSON) at exit, with the training
+passes it wrapped (src.progress.Progress._pass; on a CPU it only counts them).
 DTYPE_LOG=path: each process appends "RANK DTYPE" for each dtype of the logits that
 F.cross_entropy gets (the training loss): float16 under --amp fp16, float32 without autocast.
 COMPILE_OPS_LOG=path: each process writes to path.RANK (JSON) at exit the conv2d and linear calls
@@ -317,7 +318,7 @@ class SyncRecord:
     warnings.showwarning, which gets every other warning (`shown`)."""
 
     def __init__(self, rank: str, shown):
-        self.record = {"rank": rank, "windows": 0, "control": 0, "syncs": {}}
+        self.record = {"rank": rank, "passes": 0, "windows": 0, "control": 0, "syncs": {}}
         self.shown = shown
 
     def showwarning(self, message, category, filename, lineno, file=None, line=None):
@@ -353,25 +354,27 @@ if os.environ.get("SYNC_CHECK_STEPS"):
         atexit.register(_syncs.write, os.environ["SYNC_LOG"])
 
     def _check_syncs(progress):
-        batches = progress.LoaderPass.batches
+        passing = progress.Progress._pass
         first, last = map(int, os.environ["SYNC_CHECK_STEPS"].split(":"))
 
-        def checked(self, sums):
+        def checked(self, loader, desc, sums, start, total, epoch, profiler):
             import torch
-            watched = self.epoch is not None and torch.cuda.is_available()  # training passes
+            training = epoch is not None
+            _syncs.record["passes"] += training
+            watched = training and torch.cuda.is_available()
             try:
-                for step, batch in enumerate(batches(self, sums)):
-                    if watched and step == first:
+                for index, batch in passing(self, loader, desc, sums, start, total, epoch, profiler):
+                    if watched and index == first:
                         torch.cuda.set_sync_debug_mode("warn")
                         _syncs.record["windows"] += 1
                         _control_sync()
-                    elif watched and step == last:
+                    elif watched and index == last:
                         torch.cuda.set_sync_debug_mode("default")
-                    yield batch
+                    yield index, batch
             finally:
                 if watched:
                     torch.cuda.set_sync_debug_mode("default")
-        progress.LoaderPass.batches = checked
+        progress.Progress._pass = checked
     _after_import("src.progress", _check_syncs)
 
 def log_dtypes(functional, path, rank: str) -> None:
