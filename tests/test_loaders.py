@@ -1,21 +1,20 @@
 """The split and the scripts' loaders: the same global batches in every mode, each validation sample
 once, a resumed epoch's finished steps skipped without reading them."""
 import os
+import signal
+import subprocess
 import sys
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT, run
-from torch.utils.data import DataLoader
 
 import train_accelerate
 import train_ddp
 import train_single
 from src.errors import UserError
-from src.heartbeat import Heartbeat
-from src.loaders import Data, check_batches, loader_options, skip_first_batches, split_indices
+from src.loaders import Data, check_batches, skip_first_batches, split_indices
 
 CPU = torch.device("cpu")
 
@@ -156,56 +155,71 @@ def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(m
         assert skip_first_batches(loader, 0) is loader
 
 
-class _ThreadStates:
-    """A thread that makes and drops Python thread states without holding the GIL, as the C++
-    threads of torch.distributed and autograd do when they call into Python: each takes the
-    interpreter's thread-state lock (HEAD_LOCK) then. A fork taken while it is held leaves the lock
-    held in the child, which hangs in its own start (PyOS_AfterFork_Child, CPython gh-112275,
-    fixed in 3.11.8): plain forks of this process beside it hung 46 times in 300 on this machine's
-    Python 3.11.7."""
+# The stress run, in a process of its own (a hung worker must not hang the test): the heartbeat's
+# thread writing its beats, a thread taking CPython's thread-state lock as the C++ threads of
+# torch.distributed and autograd do when they call into Python (PyThreadState_New without the
+# GIL: it takes the interpreter's HEAD_LOCK), and the scripts' loader options starting 2 workers
+# for each of PASSES passes.
+STRESS = """
+import ctypes, threading, sys
+import torch
+from types import SimpleNamespace
+from torch.utils.data import DataLoader
+from src.heartbeat import Heartbeat
+from src.loaders import loader_options
 
-    def __init__(self):
-        import ctypes
-        self.lib = ctypes.CDLL(None)  # its calls release the GIL, unlike ctypes.pythonapi's
-        self.lib.PyThreadState_New.restype = ctypes.c_void_p
-        self.lib.PyThreadState_New.argtypes = self.lib.PyThreadState_Clear.argtypes = [ctypes.c_void_p]
-        self.lib.PyThreadState_Delete.argtypes = [ctypes.c_void_p]
-        main = ctypes.pythonapi.PyInterpreterState_Main
-        main.restype = ctypes.c_void_p
-        self.interpreter, self.done = main(), threading.Event()
-        self.thread = threading.Thread(target=self._run, name="thread states", daemon=True)
+lib = ctypes.CDLL(None)  # its calls release the GIL, unlike ctypes.pythonapi's
+lib.PyThreadState_New.restype = ctypes.c_void_p
+lib.PyThreadState_New.argtypes = lib.PyThreadState_Clear.argtypes = lib.PyThreadState_Delete.argtypes = [ctypes.c_void_p]
+main = ctypes.pythonapi.PyInterpreterState_Main
+main.restype = ctypes.c_void_p
+interpreter, done = main(), threading.Event()
 
-    def _run(self):
-        while not self.done.is_set():
-            state = self.lib.PyThreadState_New(self.interpreter)
-            self.lib.PyThreadState_Clear(state)
-            self.lib.PyThreadState_Delete(state)
+def thread_states():
+    while not done.is_set():
+        state = lib.PyThreadState_New(interpreter)
+        lib.PyThreadState_Clear(state)
+        lib.PyThreadState_Delete(state)
 
-    def __enter__(self):
-        self.thread.start()
-        return self
+if __name__ == "__main__":
+    dataset = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i % 2) for i in range(16)]
+    churn = threading.Thread(target=thread_states, daemon=True)
+    with Heartbeat(torch.distributed.HashStore(), 0, 2, timeout_s=3600) as beat:
+        churn.start()
+        for epoch in range(int(sys.argv[1])):
+            beat.at("training", epoch, 0, 0)
+            loader = DataLoader(dataset, batch_size=4, **loader_options(SimpleNamespace(workers=2), torch.device("cpu")))
+            assert sum(len(labels) for _, labels in loader) == 16
+        assert beat.thread.is_alive()
+        done.set()
+        churn.join()
+    print("passes done")
+"""
+PASSES = 30
+# Seconds the stress run may take: 30 passes took 70 to 85 s on the busy 2-core machine; a worker
+# that hangs in its start keeps its pass waiting for ever.
+STRESS_LIMIT = 900
 
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
 
-
-def test_loader_workers_started_many_times_beside_running_threads_never_hang():
+def test_loader_workers_started_many_times_beside_running_threads_never_hang(tmp_path):
     """The scripts' loader options (src.loaders.loader_options: workers from the fork server) start
     2 workers for each of 30 passes while the heartbeat's thread writes its beats and another
-    thread takes the thread-state lock as fast as it can: every pass ends (a worker that hung in its
-    start would leave the loader waiting until its timeout, an error). The training process never
-    forks; the fork server, a process without threads, does."""
-    args = SimpleNamespace(workers=2)
-    dataset = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i % 2) for i in range(16)]
-    store = torch.distributed.HashStore()
-    with Heartbeat(store, 0, 2, timeout_s=3600) as beat, _ThreadStates():
-        assert beat.thread.is_alive()
-        for epoch in range(30):
-            beat.at("training", epoch, 0, 0)
-            loader = DataLoader(dataset, batch_size=4, timeout=120, **loader_options(args, CPU))
-            assert sum(len(labels) for _, labels in loader) == 16
-    assert store.check(["beat/0"])
+    thread takes CPython's thread-state lock as fast as it can: every pass ends. Plain forks of
+    this process beside that thread hung in their own start (PyOS_AfterFork_Child, CPython
+    gh-112275, fixed in 3.11.8) 46 times in 300 on this machine's Python 3.11.7; the training
+    process never forks a worker, the fork server (a process without threads) does."""
+    script = tmp_path / "stress.py"
+    script.write_text(STRESS)
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launch = subprocess.Popen([sys.executable, str(script), str(PASSES)], cwd=ROOT, env=environment, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = launch.communicate(timeout=STRESS_LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)  # its hung workers with it
+        launch.communicate()
+        pytest.fail(f"the stress run did not end within {STRESS_LIMIT} s: a loader worker hung")
+    assert launch.returncode == 0 and stdout.strip() == "passes done", stderr[-3000:]
 
 
 MAIN_SCRIPT = """
