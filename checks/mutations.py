@@ -1232,6 +1232,14 @@ MUTATIONS = [
     ('src/dropout.py', '        return _scaled(grad, kept, ctx.scale), None, None',
      '        return _scaled(grad, kept, float(kept.sum()) and ctx.scale), None, None',
      ['tests/test_gpu_on_cpu_host_syncs.py::test_no_tensor_is_built_from_python_values_inside_a_step']),
+    ('tests/hooks/sitecustomize.py', '        progress.Progress._pass = checked', '        pass',
+     ['tests/test_gpu_selftest_logic.py::test_the_sync_hook_wraps_each_training_pass_of_a_run']),
+    ('src/tools/benchmark.py', '        atomic_torch_save(state, path, hashed=True)', '        atomic_torch_save(state, path)',
+     ['tests/test_benchmark.py::test_save_seconds_times_the_old_save_and_the_new_one_best_of_the_rounds']),
+    ('src/tools/benchmark.py', '        writer.wait()\n        best["blocked"]', '        best["blocked"]',
+     ['tests/test_benchmark.py::test_save_seconds_times_the_old_save_and_the_new_one_best_of_the_rounds']),
+    ('src/tools/benchmark.py', '("SGD and --ema-decay", average.state_dict())', '("SGD and --ema-decay", None)',
+     ['tests/test_benchmark.py::test_the_save_cost_table_shows_each_checkpoint_and_the_floor_it_sets']),
 ]
 
 

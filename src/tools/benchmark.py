@@ -33,6 +33,14 @@ the fork server as the scripts start them, from a fork server importing only the
 module is train_single.py (a worker from a fork server runs it again, as a run's workers do), for
 PASSES passes: the seconds from a pass's start to its first batch (the workers' start; the first
 pass's includes the fork server's own) and the images/s of a pass. It prints a table.
+    python -m src.tools.benchmark --save-cost [--arch A] [--image-size S] [--batch-size B] [--steps N]
+
+measures what a step checkpoint (--save-every-steps) costs the training: last.pth of the model
+with SGD's momentum, without and with a weight average (--ema-decay), written into OUT/save-cost
+the way a save wrote it before (in the training thread: copied from the device, hashed, flushed)
+and the way it does now (src/checkpoint_writer.py: the training thread only takes a host copy, a
+thread writes it); best of N rounds each; and one training step of the model at the run's shape
+(N steps timed), for the --save-every-steps at which a write ends before the next save. A table.
 OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
@@ -83,7 +91,7 @@ from src.transforms import image_transform, memory_format, normalize  # noqa: E4
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
 MARK = ".benchmark"  # says that this tool wrote the --out-dir, and may write it again
-WRITES = ("data", "runs", "cache", "features", "benchmark.csv", "benchmark.md", "benchmark.png")
+WRITES = ("data", "runs", "cache", "features", "save-cost", "benchmark.csv", "benchmark.md", "benchmark.png")
 INTERRUPTED = "interrupted: the tables were not written; run the command again (the runs start over)"
 MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
@@ -109,6 +117,8 @@ def parse_args(argv: list[str] | None = None):
         help="timed steps of the bare-step ceilings (with --dropout-cost: rounds)")
     add("--dropout-cost", action="store_true",
         help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
+    add("--save-cost", action="store_true",
+        help="only what a step checkpoint costs the training, before and now (see above): a table")
     add("--worker-start", action="store_true",
         help="only the loader workers' start, from the fork server and forked (see above), over the "
              "JPEGs and the cache: a table")
@@ -381,6 +391,58 @@ def loader_alone(dataset, batch: int, workers: int | None = None, augment: bool 
             / (arrivals[-1][0] - arrivals[start][0]))
 
 
+def save_seconds(state: dict, path: Path, rounds: int, clock=time.perf_counter) -> dict:
+    """Seconds of a step checkpoint of `state` at `path`, best of `rounds`: "before", the training
+    thread's as a save was (torch.save from the device, every byte hashed, flushed, renamed);
+    "blocked", the training thread's now (CheckpointWriter.save: the host copy); "written", from
+    the save to the file on disk now (the background write included); and the file's bytes."""
+    from src.checkpoint_writer import CheckpointWriter
+    from src.outputs import atomic_torch_save
+    writer, best = CheckpointWriter(), {"before": math.inf, "blocked": math.inf, "written": math.inf}
+    for _ in range(rounds):
+        start = clock()
+        atomic_torch_save(state, path, hashed=True)
+        best["before"] = min(best["before"], clock() - start)
+        start = clock()
+        writer.save(state, path)
+        blocked = clock() - start
+        writer.wait()
+        best["blocked"], best["written"] = min(best["blocked"], blocked), min(best["written"], clock() - start)
+    return {**best, "bytes": path.stat().st_size}
+
+
+def save_cost_report(args, out: Path) -> str:
+    """--save-cost's Markdown (see the module's docstring)."""
+    from src.ema import WeightAverage
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.weights).to(device)
+    recipe = script_args("", [])  # the scripts' defaults: SGD with momentum
+    optimizer = make_optimizer(model, recipe, device)
+    average = WeightAverage(model, optimizer, 0.999)
+    set_samples(model, torch.arange(2, device=device))  # the dropout keys of the batch's samples
+    model(torch.zeros(2, 3, 32, 32, device=device)).sum().backward()
+    optimizer.step()  # SGD's momentum buffers and the average, as after a run's first step
+    folder = out / "save-cost"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rows = []
+    for name, kept in (("SGD", None), ("SGD and --ema-decay", average.state_dict())):
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "average": kept, "step": 1}
+        rows.append((name, save_seconds(state, folder / "last.pth", args.steps)))
+    shutil.rmtree(folder, ignore_errors=True)
+    step = args.batch_size / bare_step(args, device, args.batch_size, train=True)
+    lines = [f"What a step checkpoint costs the training, {date.today().isoformat()}, {hardware()}", "",
+             f"{args.arch}'s last.pth, best of {args.steps} rounds; one training step at {args.image_size} px, batch "
+             f"{args.batch_size}: {step:.2f} s", "",
+             "| last.pth | MB | before: training waits, s | now: training waits, s | now: written after, s "
+             "| --save-every-steps at which a write ends before the next save |", "|---|---|---|---|---|---|"]
+    for name, found in rows:
+        lines.append(f"| {name} | {found['bytes'] / 1e6:.0f} | {found['before']:.2f} | {found['blocked']:.3f} "
+                     f"| {found['written']:.2f} | {max(1, math.ceil(found['written'] / step))} |")
+    return "\n".join(lines) + "\n"
+
+
 # How the loader workers start: the scripts' fork server (the worker's modules and the main
 # script's imported in it once), the fork server as it was before it imported the main script's,
 # and forks of the training process (src.datasets.worker_options says why not).
@@ -640,6 +702,9 @@ def main(argv: list[str] | None = None) -> None:
         print(dropout_report(args.steps)[0], end="")
         return
     claim_folder(args.out_dir, MARK, WRITES, "src.tools.benchmark", "the benchmark", "--out-dir ")
+    if args.save_cost:
+        print(save_cost_report(args, args.out_dir), end="")
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = args.data_dir
     if data_dir is None:
