@@ -188,7 +188,8 @@ if __name__ == "__main__":
         churn.start()
         for epoch in range(int(sys.argv[1])):
             beat.at("training", epoch, 0, 0)
-            loader = DataLoader(dataset, batch_size=4, **loader_options(SimpleNamespace(workers=2), torch.device("cpu")))
+            options = loader_options(SimpleNamespace(workers=2), torch.device("cpu"))
+            loader = DataLoader(dataset, batch_size=4, timeout=120, **options)  # a hung worker: an error
             assert sum(len(labels) for _, labels in loader) == 16
         assert beat.thread.is_alive()
         done.set()
@@ -196,8 +197,9 @@ if __name__ == "__main__":
     print("passes done")
 """
 PASSES = 30
-# Seconds the stress run may take: 30 passes took 70 to 85 s on the busy 2-core machine; a worker
-# that hangs in its start keeps its pass waiting for ever.
+# Seconds the stress run may take: 30 passes took 70 to 85 s on the busy 2-core machine. A worker
+# that hangs in its start fails its pass after the loader's timeout (120 s, for 4 batches of 4
+# tiny images); the limit is the backstop for a hang anywhere else.
 STRESS_LIMIT = 900
 
 
