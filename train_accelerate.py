@@ -21,13 +21,14 @@ from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.freeze import epoch_stages
+from src.heartbeat import Heartbeat
 from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
 from src.loaders import check_batches, labelled_data, loader_options
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
-from src.process_group import check_same_flags
+from src.process_group import check_same_flags, joined_store, watch_ranks
 from src.progress import Progress, run_header
 from src.recipe import make_optimizer, make_schedule, steps_per_epoch
 from src.seeds import seed_epoch
@@ -94,7 +95,7 @@ def evaluate(accelerator, model, loader: DataLoader, what: str, progress: Progre
     return sums.cpu()
 
 
-def train(args, accelerator: Accelerator, tracker: Tracker) -> None:
+def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     processes, device = accelerator.num_processes, accelerator.device
     torch.manual_seed(args.seed)
@@ -108,7 +109,7 @@ def train(args, accelerator: Accelerator, tracker: Tracker) -> None:
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     info = run_info(args, global_batch, data.digest)
-    state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps)
+    state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     state.optimizer = accelerator.prepare(optimizer)  # steps on a step's last micro-batch only, with the fp16 scaler
     # The trackers of log_with, on the main process only: last.pth's tracked runs continued (their ids)
@@ -175,9 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
-    # Every output checked, their folder locked for this run; --track's stores checked, on the main process
-    with lock_outputs(args), rank_0_tracker(args) as tracker:  # its runs end before end_training() ends them
-        train(args, accelerator, tracker)
+    # A rank that stops answering named (in the store of the group accelerate joined); every output checked,
+    # their folder locked; --track's stores checked, on the main process (its runs end before end_training())
+    with watch_ranks(joined_store(), args, accelerator.device) as heartbeat, lock_outputs(args), \
+            rank_0_tracker(args) as tracker:
+        train(args, accelerator, heartbeat, tracker)
     accelerator.free_memory()  # what accelerate still holds of the run (measured: gloo can abort at exit otherwise)
     accelerator.end_training()  # closes the trackers and the process group
 

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                             timeout=dist_timeout(args))  # a peer that stops answering fails a collective
     check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
     # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
-    with watch_ranks(store, args) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
+    with watch_ranks(store, args, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
         train(args, device, rank, world_size, heartbeat, tracker)
     dist.destroy_process_group()
 

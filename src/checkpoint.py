@@ -98,7 +98,9 @@ def write_best(args, history: list[dict], info: dict, model_state: dict, average
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
     if is_best:
-        digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"])
+        # best.json holds its digest: predict checks the pair (the only file whose hash is used).
+        digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"],
+                                   hashed=True)
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
     return is_best

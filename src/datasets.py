@@ -289,7 +289,8 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     it). An ignored signal stays ignored across the exec that starts it; a handler would not."""
     context = multiprocessing.get_context("forkserver")
     loaded = [name for name in sys.modules if name.startswith("src.") or name in ALSO_PRELOADED]
-    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)))  # read when the server starts
+    # read when the server starts: the workers' modules, the src modules loaded here, the main script's
+    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)) + main_module())
     if threading_main():
         handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
         try:
@@ -300,6 +301,20 @@ def _fork_server() -> multiprocessing.context.BaseContext:
                 signal.signal(number, handler)
     end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
     return context
+
+
+def main_module() -> list[str]:
+    """The main module's name, for the fork server to import once ([] where there is none to
+    import). A worker started from the fork server runs the main script again (multiprocessing's
+    spawn preparation, as __mp_main__), and with it the script's imports: each worker of each pass
+    imported train_single.py's (matplotlib, the src modules), 5 s a pass on a busy 2-core machine
+    against 0.3 s for a fork (docs/performance.md#loader-workers-a-fork-server). Imported once in
+    the server, they are there in every worker forked from it. Not a package's __main__ (`python
+    -m pytest`): importing that runs it."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = spec.name if spec is not None else os.path.splitext(os.path.basename(getattr(main, "__file__", "") or ""))[0]
+    return [name] if name.isidentifier() and not name.endswith("__main__") and name != "__mp_main__" else []
 
 
 def threading_main() -> bool:

@@ -4,21 +4,32 @@ without torchrun noticing, stopped with SIGSTOP, stuck in a disk read), the othe
 instead of a timeout traceback that names no one (docs/reliability.md).
 
 Every rank of a process group keeps where its main thread is (Heartbeat.at(): the phase, the
-epoch, the micro-batch; a Python assignment, no device work), and a daemon thread writes it with the time into
-the store of the launcher's rendezvous when it changed (looking every LOOK seconds) and at least
-every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its main thread
-keeps writing the same place. When this rank's own place has not changed for nearly --dist-timeout
-(it waits in a collective), the thread reads every rank's beat: the ranks whose beat is stale, or
-whose place is behind this rank's, did not arrive. The lowest rank among the others says so in one
-line, and they end with exit code 1 before the collective's own timeout (gloo's raises a traceback;
-NCCL's watchdog aborts the process). With TORCH_NCCL_DUMP_ON_TIMEOUT=1 the line is printed and the
-process left to NCCL's timeout, which dumps its flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE).
+epoch, the micro-batch; a Python assignment, no device work), and a daemon thread writes it with
+the time into the store of the launcher's rendezvous when it changed (looking every LOOK seconds)
+and at least every BEAT seconds: a rank that is stopped or dead stops writing, a rank stuck in its
+main thread keeps writing the same place. On a GPU the host runs ahead of the device (NCCL's
+collectives do not make it wait), so the place written is the device's: at() also records a CUDA
+event, and the thread writes the place of the last event the GPU has reached (query(), no wait),
+or the host's where the GPU has done everything queued. When this rank's place has not changed for
+nearly --dist-timeout (it waits in a collective), the thread reads every rank's beat: the ranks
+whose beat is stale, or whose place is behind this rank's, did not arrive. The lowest rank among
+the others says so in one line, and they end with exit code 1 before the collective's own timeout
+(gloo's raises a traceback; NCCL's watchdog aborts the process), each first dumping its flight
+recorder (torch's record of its last collectives: dump_flight_recorder).
+
+A stop on a signal that cannot be agreed (src/stopping.py: the agreement needs every rank) ends
+the same way: when a stop signal has been pending for STALE seconds and a rank has not been heard
+from for as long, the others end at once instead of waiting for the launcher's SIGKILL (torchrun
+waits 30 s after its SIGTERM). The signal is seen here even while the main thread waits in a
+collective, where Python's handler cannot run (StopSignals.pending_since).
 """
+import collections
 import json
 import os
 import sys
 import threading
 import time
+from typing import Callable
 
 BEAT = 2.0  # seconds between two writes of a rank's place, at most
 LOOK = 0.25  # seconds: the thread looks at the place this often, and writes it when it changed
@@ -27,6 +38,10 @@ EXIT_HUNG = 1
 # The order of the phases inside an epoch, for "behind": every rank goes through them in turn.
 ORDER = {"starting": 0, "training": 1, "validating": 2, "validating the average": 3, "saving": 4}
 END = 10 ** 9  # the index of a pass that has ended
+# CUDA events in flight at most (places the host is ahead of the GPU): older ones are dropped.
+RECORDED = 4096
+# Where a flight recorder's dump goes, as torch's own dump on a timeout writes it: this + the rank.
+DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 
 def described(place: tuple) -> dict:
     """A place as a beat holds it: its order among the places of a run and its words."""
@@ -45,13 +60,19 @@ class Heartbeat:
     rank that does not come (see the module's docstring). Use it as a context manager: the thread
     runs inside the block. In a world of one (or without a store) it only keeps the place."""
 
-    def __init__(self, store=None, rank: int = 0, world_size: int = 1, timeout_s: float = 0.0):
+    def __init__(self, store=None, rank: int = 0, world_size: int = 1, timeout_s: float = 0.0, device=None):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
         self.place = ("starting", -1, 0, 0, False)  # (phase, epoch, index, step, loading)
         self.changed = time.monotonic()
         self.epoch = -1  # the epoch of the last training pass: a validation pass belongs to it
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
+        self.cuda = getattr(device, "type", None) == "cuda"
+        self.recording = False  # CUDA events are recorded while the thread reads them
+        self.recorded = collections.deque()  # (place, its event), oldest first: places the GPU has not reached
+        self.reached = self.place  # the last place the GPU has reached
+        # When a stop signal came (time.monotonic()), None before: StopSignals.pending_since.
+        self.stop_pending: Callable[[], float | None] | None = None
 
     def at(self, phase: str, epoch: int | None = None, index: int = 0, step: int = 0, loading: bool = False) -> None:
         """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step`
@@ -59,13 +80,21 @@ class Heartbeat:
         over). Two assignments: cheap enough for every micro-batch."""
         if phase == "training":
             self.epoch = epoch
-        self.place = (phase, self.epoch if epoch is None else epoch, index, step, loading)
+        self.place = place = (phase, self.epoch if epoch is None else epoch, index, step, loading)
         self.changed = time.monotonic()
+        if self.recording:  # the GPU gets here once it has done what the host queued before
+            import torch
+            event = torch.cuda.Event()
+            event.record()
+            self.recorded.append((place, event))
+            if len(self.recorded) > RECORDED:
+                self.recorded.popleft()
 
     def __enter__(self) -> "Heartbeat":
         if self.store is not None and self.world_size > 1:
             self.at("starting")
             self.done.clear()
+            self.recording = self.cuda
             self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
             self.thread.start()
         return self
@@ -77,23 +106,45 @@ class Heartbeat:
             self.thread.join(timeout=2 * BEAT)
             self.thread = None
 
+    def where(self) -> tuple:
+        """The place to tell: on a GPU, the last place whose event the GPU has reached (asked, not
+        waited for), or the host's once the GPU has done all it was given; else the host's."""
+        while self.recorded:
+            place, event = self.recorded[0]
+            if not event.query():
+                return self.reached
+            self.reached = place
+            self.recorded.popleft()
+        return self.place
+
     def _run(self) -> None:
         store, rank, timeout_s = self.store, self.rank, self.timeout_s
-        written, when = None, 0.0
+        written, when, moved, looked = None, 0.0, time.monotonic(), 0.0
         try:
             while not self.done.is_set():
-                place = self.place
-                if place is not written or time.monotonic() - when >= BEAT:
+                place, now = self.where(), time.monotonic()
+                if place is not written or now - when >= BEAT:
                     store.set(f"beat/{rank}", json.dumps({**described(place), "time": time.time()}))
-                    written, when = place, time.monotonic()
-                if time.monotonic() - self.changed > timeout_s - margin(timeout_s):
+                    moved = now if place is not written else moved
+                    written, when = place, now
+                if now - moved > timeout_s - margin(timeout_s):
                     line, printer = judge(read_beats(store, self.world_size), rank, time.time(), timeout_s)
                     if line is not None:
-                        _end(line if printer else None)
+                        _end(line if printer else None, rank)
+                        return
+                pending = self.stop_pending() if self.stop_pending is not None else None
+                if pending is not None and now - pending > STALE and now - looked >= BEAT:
+                    looked = now
+                    line, printer = judge_stop(read_beats(store, self.world_size), rank, time.time())
+                    if line is not None:
+                        _end(line if printer else None, rank)
                         return
                 self.done.wait(LOOK)
         except Exception:  # the store went away (the launcher ended): nothing left to watch
             return
+        finally:
+            self.recording = False
+            self.recorded.clear()
 
 
 def margin(timeout_s: float) -> float:
@@ -134,13 +185,60 @@ def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> 
     return line, printer == rank
 
 
-def _end(line: str | None) -> None:
-    """Print the line (on the rank that says it) and end the process, unless NCCL is to dump its
-    flight recorder at its own timeout."""
+def judge_stop(beats: list[dict | None], rank: int, now: float) -> tuple[str | None, bool]:
+    """With a stop signal pending: (the line naming the ranks not heard from for STALE seconds,
+    without which no step can be agreed, whether this rank prints it), or (None, False)."""
+    missing = {}
+    for other, beat in enumerate(beats):
+        if other == rank:
+            continue
+        if beat is None:
+            missing[other] = f"rank {other} never answered"
+        elif now - beat["time"] > STALE:
+            missing[other] = f"rank {other} stopped answering at {beat['where']}; last heard {now - beat['time']:.0f} s ago"
+    if not missing:
+        return None, False
+    printer = min(r for r in range(len(beats)) if r not in missing)
+    line = (f"stop: {'; '.join(missing.values())}: no step can be agreed without it, so the others end now, "
+            f"last.pth as last saved (the others were at {beats[rank]['where'] if beats[rank] else 'their start'})")
+    return line, printer == rank
+
+
+def dump_flight_recorder(rank: int) -> str | None:
+    """This process's flight recorder, torch's record of its last collectives (NCCL's under NCCL;
+    gloo's where torch keeps one), pickled as torch's own dump on a timeout writes it, to
+    TORCH_FR_DUMP_TEMP_FILE (or TORCH_NCCL_DEBUG_INFO_TEMP_FILE, or DUMP_PREFIX) + the rank:
+    `python -m torch.distributed.flight_recorder.fr_trace FOLDER` reads them. The path written, or
+    None where there is nothing to dump (no process group, a torch without the call)."""
+    import torch._C._distributed_c10d as c10d
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return None
+    # torch 2.11 and 2.14 name them so (the generic one is newer: a torch without it dumps nothing).
+    dump = getattr(c10d, "_dump_nccl_trace" if dist.get_backend() == "nccl" else "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    prefix = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+              or DUMP_PREFIX)
+    try:
+        data = dump()
+        path = f"{prefix}{rank}"
+        with open(path, "wb") as file:
+            file.write(data)
+    except Exception:  # a dump that fails must not keep the process from ending
+        return None
+    return path
+
+
+def _end(line: str | None, rank: int) -> None:
+    """Print the line (on the rank that says it), dump this rank's flight recorder and end the
+    process."""
     if line is not None:
         print(f"\n{line}", file=sys.stderr, flush=True)  # on a line of its own: a progress bar may be drawn
-    if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") not in ("", "0"):
-        return
+    path = dump_flight_recorder(rank)
+    if path is not None and line is not None:
+        print(f"each rank's last collectives: {os.path.dirname(path) or '.'}/{os.path.basename(path)[:-len(str(rank))]}N "
+              "(python -m torch.distributed.flight_recorder.fr_trace reads them)", file=sys.stderr, flush=True)
     if line is None:
         time.sleep(3)  # the rank that says it says it first: the launcher stops the others when one ends
     os._exit(EXIT_HUNG)

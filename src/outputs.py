@@ -130,11 +130,13 @@ os.umask(_UMASK)
 
 
 class _WriteRecorder:
-    """A file that hashes what is written and remembers why a write failed: torch.save reports
-    that as a RuntimeError ("unexpected pos ...") without the errno ("No space left on device")."""
+    """A file that remembers why a write failed (torch.save reports that as a RuntimeError,
+    "unexpected pos ...", without the errno, "No space left on device") and, where asked, hashes
+    what is written."""
 
-    def __init__(self, file: BinaryIO):
-        self.file, self.error, self.sha256 = file, None, hashlib.sha256()
+    def __init__(self, file: BinaryIO, hashed: bool):
+        self.file, self.error = file, None
+        self.sha256 = hashlib.sha256() if hashed else None
 
     def write(self, data) -> int:
         try:
@@ -142,7 +144,8 @@ class _WriteRecorder:
         except OSError as error:
             self.error = error
             raise
-        self.sha256.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
         return written
 
     def __getattr__(self, name: str):
@@ -179,9 +182,10 @@ def temporaries(path: Path) -> list[Path]:
     return [folder / name for name in names if name.startswith(prefix) and name.endswith(".tmp")]
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> str:
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], hashed: bool = False) -> str | None:
     """write(file) into a temporary file beside path, then rename it onto path: path holds the
-    old or the new content, never half of one. Returns the sha256 of what was written.
+    old or the new content, never half of one. `hashed`: returns the sha256 of what was written
+    (None without: hashing a GB of checkpoint costs seconds that only a checked file repays).
 
     Any failure (a full disk, a folder that cannot be made) becomes a one-line UserError naming
     path; the old file stays.
@@ -193,12 +197,12 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> str:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
         with os.fdopen(fd, "wb") as raw:
-            file = _WriteRecorder(raw)
+            file = _WriteRecorder(raw, hashed)
             write(file)
             raw.flush()
             os.fsync(raw.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
-        return file.sha256.hexdigest()
+        return file.sha256.hexdigest() if hashed else None
     except BaseException as error:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -218,9 +222,9 @@ def cannot_write(path: Path, error: BaseException) -> str:
     return f"cannot write {path} ({error.strerror or one_line(error)}{free}): make room or write elsewhere; {kept}"
 
 
-def atomic_torch_save(obj, path: Path) -> str:
+def atomic_torch_save(obj, path: Path, hashed: bool = False) -> str | None:
     import torch  # here: predict --onnx writes its CSV without torch
-    return atomic_write(path, lambda file: torch.save(obj, file))
+    return atomic_write(path, lambda file: torch.save(obj, file), hashed)
 
 
 def atomic_write_text(path: Path, text: str) -> str:

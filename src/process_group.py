@@ -73,10 +73,25 @@ def torchrun_store(args: argparse.Namespace) -> tuple[dist.Store, int, int]:
     return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size
 
 
-def watch_ranks(store: dist.Store, args: argparse.Namespace) -> Heartbeat:
+def watch_ranks(store: dist.Store | None, args: argparse.Namespace, device: torch.device | None = None) -> Heartbeat:
     """The watch that names a rank that stops answering (src/heartbeat.py): use it as a context
-    manager inside the process group's life."""
-    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), dist_timeout(args).total_seconds())
+    manager inside the process group's life. `device`: on a GPU it tells the places the GPU has
+    reached. Without a store or a process group of 2+, it only keeps the place."""
+    if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return Heartbeat()
+    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), dist_timeout(args).total_seconds(), device)
+
+
+def joined_store() -> dist.Store | None:
+    """The store of the process group that a library joined for us (accelerate's Accelerator calls
+    init_process_group itself), with the key prefix per torchrun restart attempt that
+    torchrun_store gives (torchrun's agent keeps its store across restarts); None without a group.
+    torch keeps it with the default group (distributed_c10d._get_default_store, in torch 2.11 and
+    2.14 alike): accelerate does not expose it."""
+    if not dist.is_initialized():
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt{attempt}", dist.distributed_c10d._get_default_store())
 
 
 def join_process_group(args: argparse.Namespace) -> tuple[int, int, torch.device, Heartbeat]:
@@ -91,7 +106,7 @@ def join_process_group(args: argparse.Namespace) -> tuple[int, int, torch.device
     store, rank, world_size = torchrun_store(args)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))
-    return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(args).total_seconds())
+    return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(args).total_seconds(), device)
 
 
 # The flags each node may give its own value, left out of check_same_flags: places on the node's

@@ -9,11 +9,13 @@ rank's metric sums of them and the seconds they took. Nothing random is saved: d
 augmentation are functions of (seed, epoch, sample), so a resumed epoch that skips the finished
 steps' samples draws what an uninterrupted run draws.
 
-Under FSDP (sharded parameters) `last` is a folder of torch.distributed.checkpoint (DCP), last.dcp,
-in which each rank writes its own shards (src/sharded_checkpoint.py), with the DCP call the script
-passes (`write`: dcp.async_save for step checkpoints, dcp.save at an epoch's end); best.pth holds
-whole tensors, which the script gathers. Every rank calls the saves; rank 0 alone writes the
-files that are not shards.
+A step checkpoint is written in the background: rank 0's last.pth by src/checkpoint_writer.py
+(the next steps train while it goes to disk; every other write of last.pth, a stop and the end of
+the training block wait for it first). Under FSDP (sharded parameters) `last` is a folder of
+torch.distributed.checkpoint (DCP), last.dcp, in which each rank writes its own shards
+(src/sharded_checkpoint.py), with the DCP call the script passes (`write`: dcp.async_save for step
+checkpoints, dcp.save at an epoch's end); best.pth holds whole tensors, which the script gathers.
+Every rank calls the saves; rank 0 alone writes the files that are not shards.
 """
 import contextlib
 import time
@@ -23,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from src import checkpoint, sharded_checkpoint
+from src.checkpoint_writer import CheckpointWriter
 from src.errors import Stopped
 from src.fsdp import broadcast_buffers, is_sharded, whole_average
 from src.heartbeat import Heartbeat
 from src.history import best_choice, epoch_record
 from src.outputs import output_paths
-from src.ranks import from_rank_0, gather, is_first
+from src.ranks import from_rank_0, is_first
 from src.stopping import StopSignals, how_to_go_on, signal_name
 
 
@@ -48,6 +51,7 @@ class TrainingState:
         self.data_wait = 0.0  # seconds this process waited for its training data in the current epoch
         self.signals: StopSignals | None = None
         self.tracker, self.tracked_ids = None, None  # --track: the run's Tracker; last.pth's ids of its runs
+        self.writer = CheckpointWriter()  # rank 0's step checkpoints (last.pth), in the background
         self.shard_writer = sharded_checkpoint.ShardWriter()  # FSDP's last.dcp, one save at a time
 
     # Resume.
@@ -103,11 +107,10 @@ class TrainingState:
 
     def save_step(self, sums: torch.Tensor, write: Callable | None = None) -> None:
         """last.pth here, inside the epoch; best.pth, history.json and the plot stay those of the last
-        finished epoch. Every rank calls it: each rank's sums go into the file (a host read, at a
-        checkpoint only). Under FSDP last.dcp, each rank writing its shards with `write`
-        (dcp.async_save: the next steps run while they are written)."""
-        rows = gather(sums.detach().float().cpu())
-        partial = {"sums": torch.stack(rows), "train_seconds": self.train_seconds(),
+        finished epoch. Every rank calls it: each rank's sums go into the file (gathered where they
+        are: no host read). Rank 0 writes last.pth in the background; under FSDP last.dcp, each rank
+        writing its shards with `write` (dcp.async_save: the next steps run while they are written)."""
+        partial = {"sums": _every_rank(sums), "train_seconds": self.train_seconds(),
                    "data_wait_seconds": self.data_wait}
         if is_sharded(self.optimizer):
             self._save_shards(write, step=self.step, partial=partial)
@@ -115,8 +118,7 @@ class TrainingState:
         last = self._last_state(step=self.step, partial=partial)
         if is_first():
             self.heartbeat.at("saving")
-            from src.outputs import atomic_torch_save
-            atomic_torch_save(last, output_paths(self.args)["last"])
+            self.writer.save(last, output_paths(self.args)["last"])
 
     def record(self, train_sums: torch.Tensor, val_sums: torch.Tensor, average_sums: torch.Tensor | None,
                train_seconds: float, val_seconds: float) -> dict:
@@ -143,6 +145,7 @@ class TrainingState:
             if not is_first():
                 return False
             self.heartbeat.at("saving")
+            self.writer.wait()  # a step's last.pth still being written must not land after this one
             is_best = checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
         if self.tracker is not None:  # rank 0's
             self.tracker.log_epoch(record)  # after its files: a stop between them logs it at the resume
@@ -174,6 +177,8 @@ class TrainingState:
         if is_first():
             self.heartbeat.at("saving")
             average = {"updates": self.average.count()} if self.average.on else None
+            if partial is not None:  # the ranks' sums to the host for training.pt: at a checkpoint only
+                partial = {**partial, "sums": partial["sums"].cpu()}
             training = checkpoint.last_state(self.history, None, None, average, self.scaler, self.schedule,
                                              self.info, step, partial)
             training = {key: value for key, value in training.items() if key not in ("model", "optimizer")}
@@ -209,16 +214,22 @@ class TrainingState:
     @contextlib.contextmanager
     def stop_signals(self) -> Iterator[StopSignals]:
         """The block in which SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run at an optimizer step that
-        every rank agrees on (src/stopping.py); their handlers are put back when it ends, after a step
-        checkpoint still being written (FSDP's dcp.async_save) is in place."""
+        every rank agrees on (src/stopping.py); their handlers are put back when it ends, after the step
+        checkpoint being written (rank 0's last.pth, FSDP's dcp.async_save) is on disk (however the
+        block ends)."""
         self.signals = StopSignals()
         with self.signals:
+            self.heartbeat.stop_pending = self.signals.pending_since  # a stop no rank can agree on ends
             try:
                 yield self.signals
             except BaseException:
-                with contextlib.suppress(Exception):  # the error that ends the run is the one to tell
-                    self.shard_writer.wait()
+                for writer in (self.writer, self.shard_writer):
+                    with contextlib.suppress(Exception):  # the error in flight is the one to tell
+                        writer.wait()
                 raise
+            finally:
+                self.heartbeat.stop_pending = None
+            self.writer.wait()
             self.shard_writer.wait()
 
     def stop_agreed(self, now: bool = False) -> bool:
@@ -234,6 +245,7 @@ class TrainingState:
         go on, and no rank leaves before the file is there (exit code 75, src/errors.py)."""
         self.shard_writer.wait()  # FSDP's step checkpoint, written while the last steps ran
         last = output_paths(self.args)["last"]
+        self.writer.wait()  # the stop's step checkpoint is on disk before anyone says so
         if is_sharded(self.optimizer):
             last = sharded_checkpoint.folder_of(self.args)
         if self.step:
@@ -251,3 +263,14 @@ class TrainingState:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         raise Stopped()
+
+
+def _every_rank(sums: torch.Tensor) -> torch.Tensor:
+    """Every rank's metric sums, one row per rank, on every rank, where they are (all_gather: no
+    host read; the checkpoint's copy brings them to the host)."""
+    mine = sums.detach().float().clone()  # the loop goes on adding to `sums`
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine.unsqueeze(0)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows)

@@ -15,18 +15,28 @@ there.
   optimizer steps of the run (the same step numbers on every rank) each rank starts an all-reduce
   (MAX) of a one-element tensor holding its flag (on the CPU under gloo; on the GPU under NCCL,
   copied to pinned host memory behind the collective), and reads the one it started at the check
-  before: CHECK_EVERY steps old, done by then, so the read waits for nothing, and every rank reads
-  the same value at the same step. A signal is acted on CHECK_EVERY to 2 x CHECK_EVERY steps after
-  it arrives. At the start of an epoch the check is a plain (blocking) all-reduce: the previous
-  epoch is saved, and nothing runs on the GPU.
+  before: CHECK_EVERY steps old, done by then (asked with the event's query() or the work's
+  is_completed(), which wait for nothing; one not done is waited for, counted and, under the sync
+  debug mode, warned of), and every rank reads the same value at the same step. A signal is acted
+  on CHECK_EVERY to 2 x CHECK_EVERY steps after it arrives. At the start of an epoch the check is
+  a plain (blocking) all-reduce: the previous epoch is saved, and nothing runs on the GPU.
+- A stop that cannot be agreed (a rank died or stopped: the agreement waits for it) ends at once
+  instead of waiting for the launcher's SIGKILL: with a process group the signal is also written
+  to a pipe (signal.set_wakeup_fd, by Python's C-level handler, even while the main thread waits in
+  a collective and its Python handler cannot run), and the heartbeat's thread (src/heartbeat.py)
+  reads it there (pending_since) and ends the process when a rank has not been heard from for as
+  long as the stop has been pending.
 - When they agree, every rank stops after that step; rank 0 prints one line (where, what was saved,
   the command that goes on), and every rank exits with EXIT_STOPPED (src/errors.py).
 """
 import collections
+import contextlib
 import os
 import shlex
 import signal
 import threading
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -53,6 +63,9 @@ class StopSignals:
         self.pending = collections.deque()  # agreements in flight, oldest first: (tensor, what to wait for)
         self.agreed = 0  # the signal every rank agreed to stop on
         self.terminals: list[int] = []  # the descriptors of the output that went to a terminal
+        self.waits = 0  # agreements read before they were done (waited for)
+        self.wakeup: tuple[int, int, int] | None = None  # (read end, write end, the wakeup fd before)
+        self.since: float | None = None  # when a stop signal was first seen in the pipe (time.monotonic())
 
     def _note(self, signum, frame) -> None:
         self.requested = self.requested or signum
@@ -63,12 +76,32 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             self.terminals = [fd for fd in (1, 2) if os.isatty(fd)]  # standard output and error on a terminal
             self.handlers = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
+            if self.distributed:
+                read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                self.wakeup = (read, write, signal.set_wakeup_fd(write))
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.wakeup is not None:
+            read, write, before = self.wakeup
+            signal.set_wakeup_fd(before)
+            self.wakeup = None
+            os.close(read)
+            os.close(write)
         for number, handler in self.handlers.items():
             signal.signal(number, handler)
         self.handlers = {}
+
+    def pending_since(self) -> float | None:
+        """When a stop signal came (time.monotonic() when first seen here), None if none has: read
+        from the wakeup pipe without waiting, by the heartbeat's thread."""
+        if self.since is None and self.wakeup is not None:
+            with contextlib.suppress(OSError):  # empty (BlockingIOError), or closed as the block ended
+                if set(os.read(self.wakeup[0], 512)) & set(STOP_SIGNALS):
+                    self.since = time.monotonic()
+        if self.since is None and self.requested:
+            self.since = time.monotonic()
+        return self.since
 
     def agreed_at(self, done: int) -> bool:
         """Whether every rank stops after the run's optimizer step `done`: in a world of one, the
@@ -111,8 +144,18 @@ class StopSignals:
         return torch.full((1,), float(self.requested), device="cuda" if self.on_gpu else "cpu")
 
     def _read(self, tensor: torch.Tensor, waiter) -> int:
-        """An agreement's value: started a check before, so done already (the wait returns at once)."""
-        waiter.synchronize() if self.on_gpu else waiter.wait()
+        """An agreement's value. Started a check before (CHECK_EVERY steps), so done as a rule: its
+        event (NCCL) or work (gloo) is asked, which waits for nothing, and the value read. Only one
+        not done yet (the host ran more than CHECK_EVERY steps ahead of the GPU) is waited for, since
+        every rank must read the same value at the same step: an event's wait, which
+        set_sync_debug_mode does not see, so it is counted (`waits`) and warned of under that mode."""
+        done = waiter.query() if self.on_gpu else waiter.is_completed()
+        if not done:
+            self.waits += 1
+            if self.on_gpu and torch.cuda.is_available() and torch.cuda.get_sync_debug_mode():
+                warnings.warn("the stop agreement waited for the GPU: the host ran more than "
+                              f"{CHECK_EVERY} optimizer steps ahead of it")
+            waiter.synchronize() if self.on_gpu else waiter.wait()
         return int(tensor.item())
 
 

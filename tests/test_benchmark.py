@@ -16,6 +16,8 @@ from conftest import cache_files, history, printed_by
 from torch.autograd import DeviceType
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+import src.checkpoint_writer
+import src.outputs
 from src.errors import exit_on_error
 from src.profiling import Profiler, breakdown, schedule_for
 from src.progress import Progress
@@ -530,3 +532,57 @@ def test_the_augment_cost_table_shows_each_rows_best_rate_and_cpu_time(monkeypat
     calls.clear()
     printed = printed_by(benchmark.main, ["--augment-cost", "--image-size", "32", "--batch-size", "10", "--steps", "3"])
     assert printed == markdown, "the command prints the table, and writes nothing"
+
+
+def test_save_seconds_times_the_old_save_and_the_new_one_best_of_the_rounds(tmp_path, monkeypatch):
+    """save_seconds on a clock of the test's: each round times the old save (in the training
+    thread, every byte hashed: src.outputs.atomic_torch_save with hashed=True), then the new one's
+    wait in the training thread (CheckpointWriter.save) and its end on disk (the background write,
+    not hashed, finished when the clock is read); the best round of each column; the file holds
+    the state and its bytes are the file's."""
+    times = iter([0.0, 5.0, 5.0, 6.0, 9.0,  # round 1: before 5, blocked 1, written 4
+                  10.0, 13.0, 13.0, 15.0, 16.0])  # round 2: before 3, blocked 2, written 3
+    flags, done, readings, original = [], [], [], src.outputs.atomic_torch_save
+
+    def recorded(obj, path, hashed=False):
+        flags.append(hashed)
+        original(obj, path, hashed)
+        done.append(hashed)
+
+    def clock() -> float:
+        readings.append(done.count(False))  # the background writes finished at this reading
+        return next(times)
+    monkeypatch.setattr(src.outputs, "atomic_torch_save", recorded)
+    monkeypatch.setattr(src.checkpoint_writer, "atomic_torch_save", recorded)
+    state = {"model": {"weight": torch.arange(1000.0)}, "step": 7}
+    found = benchmark.save_seconds(state, tmp_path / "last.pth", rounds=2, clock=clock)
+    assert flags == [True, False] * 2  # each round: the old save hashes, the new one's write does not
+    assert readings[4] == 1 and readings[9] == 2  # "written" is read once the round's write is on disk
+    path = tmp_path / "last.pth"
+    assert found == {"before": 3.0, "blocked": 1.0, "written": 3.0, "bytes": path.stat().st_size}
+    loaded = torch.load(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+
+
+def test_the_save_cost_table_shows_each_checkpoint_and_the_floor_it_sets(tmp_path, monkeypatch):
+    """--save-cost's table: a row for last.pth with SGD's momentum and one with the weight average
+    too (the state each is saved with: the average's only in the second), each with its MB and
+    seconds (given here) and the --save-every-steps at which a write (its seconds) ends within the
+    steps between two saves (the step's seconds: batch / the bare step's images/s)."""
+    states = []
+    written = iter([5.0, 4.0])
+
+    def save_seconds(state, path, rounds):
+        states.append((state["average"] is not None, set(state["optimizer"]["state"]) != set(), rounds))
+        seconds = next(written)
+        return {"before": 2 * seconds, "blocked": 0.25, "written": seconds, "bytes": int(seconds * 1e6)}
+    monkeypatch.setattr(benchmark, "save_seconds", save_seconds)
+    monkeypatch.setattr(benchmark, "bare_step", lambda args, device, batch, train: 4.0)  # images/s
+    args = benchmark.parse_args(["--save-cost", "--arch", "squeezenet1_1", "--weights", "none", "--batch-size", "8",
+                                 "--steps", "3", "--out-dir", str(tmp_path)])
+    markdown = benchmark.save_cost_report(args, tmp_path)
+    assert states == [(False, True, 3), (True, True, 3)]
+    assert "batch 8: 2.00 s" in markdown
+    assert "| SGD | 5 | 10.00 | 0.250 | 5.00 | 3 |" in markdown
+    assert "| SGD and --ema-decay | 4 | 8.00 | 0.250 | 4.00 | 2 |" in markdown
+    assert not (tmp_path / "save-cost").exists()

@@ -8,10 +8,12 @@ import torch
 import torch.nn as nn
 from conftest import mode_run, script_loader, script_pass
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_dp
 import train_single
 from src.cli import parse_args
+from src.dropout import per_sample
 from src.ema import WeightAverage
 from src.loaders import Data
 from src.progress import Progress
@@ -38,11 +40,46 @@ class HostWaits(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Watched:
-    """A loader whose batches 2 to n-1 run under HostWaits: the steps, not the epoch's end."""
+class HostReads(TorchDispatchMode):
+    """Records the operations that make the host wait for a GPU's result: a tensor read as a
+    Python number (item, float, int, bool: aten._local_scalar_dense), nonzero and a boolean mask
+    (the size of the result depends on the values: torch's SyncBatchNorm drops empty ranks so).
+    A dispatch mode sees the backward pass too, which a torch function mode (HostWaits) does not:
+    autograd runs the backward without the Python function modes."""
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default,
+             torch.ops.aten._unique2.default}
+    INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
 
-    def __init__(self, loader, mode):
-        self.loader, self.mode = loader, mode
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masked = func in self.INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if func in self.READS or masked:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _ReadsInBackward(torch.autograd.Function):
+    """The control: a backward that reads a tensor on the host three ways."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        float(grad.sum()), grad.sum().item(), grad[grad > 0]
+        return grad
+
+
+class _Watched:
+    """A loader whose batches 2 to n-1 run under the given modes: the steps, not the epoch's end."""
+
+    def __init__(self, loader, *modes):
+        self.loader, self.modes = loader, modes
 
     def __len__(self):
         return len(self.loader)
@@ -50,26 +87,39 @@ class _Watched:
     def __iter__(self):
         for i, batch in enumerate(self.loader):
             if i == 2:
-                self.mode.__enter__()
+                for mode in self.modes:
+                    mode.__enter__()
             if i == len(self.loader) - 1:
-                self.mode.__exit__(None, None, None)
+                for mode in reversed(self.modes):
+                    mode.__exit__(None, None, None)
             yield batch
 
 
-@pytest.mark.parametrize("amp", [[], ["--amp", "fp16"]])
-def test_no_tensor_is_built_from_python_values_inside_a_step(amp, monkeypatch, stop_signals):
+class _ReadingLayer(nn.Module):
+    """The control's layer: its backward reads a tensor on the host (_ReadsInBackward)."""
+
+    def forward(self, x):
+        return _ReadsInBackward.apply(x)
+
+
+@pytest.mark.parametrize("amp, control", [([], False), (["--amp", "fp16"], False), ([], True)])
+def test_no_tensor_is_built_from_python_values_inside_a_step(amp, control, monkeypatch, stop_signals):
     """normalize()'s statistics and batch_sums()'s count were built with torch.tensor(..., device)
     at every batch: on a GPU each is a blocking copy. Steps 3 and on of train_single.py's loop,
-    with every recipe flag, build none and read nothing back. With --amp fp16 and the GPU's fused
-    optimizer (AS_ON_GPU=1), the gradient scaler's inf check stays a tensor too (the plain
-    optimizer's path reads it with .item() at every step). The stop check after each step (a
-    world of one: a Python flag) reads nothing either."""
+    with every recipe flag, build none and read nothing back, in the forward, the backward
+    (HostReads, a dispatch mode: autograd runs the backward without function modes, which HostWaits
+    is) and the optimizer step. With --amp fp16 and the GPU's fused optimizer (AS_ON_GPU=1), the
+    gradient scaler's inf check stays a tensor too (the plain optimizer's path reads it with
+    .item() at every step). The stop check after each step (a world of one: a Python flag) reads
+    nothing either. The control: a layer whose backward reads a tensor is seen there."""
     monkeypatch.setenv("AS_ON_GPU", "1")
     args = parse_args("", ["--batch-size", "4", "--log-every", "1000", "--augment", "--label-smoothing",
                            "0.1", "--clip-grad-norm", "1", "--lr-schedule", "cosine", "--accumulate", "2",
                            "--weight-decay", "0.01", *amp])
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5),
+                          nn.Linear(4, 2), *([_ReadingLayer()] if control else []))
+    model = per_sample(model)
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(64)]
     loader = script_loader(train_single, dataset, args)
     device = torch.device("cpu")
@@ -78,11 +128,14 @@ def test_no_tensor_is_built_from_python_values_inside_a_step(amp, monkeypatch, s
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")
     state = TrainingState(args, {}, model, optimizer, scaler, schedule, WeightAverage(model, optimizer, None), 8)
     state.save_step = lambda sums: pytest.fail("no step checkpoint asked for")
-    mode = HostWaits()
+    waits, reads = HostWaits(), HostReads()
     with state.stop_signals():
-        script_pass(train_single, model, _Watched(loader, mode), args, optimizer, scaler, schedule, state=state)
+        script_pass(train_single, model, _Watched(loader, waits, reads), args, optimizer, scaler, schedule, state=state)
     assert schedule.last_epoch == 8
-    assert mode.calls == []
+    if control:  # each watched micro-batch's backward (the 3rd to the 15th of 16): its three reads
+        assert len(reads.calls) == 3 * (len(loader) - 3), reads.calls
+        return
+    assert waits.calls == [] and reads.calls == []
 
 
 @pytest.mark.parametrize("script", [train_single, train_dp])

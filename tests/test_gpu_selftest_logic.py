@@ -2,8 +2,8 @@
 sessions of their own, the collective timeout under the launch's limit, the report (Markdown and
 JSON, the failed modes named, every agreement leg run after one failed), the verdicts on what the
 hooks recorded (host synchronisations with their control, logits' dtypes, compiled calls,
-accelerate's TF32), and those hooks' recording parts. No GPU, no training: each test takes well
-under a second but the process-tree one (about 2 s)."""
+accelerate's TF32), and those hooks' recording parts. No GPU: each test takes well under a second
+but the process-tree one (about 2 s) and the sync hook's, which trains two tiny epochs on the CPU."""
 import json
 import os
 import signal
@@ -14,6 +14,7 @@ import time
 import warnings
 from types import SimpleNamespace
 
+import conftest
 import gpu_selftest as selftest
 import pytest
 import torch
@@ -305,3 +306,16 @@ def test_the_plan_fits_the_proofs_deadline_at_half_the_speed():
     planned = selftest.DATA + sum(seconds for _, _, seconds in selftest.plan(1, False))
     assert 2 * planned <= deadline, (planned, deadline)
 
+
+def test_the_sync_hook_wraps_each_training_pass_of_a_run(tiny_data, tmp_path):
+    """The SYNC_CHECK_STEPS hook in a real run (here on the CPU, where it only counts): it wraps
+    src.progress's training passes (it once patched a class the reshape removed, and every hooked
+    run died at import), and writes its record at exit: two epochs, two passes, no window."""
+    command = [sys.executable, "train_single.py", "--data-dir", str(tiny_data), "--arch", "squeezenet1_1",
+               "--weights", "none", "--image-size", "32", "--epochs", "2", "--batch-size", "8", "--workers", "0",
+               "--checkpoint", str(tmp_path / "best.pth"), "--plot", str(tmp_path / "curves.png")]
+    hook = {"PYTHONPATH": conftest.HOOKS, "SYNC_CHECK_STEPS": "1:3", "SYNC_LOG": str(tmp_path / "syncs.json")}
+    result = conftest.run(command, env=hook)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads((tmp_path / "syncs.json.0").read_text())
+    assert (record["passes"], record["windows"], record["syncs"]) == (2, 0, {})

@@ -1,9 +1,14 @@
 """The split and the scripts' loaders: the same global batches in every mode, each validation sample
 once, a resumed epoch's finished steps skipped without reading them."""
+import os
+import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT, run
 
 import train_accelerate
 import train_ddp
@@ -148,3 +153,103 @@ def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(m
         assert [labels.tolist() for _, labels, _ in skipped] == whole[k * accumulate:]
         assert sorted(reads) == sorted(sum(whole[k * accumulate:], []))
         assert skip_first_batches(loader, 0) is loader
+
+
+# The stress run, in a process of its own (a hung worker must not hang the test): the heartbeat's
+# thread writing its beats, a thread taking CPython's thread-state lock as the C++ threads of
+# torch.distributed and autograd do when they call into Python (PyThreadState_New without the
+# GIL: it takes the interpreter's HEAD_LOCK), and the scripts' loader options starting 2 workers
+# for each of PASSES passes.
+STRESS = """
+import ctypes, threading, sys
+import torch
+from types import SimpleNamespace
+from torch.utils.data import DataLoader
+from src.heartbeat import Heartbeat
+from src.loaders import loader_options
+
+lib = ctypes.CDLL(None)  # its calls release the GIL, unlike ctypes.pythonapi's
+lib.PyThreadState_New.restype = ctypes.c_void_p
+lib.PyThreadState_New.argtypes = lib.PyThreadState_Clear.argtypes = lib.PyThreadState_Delete.argtypes = [ctypes.c_void_p]
+main = ctypes.pythonapi.PyInterpreterState_Main
+main.restype = ctypes.c_void_p
+interpreter, done = main(), threading.Event()
+
+def thread_states():
+    while not done.is_set():
+        state = lib.PyThreadState_New(interpreter)
+        lib.PyThreadState_Clear(state)
+        lib.PyThreadState_Delete(state)
+
+if __name__ == "__main__":
+    dataset = [(torch.full((3, 4, 4), i, dtype=torch.uint8), i % 2) for i in range(16)]
+    churn = threading.Thread(target=thread_states, daemon=True)
+    with Heartbeat(torch.distributed.HashStore(), 0, 2, timeout_s=3600) as beat:
+        churn.start()
+        for epoch in range(int(sys.argv[1])):
+            beat.at("training", epoch, 0, 0)
+            options = loader_options(SimpleNamespace(workers=2), torch.device("cpu"))
+            loader = DataLoader(dataset, batch_size=4, timeout=120, **options)  # a hung worker: an error
+            assert sum(len(labels) for _, labels in loader) == 16
+        assert beat.thread.is_alive()
+        done.set()
+        churn.join()
+    print("passes done")
+"""
+PASSES = 30
+# Seconds the stress run may take: 30 passes took 70 to 85 s on the busy 2-core machine. A worker
+# that hangs in its start fails its pass after the loader's timeout (120 s, for 4 batches of 4
+# tiny images); the limit is the backstop for a hang anywhere else.
+STRESS_LIMIT = 900
+
+
+def test_loader_workers_started_many_times_beside_running_threads_never_hang(tmp_path):
+    """The scripts' loader options (src.loaders.loader_options: workers from the fork server) start
+    2 workers for each of 30 passes while the heartbeat's thread writes its beats and another
+    thread takes CPython's thread-state lock as fast as it can: every pass ends. Plain forks of
+    this process beside that thread hung in their own start (PyOS_AfterFork_Child, CPython
+    gh-112275, fixed in 3.11.8) 46 times in 300 on this machine's Python 3.11.7; the training
+    process never forks a worker, the fork server (a process without threads) does."""
+    script = tmp_path / "stress.py"
+    script.write_text(STRESS)
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launch = subprocess.Popen([sys.executable, str(script), str(PASSES)], cwd=ROOT, env=environment, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = launch.communicate(timeout=STRESS_LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)  # its hung workers with it
+        launch.communicate()
+        pytest.fail(f"the stress run did not end within {STRESS_LIMIT} s: a loader worker hung")
+    assert launch.returncode == 0 and stdout.strip() == "passes done", stderr[-3000:]
+
+
+MAIN_SCRIPT = """
+import sys
+import torch
+from types import SimpleNamespace
+from torch.utils.data import DataLoader
+import imported_once  # noqa: F401  (its import writes a line)
+from src.loaders import loader_options
+
+if __name__ == "__main__":
+    dataset = [(torch.zeros(2), i) for i in range(8)]
+    for _ in range(2):
+        assert sum(len(b) for _, b in DataLoader(dataset, batch_size=2, **loader_options(SimpleNamespace(workers=2),
+                                                                                         torch.device("cpu")))) == 8
+"""
+
+
+def test_the_fork_server_imports_the_main_scripts_modules_once(tmp_path):
+    """A script whose imports take time (train_single.py's: matplotlib, the src modules) as the main
+    module, two passes of 2 workers from the fork server: each worker runs the main script again
+    (multiprocessing's preparation), but its imports were made once, in the fork server, so the
+    module it imports is imported by the script's process and the fork server, by no worker."""
+    (tmp_path / "imported_once.py").write_text("import os\nwith open(os.environ['IMPORT_LOG'], 'a') as log:\n"
+                                               "    log.write(f'{os.getpid()}\\n')\n")
+    (tmp_path / "main_script.py").write_text(MAIN_SCRIPT)
+    log = tmp_path / "imports.log"
+    result = run([sys.executable, str(tmp_path / "main_script.py")],
+                 env={"IMPORT_LOG": str(log), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(log.read_text().split()) == 2, log.read_text()

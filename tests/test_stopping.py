@@ -259,3 +259,49 @@ def test_a_mid_epoch_checkpoint_with_another_global_batch_is_refused(stepped, ru
     fails_in_process(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2",
                                          "--batch-size", str(B), "--resume", *outputs(tmp_path)], monkeypatch, capsys,
                      "was trained with --batch-size (x processes x --accumulate) 20, not 10")
+
+
+class _Collective:
+    """A collective in flight, as gloo's Work (is_completed, wait) or a CUDA event behind NCCL's
+    (query, synchronize): done when `done` says so; a wait for it is recorded."""
+
+    def __init__(self, done: bool):
+        self.done, self.waited = done, 0
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    query = is_completed
+
+    def wait(self) -> bool:
+        self.waited += 1
+        self.done = True
+        return True
+
+    synchronize = wait
+
+
+def test_the_agreement_is_read_a_check_late_without_waiting_when_it_is_done(monkeypatch, stop_signals):
+    """Two ranks (the collective faked): a signal before step 4; the all-reduce started at step 4's
+    check is read at step 8's, without a wait when it is done by then (asked, not waited for), with
+    one (counted) when it is not; none is started between the checks. Under NCCL the read asks the
+    event the same way."""
+    import src.stopping as stopping
+    for done in (True, False):
+        started = []
+
+        def all_reduce(tensor, op=None, async_op=False, _done=done):
+            started.append(_Collective(_done))
+            return started[-1]
+        monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+        with stopping.StopSignals() as signals:
+            signals.distributed = True
+            signals.requested = signal.SIGTERM
+            agreed = [signals.agreed_at(step) for step in range(1, 9)]
+        assert agreed == [False] * 7 + [True] and len(started) == 2
+        assert (started[0].waited, signals.waits) == ((0, 0) if done else (1, 1))
+    signals = stopping.StopSignals()
+    signals.on_gpu = True
+    for done in (True, False):
+        event = _Collective(done)
+        assert signals._read(torch.ones(1), event) == 1 and event.waited == (0 if done else 1)

@@ -20,8 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import LEARN, TOLERANCE, VAL, assert_same_run, distance, fails_in_process, last_model
-from test_gpu_on_cpu_host_syncs import HostWaits
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_gpu_on_cpu_host_syncs import HostReads, HostWaits, _ReadsInBackward
 
 import train_dp
 from src.batch_norm import SyncedBatchNorm, sync_batch_norm, synced_batch_norm
@@ -39,41 +38,6 @@ WEIGHT, BIAS = [0.5, 1.0, 2.0], [0.1, -0.2, 0.3]
 # them; and momentum=None (a cumulative average) with ranks of 3 and 5 samples, which only each
 # rank's own count weights right.
 CASES = {"every other": (0.1, [[0, 2, 4, 6], [1, 3, 5, 7]]), "3 and 5, cumulative": (None, [[0, 1, 2], [3, 4, 5, 6, 7]])}
-
-
-class HostReads(TorchDispatchMode):
-    """Records the operations that make the host wait for a GPU's result: a tensor read as a
-    Python number (item, float, int, bool: aten._local_scalar_dense), nonzero and a boolean mask
-    (the size of the result depends on the values: torch's SyncBatchNorm drops empty ranks so).
-    A dispatch mode sees the backward pass too, which a torch function mode (HostWaits) does not:
-    autograd runs the backward without the Python function modes."""
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-             torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default,
-             torch.ops.aten._unique2.default}
-    INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        masked = func in self.INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
-        if func in self.READS or masked:
-            self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class _ReadsInBackward(torch.autograd.Function):
-    """The control: a backward that reads a tensor on the host three ways."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        float(grad.sum()), grad.sum().item(), grad[grad > 0]
-        return grad
 
 
 def _two_ranks(rank: int, port: int, x: torch.Tensor, grad: torch.Tensor, out: str) -> None:

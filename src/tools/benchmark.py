@@ -33,6 +33,25 @@ over random uint8 images of S px already in memory (as --cache serves them: no d
 milliseconds per image of the training split on one thread (4 x B images), and the images/s of
 train_single.py's training loader alone with one worker (N batches of B counted); each the best of
 two rounds that alternate the rows. It prints a table and writes nothing.
+
+    python -m src.tools.benchmark --worker-start [--images N] [--steps PASSES]
+
+measures what starting the loader workers costs (docs/performance.md#loader-workers-a-fork-server):
+train_single.py's training loader over the JPEGs and over the --cache, its workers started from
+the fork server as the scripts start them, from a fork server importing only the worker's modules
+(not the main script's), and forked from the training process; each in a fresh process whose main
+module is train_single.py (a worker from a fork server runs it again, as a run's workers do), for
+PASSES passes: the seconds from a pass's start to its first batch (the workers' start; the first
+pass's includes the fork server's own) and the images/s of a pass. It prints a table.
+
+    python -m src.tools.benchmark --save-cost [--arch A] [--image-size S] [--batch-size B] [--steps N]
+
+measures what a step checkpoint (--save-every-steps) costs the training: last.pth of the model
+with SGD's momentum, without and with a weight average (--ema-decay), written into OUT/save-cost
+the way a save wrote it before (in the training thread: copied from the device, hashed, flushed)
+and the way it does now (src/checkpoint_writer.py: the training thread only takes a host copy, a
+thread writes it); best of N rounds each; and one training step of the model at the run's shape
+(N steps timed), for the --save-every-steps at which a write ends before the next save. A table.
 OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
@@ -83,7 +102,7 @@ from src.transforms import image_transform, memory_format, normalize  # noqa: E4
 FIELDS = ["row", "processes", "train_images_per_s", "val_images_per_s", "epoch_seconds", "speedup",
           "data_wait_share", "communication_share"]
 MARK = ".benchmark"  # says that this tool wrote the --out-dir, and may write it again
-WRITES = ("data", "runs", "cache", "features", "benchmark.csv", "benchmark.md", "benchmark.png")
+WRITES = ("data", "runs", "cache", "features", "save-cost", "benchmark.csv", "benchmark.md", "benchmark.png")
 INTERRUPTED = "interrupted: the tables were not written; run the command again (the runs start over)"
 MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
@@ -111,6 +130,11 @@ def parse_args(argv: list[str] | None = None):
         help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
     add("--augment-cost", action="store_true",
         help="only the training loader with each augmentation, one worker (see above); writes nothing")
+    add("--save-cost", action="store_true",
+        help="only what a step checkpoint costs the training, before and now (see above): a table")
+    add("--worker-start", action="store_true",
+        help="only the loader workers' start, from the fork server and forked (see above), over the "
+             "JPEGs and the cache: a table")
     args = parser.parse_args(argv)
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
@@ -468,6 +492,117 @@ def augment_report(size: int, batch: int, batches: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save_seconds(state: dict, path: Path, rounds: int, clock=time.perf_counter) -> dict:
+    """Seconds of a step checkpoint of `state` at `path`, best of `rounds`: "before", the training
+    thread's as a save was (torch.save from the device, every byte hashed, flushed, renamed);
+    "blocked", the training thread's now (CheckpointWriter.save: the host copy); "written", from
+    the save to the file on disk now (the background write included); and the file's bytes."""
+    from src.checkpoint_writer import CheckpointWriter
+    from src.outputs import atomic_torch_save
+    writer, best = CheckpointWriter(), {"before": math.inf, "blocked": math.inf, "written": math.inf}
+    for _ in range(rounds):
+        start = clock()
+        atomic_torch_save(state, path, hashed=True)
+        best["before"] = min(best["before"], clock() - start)
+        start = clock()
+        writer.save(state, path)
+        blocked = clock() - start
+        writer.wait()
+        best["blocked"], best["written"] = min(best["blocked"], blocked), min(best["written"], clock() - start)
+    return {**best, "bytes": path.stat().st_size}
+
+
+def save_cost_report(args, out: Path) -> str:
+    """--save-cost's Markdown (see the module's docstring)."""
+    from src.ema import WeightAverage
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = build_model(args.arch, args.weights).to(device)
+    recipe = script_args("", [])  # the scripts' defaults: SGD with momentum
+    optimizer = make_optimizer(model, recipe, device)
+    average = WeightAverage(model, optimizer, 0.999)
+    set_samples(model, torch.arange(2, device=device))  # the dropout keys of the batch's samples
+    model(torch.zeros(2, 3, 32, 32, device=device)).sum().backward()
+    optimizer.step()  # SGD's momentum buffers and the average, as after a run's first step
+    folder = out / "save-cost"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rows = []
+    for name, kept in (("SGD", None), ("SGD and --ema-decay", average.state_dict())):
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "average": kept, "step": 1}
+        rows.append((name, save_seconds(state, folder / "last.pth", args.steps)))
+    shutil.rmtree(folder, ignore_errors=True)
+    step = args.batch_size / bare_step(args, device, args.batch_size, train=True)
+    lines = [f"What a step checkpoint costs the training, {date.today().isoformat()}, {hardware()}", "",
+             f"{args.arch}'s last.pth, best of {args.steps} rounds; one training step at {args.image_size} px, batch "
+             f"{args.batch_size}: {step:.2f} s", "",
+             "| last.pth | MB | before: training waits, s | now: training waits, s | now: written after, s "
+             "| --save-every-steps at which a write ends before the next save |", "|---|---|---|---|---|---|"]
+    for name, found in rows:
+        lines.append(f"| {name} | {found['bytes'] / 1e6:.0f} | {found['before']:.2f} | {found['blocked']:.3f} "
+                     f"| {found['written']:.2f} | {max(1, math.ceil(found['written'] / step))} |")
+    return "\n".join(lines) + "\n"
+
+
+# How the loader workers start: the scripts' fork server (the worker's modules and the main
+# script's imported in it once), the fork server as it was before it imported the main script's,
+# and forks of the training process (src.datasets.worker_options says why not).
+WORKER_STARTS = {"fork server": None, "fork server, worker modules only": "no main", "fork": "fork"}
+
+
+def worker_start(start: str, dataset_kind: str, data_dir: Path, cache_dir: Path, size: int, batch: int,
+                 workers: int, passes: int) -> dict:
+    """In a fresh process (run it in one): `passes` passes of train_single.py's training loader over
+    the JPEGs or the cache, its workers started as WORKER_STARTS[start] says, with train_single.py
+    as the main module (the module a run's workers from a fork server run again). Per pass: the
+    seconds from its start to its first batch (the workers' start) and its images/s."""
+    import src.datasets
+    import train_single
+    sys.modules["__main__"] = train_single
+    how = WORKER_STARTS[start]
+    if how == "fork":
+        src.datasets._fork_server = lambda: multiprocessing.get_context("fork")
+    elif how == "no main":
+        src.datasets.main_module = lambda: []
+    images = labelled_images(data_dir, size, show_progress=False)
+    dataset = images if dataset_kind == "JPEG" else cached(images, size, cache_dir, workers, show_progress=False)
+    firsts, rates = [], []
+    for _ in range(passes):
+        loader = training_loader(dataset, batch, workers)
+        began, first, count = time.perf_counter(), None, 0
+        for batch_images, *_ in loader:
+            first = time.perf_counter() - began if first is None else first
+            count += len(batch_images)
+        firsts.append(first)
+        rates.append(count / (time.perf_counter() - began))
+    return {"first": firsts, "rates": rates}
+
+
+def worker_start_report(data_dir: Path, cache_dir: Path, size: int, batch: int, workers: int, passes: int,
+                        run=None) -> str:
+    """--worker-start's Markdown: per data path and start, the first pass's worker start (with the
+    fork server's own), the median of the later passes' and their median images/s. `run(function,
+    *args)`: where each measurement runs (a fresh process by default)."""
+    def fresh(function, *args):
+        with fresh_process() as pool:
+            return pool.submit(function, *args).result()
+    run = run or fresh
+    cached(labelled_images(data_dir, size, show_progress=False), size, cache_dir, workers, show_progress=False)
+    lines = [f"Loader workers' start, {date.today().isoformat()}, {hardware()}", "",
+             f"train_single.py's training loader, {workers} workers, batch {batch}, {size} px, {passes} passes "
+             "(the first one's start includes the fork server's own):", "",
+             "| data | workers start from | first pass: s to the first batch | later passes: s to the first batch "
+             "| later passes: images/s |", "|---|---|---|---|---|"]
+    for kind in ("JPEG", "cache"):
+        for start in WORKER_STARTS:
+            found = run(worker_start, start, kind, data_dir, cache_dir, size, batch, workers, passes)
+            later = found["first"][1:] or found["first"]
+            rates = found["rates"][1:] or found["rates"]
+            lines.append(f"| {kind} | {start} | {found['first'][0]:.2f} | {sorted(later)[len(later) // 2]:.2f} "
+                         f"| {sorted(rates)[len(rates) // 2]:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
                       repeats: int = 5) -> tuple[float, float]:
     """Images/s one worker decodes and resizes: (full decode then Resize, draft decode).
@@ -671,6 +806,9 @@ def main(argv: list[str] | None = None) -> None:
         print(augment_report(args.image_size, args.batch_size, args.steps), end="")
         return
     claim_folder(args.out_dir, MARK, WRITES, "src.tools.benchmark", "the benchmark", "--out-dir ")
+    if args.save_cost:
+        print(save_cost_report(args, args.out_dir), end="")
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_dir = args.data_dir
     if data_dir is None:
@@ -681,6 +819,10 @@ def main(argv: list[str] | None = None) -> None:
     jpegs = labelled_images(data_dir, args.image_size)
     if not (data_dir / "train.csv").exists():  # so that no run rescans every image
         atomic_write_text(data_dir / "train.csv", jpegs.frame.to_csv(index=False))
+    if args.worker_start:
+        print(worker_start_report(data_dir, args.out_dir / "cache", args.image_size, args.batch_size,
+                                  default_workers(), args.steps), end="")
+        return
     batch = args.batch_size * args.processes
     rows, notes = {}, []
 

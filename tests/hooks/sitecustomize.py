@@ -21,6 +21,9 @@ starts (a second signal during the stop's save).
 KILL_AT_SHARD=k (with KILL_RANK=r): the process of rank r SIGKILLs itself as it starts writing its
 k-th shard file of FSDP's last.dcp (torch.distributed.checkpoint's FileSystemWriter.write_data, in
 dcp.async_save's writing thread), in the first attempt only: a worker dying in the middle of a save.
+KILL_IN_WRITE=name:k: the process SIGKILLs itself in the middle of its k-th write of a file called
+`name` (src.outputs.atomic_write): part of the content is in the temporary file, flushed, and the
+rename never comes (a kill while a step checkpoint is written in the background).
 STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
@@ -52,7 +55,8 @@ process's Python code makes is recorded with where it was called from (in the ma
 a backward, whose warnings autograd hands to the thread that called it; gloo's own threads, which
 copy CUDA tensors through the host for ranks sharing a GPU, only print theirs). At the first
 micro-batch of each window the hook reads a tensor back itself: the control, which the record
-must show. Each process writes its record to SYNC_LOG.RANK (JSON) at exit.
+must show. Each process writes its record to SYNC_LOG.RANK (JSON) at exit, with the training
+passes it wrapped (src.progress.Progress._pass; on a CPU it only counts them).
 DTYPE_LOG=path: each process appends "RANK DTYPE" for each dtype of the logits that
 F.cross_entropy gets (the training loss): float16 under --amp fp16, float32 without autocast.
 COMPILE_OPS_LOG=path: each process writes to path.RANK (JSON) at exit the conv2d and linear calls
@@ -195,6 +199,27 @@ if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
 
+if os.environ.get("KILL_IN_WRITE"):
+    def _kill_in_write(outputs):
+        name, k = os.environ["KILL_IN_WRITE"].split(":")
+        atomic_write, writes = outputs.atomic_write, [0]
+
+        def killed_in(path, write, *args, **kwargs):
+            if os.path.basename(os.fspath(path)) != name:
+                return atomic_write(path, write, *args, **kwargs)
+            writes[0] += 1
+            if writes[0] != int(k):
+                return atomic_write(path, write, *args, **kwargs)
+
+            def half(file):
+                file.write(b"PK\x03\x04 half of a checkpoint")
+                file.flush()
+                os.fsync(file.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+            return atomic_write(path, half, *args, **kwargs)
+        outputs.atomic_write = killed_in
+    _after_import("src.outputs", _kill_in_write)
+
 if os.environ.get("FAKE_GPUS"):
     import torch
     torch.cuda.is_available = lambda: True
@@ -336,7 +361,7 @@ class SyncRecord:
     warnings.showwarning, which gets every other warning (`shown`)."""
 
     def __init__(self, rank: str, shown):
-        self.record = {"rank": rank, "windows": 0, "control": 0, "syncs": {}}
+        self.record = {"rank": rank, "passes": 0, "windows": 0, "control": 0, "syncs": {}}
         self.shown = shown
 
     def showwarning(self, message, category, filename, lineno, file=None, line=None):
@@ -372,25 +397,27 @@ if os.environ.get("SYNC_CHECK_STEPS"):
         atexit.register(_syncs.write, os.environ["SYNC_LOG"])
 
     def _check_syncs(progress):
-        batches = progress.LoaderPass.batches
+        passing = progress.Progress._pass
         first, last = map(int, os.environ["SYNC_CHECK_STEPS"].split(":"))
 
-        def checked(self, sums):
+        def checked(self, loader, desc, sums, start, total, epoch, profiler):
             import torch
-            watched = self.epoch is not None and torch.cuda.is_available()  # training passes
+            training = epoch is not None
+            _syncs.record["passes"] += training
+            watched = training and torch.cuda.is_available()
             try:
-                for step, batch in enumerate(batches(self, sums)):
-                    if watched and step == first:
+                for index, batch in passing(self, loader, desc, sums, start, total, epoch, profiler):
+                    if watched and index == first:
                         torch.cuda.set_sync_debug_mode("warn")
                         _syncs.record["windows"] += 1
                         _control_sync()
-                    elif watched and step == last:
+                    elif watched and index == last:
                         torch.cuda.set_sync_debug_mode("default")
-                    yield batch
+                    yield index, batch
             finally:
                 if watched:
                     torch.cuda.set_sync_debug_mode("default")
-        progress.LoaderPass.batches = checked
+        progress.Progress._pass = checked
     _after_import("src.progress", _check_syncs)
 
 def log_dtypes(functional, path, rank: str) -> None:

@@ -1,0 +1,141 @@
+"""Step checkpoints written in the background (src/checkpoint_writer.py): the steps after a save
+train while it is written, and the file holds the state of the save's step; a write that fails
+says so in the training thread; a process killed in the middle of a write leaves the previous
+last.pth whole, and --resume from it ends as the run never stopped."""
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import HOOKS, RESUMABLE, VAL, B, outputs, python, resumable_run, same_end, script_loader, script_pass
+
+import src.checkpoint as checkpoint
+import src.checkpoint_writer as checkpoint_writer
+import train_single
+from src.checkpoint_writer import CheckpointWriter
+from src.cli import parse_args
+from src.ema import WeightAverage
+from src.errors import UserError
+from src.history import epoch_record
+from src.metrics import COUNT
+from src.recipe import make_optimizer, make_schedule
+from src.state import TrainingState
+
+# Seconds a held write waits for the steps after its save before giving up: only a writer that
+# blocks training ever waits this long (the steps it waits for are a tiny model's).
+HOLD = 60
+
+
+def _tiny(args, steps: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(4 * steps)]
+    optimizer = make_optimizer(model, args, torch.device("cpu"))
+    schedule = make_schedule(optimizer, args, steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = TrainingState(args, {}, model, optimizer, scaler, schedule, WeightAverage(model, optimizer, 0.9), steps)
+    return model, script_loader(train_single, dataset, args), optimizer, scaler, schedule, state
+
+
+def test_the_steps_after_a_save_train_while_it_is_written(stop_signals, tmp_path, monkeypatch):
+    """--save-every-steps 2 over 6 steps: the write of step 2's last.pth is held until two more
+    optimizer steps have run (or HOLD seconds): a writer in the training thread would hold the
+    steps too. Steps 3 and 4 ran during that write, and the file holds step 2's weights, weight
+    average and sums all the same (copies made at the save), not the live tensors of a later
+    step; the block ends with every write on disk (step 4's, the last)."""
+    args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", "--ema-decay", "0.9", *outputs(tmp_path)])
+    model, loader, optimizer, scaler, schedule, state = _tiny(args, 6)
+    after = {}  # optimizer step: the weights after it
+    stepped = threading.Condition()
+
+    def record(optimizer, *_):
+        with stepped:
+            after[len(after) + 1] = {name: value.clone() for name, value in model.state_dict().items()}
+            stepped.notify_all()
+    optimizer.register_step_post_hook(record)
+    held, save = [], checkpoint_writer.atomic_torch_save
+
+    def held_save(state_dict, path, *rest):
+        if not held:  # the first write: step 2's
+            began = len(after)
+            with stepped:
+                stepped.wait_for(lambda: len(after) >= began + 2, timeout=HOLD)
+            held.append((began, len(after)))
+        save(state_dict, path, *rest)
+        held.append(torch.load(path, weights_only=True))
+    monkeypatch.setattr(checkpoint_writer, "atomic_torch_save", held_save)
+    with state.stop_signals():
+        script_pass(train_single, model, loader, args, optimizer, scaler, schedule, state=state)
+    (began, ended), first, last = held[0], held[1], held[-1]
+    assert began == 2 and ended >= 4, "the steps after the save waited for its write"
+    assert first["step"] == 2 and first["partial"]["sums"][0][COUNT] == 2 * 4
+    assert all(torch.equal(first["model"][name], after[2][name]) for name in after[2])
+    assert not all(torch.equal(first["model"][name], after[4][name]) for name in after[4]), "step 4 moved nothing"
+    assert first["average"]["updates"] == 2
+    assert last["step"] == 4 and all(torch.equal(last["model"][name], after[4][name]) for name in after[4])
+    assert not state.writer.busy()
+
+
+def test_an_epochs_last_pth_is_never_replaced_by_an_older_steps_write(tmp_path, monkeypatch):
+    """A step checkpoint still being written when the epoch ends: the epoch's save waits for it,
+    so last.pth ends as the epoch's (step 0). The step's write is held until the epoch's files are
+    written or 2 s have passed: a save_epoch that did not wait would write first and be replaced."""
+    args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", *outputs(tmp_path)])
+    model, loader, optimizer, scaler, schedule, state = _tiny(args, 6)
+    state.step = 2
+    epoch_written, save, write_epoch = threading.Event(), checkpoint_writer.atomic_torch_save, checkpoint.write_epoch
+
+    def held_save(state_dict, path, *rest):
+        epoch_written.wait(timeout=2)
+        save(state_dict, path, *rest)
+
+    def written(*given, **named):
+        try:
+            return write_epoch(*given, **named)
+        finally:
+            epoch_written.set()
+    monkeypatch.setattr(checkpoint_writer, "atomic_torch_save", held_save)
+    monkeypatch.setattr(checkpoint, "write_epoch", written)
+    state.save_step(torch.zeros(4))
+    state.save_epoch(epoch_record(epoch=0, train_sums=torch.tensor([1.0, 1.0, 2.0, 1.0]),
+                                  val_sums=torch.tensor([1.0, 1.0, 2.0, 1.0]), average_sums=None, train_seconds=1.0,
+                                  val_seconds=1.0, data_wait_seconds=0.0, lr=0.001))
+    state.writer.wait()
+    saved = torch.load(tmp_path / "last.pth", weights_only=True)
+    assert (saved["epoch"], saved["step"]) == (1, 0)
+
+
+def test_a_write_that_fails_says_so_in_the_training_thread(tmp_path, monkeypatch):
+    """A full disk in the background: the next save (or the end of the block) raises the write's
+    one-line error, and the writer goes on writing the saves after it."""
+    writer = CheckpointWriter()
+
+    def full(state_dict, path, *rest):
+        raise UserError(f"cannot write {path} (No space left on device)")
+    monkeypatch.setattr(checkpoint_writer, "atomic_torch_save", full)
+    writer.save({"w": torch.ones(3)}, tmp_path / "last.pth")
+    with pytest.raises(UserError, match="No space left on device"):
+        writer.save({"w": torch.ones(3)}, tmp_path / "last.pth")
+    monkeypatch.undo()
+    writer.save({"w": torch.full((3,), 2.0)}, tmp_path / "last.pth")
+    writer.wait()
+    assert torch.equal(torch.load(tmp_path / "last.pth", weights_only=True)["w"], torch.full((3,), 2.0))
+
+
+def test_a_kill_in_the_middle_of_a_background_write_keeps_the_previous_file(exact_data, runs, tmp_path):
+    """--save-every-steps 1, the process SIGKILLed in the middle of its second step checkpoint's
+    write (after step 2, in the writer's thread): last.pth is step 1's, whole; the half-written
+    temporary file is beside it; --resume removes that and ends bit for bit as the straight run."""
+    flags = ["--data-dir", str(exact_data), *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", str(2 * B),
+             *outputs(tmp_path)]
+    result = python("train_single.py", *flags, "--save-every-steps", "1",
+                    env={"PYTHONPATH": HOOKS, "KILL_IN_WRITE": "last.pth:2"})
+    assert result.returncode == -9, result.stderr[-2000:]
+    state = torch.load(tmp_path / "last.pth", weights_only=True)
+    assert (state["epoch"], state["step"]) == (0, 1)
+    half = [path for path in tmp_path.iterdir() if path.name.startswith(".last.pth.")]
+    assert len(half) == 1 and half[0].read_bytes().startswith(b"PK\x03\x04 half")
+    result = python("train_single.py", *flags, "--resume")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "after its step 1: going on" in result.stdout and not half[0].exists()
+    same_end(tmp_path, resumable_run(runs, "single")[0])
