@@ -4,6 +4,8 @@ the test runner's workers needs it first."""
 import contextlib
 import fcntl
 import hashlib
+import importlib
+import inspect
 import io
 import json
 import os
@@ -30,7 +32,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import warm_python  # noqa: E402
+from hooks.sitecustomize import InProcess, in_process_variables, install  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from src.history import AVERAGE  # noqa: E402
@@ -111,9 +113,41 @@ LONGEST_FIRST = ["test_sync_bn.py", "test_fsdp.py", "test_modes.py", "test_relia
                  "test_chaos.py", "test_hung_rank.py", "test_dropout.py", "test_report.py", "test_two_ranks.py"]
 
 
+# make test-fast (-m "not slow") leaves out, whoever wrote them, the tests that train or start
+# processes: those whose code, or a fixture's they use (through any other), reads the session's
+# training runs, starts a process (a command line, a launcher, a spawned worker) or runs a training
+# script's main. The rest are marked where they are (pytest.mark.slow).
+SLOW_FIXTURES = {"runs"}
+SLOW_CODE = re.compile(r"(?<![\w.])(python|run|run_main)\(|subprocess\.|torchrun|\.Process\(|mp\.spawn|"
+                       r"(in_process|fails_in_process|printed_by)\(\s*train_")
+
+
+def _slow_code(function, seen: dict) -> bool:
+    if function not in seen:
+        try:
+            seen[function] = bool(SLOW_CODE.search(inspect.getsource(function)))
+        except (OSError, TypeError):
+            seen[function] = False
+    return seen[function]
+
+
+def _is_slow(item, seen: dict) -> bool:
+    if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    functions = [getattr(item, "function", None)]
+    for name in getattr(item, "fixturenames", ()):
+        functions += [definition.func for definition in (info.name2fixturedefs.get(name, ()) if info else ())]
+    return any(function is not None and _slow_code(function, seen) for function in functions)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     place = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(item.path.name, len(place)))  # stable: a file's tests keep their order
+    seen: dict = {}
+    for item in items:
+        if _is_slow(item, seen):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -154,19 +188,60 @@ def module_tmp(tmp_path_factory) -> Path:
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):
-    """Run a command as a user would (from the repo root), capturing its output; a one-process
-    Python command in a fork of a warm Python (tests/warm_python.py: torch is imported already)."""
+    """Run a command as a user would (from the repo root), as processes of its own, capturing its
+    output. For what needs them: a launcher (torchrun, accelerate launch), a signal, a kill, a crash,
+    the command line itself; one process's run is run_main's."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PATH"] = f"{BIN}{os.pathsep}{full_env.get('PATH', '')}"
-    warm = warm_python.server()
-    if warm is not None and warm.takes(command, full_env):
-        return warm.run(command, full_env, cwd, timeout)
     return subprocess.run(command, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=timeout)
 
 
 def python(*args: str, env: dict | None = None, timeout: int = 600):
+    """`python ARGS` as a process of its own (run): a new interpreter, about 4 s of imports."""
     return run([sys.executable, *args], env=env, timeout=timeout)
+
+
+def run_main(main, argv: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """main(argv) of a script or tool in this process, as `python COMMAND ARGV` runs it alone: its
+    exit code (src.errors.run_command: 0, 2 with one line, 75 stopped, 130 on Ctrl-C), and what it
+    printed on stdout and stderr, as run() returns them. env: variables set for the run, the test
+    hooks' among them (tests/hooks/sitecustomize.py, installed with monkeypatch, all undone when it
+    ends; PYTHONPATH is ignored: the hooks need no path here). A hook that signals or kills its
+    process is refused: that test needs run()."""
+    from src.errors import INTERRUPTED, run_command
+    env = {key: value for key, value in (env or {}).items() if key != "PYTHONPATH"}
+    interrupted = getattr(sys.modules[main.__module__], "INTERRUPTED", INTERRUPTED)  # a tool's own advice
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        for key, value in env.items():
+            patch.setenv(key, value)
+        hooks = InProcess(patch)
+        install({**os.environ, **env}, hooks)
+        patch.setattr(sys, "argv", command_line(main, argv))
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = run_command(main, argv, interrupted)
+                except SystemExit as exit:  # argparse's usage error (2), a tool's sys.exit(1): as Python ends
+                    code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+                    if not isinstance(exit.code, int) and exit.code is not None:
+                        print(exit.code, file=sys.stderr)
+            hooks.finish()
+        finally:
+            forget_accelerator()
+    return subprocess.CompletedProcess([sys.executable, *command_line(main, argv)], code, out.getvalue(),
+                                       err.getvalue())
+
+
+def forget_accelerator() -> None:
+    """accelerate's singletons (AcceleratorState, GradientState) reset, as a new process has them: the
+    next Accelerator() starts from its arguments and the environment, not from the last one's."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def outputs(folder: Path, *extra: str) -> list[str]:
@@ -204,14 +279,22 @@ def fails(result, message: str) -> str:
     return last_line(result)
 
 
+# The modes whose run is one process: the shared runs train them in the test worker (run_main).
+SCRIPTS = {"single": "train_single", "dp": "train_dp"}
+
+
 class Runs:
     """Training runs shared by the whole session (every worker of it): run(mode, *flags) trains
-    once per distinct (mode, flags, env, data) and returns (output folder, finished process)."""
+    once per distinct (mode, flags, env, data) and returns (output folder, finished process). A
+    one-process mode trains in the worker's own process (run_main), unless own_process says to run
+    its command line, or the run compiles (torch.compile's caches are the process's); the others
+    under their launcher."""
 
     def __init__(self, root: Path, exact_data: Path):
         self.root, self.exact_data = root, exact_data
 
-    def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None):
+    def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None,
+                 own_process: bool = False):
         key = json.dumps([mode, flags, sorted((env or {}).items()), str(data)])
         out = self.root / f"run-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         with made_once(out) as missing:
@@ -222,17 +305,23 @@ class Runs:
                             "HF_HOME": str(out / "hf"),  # no accelerate config file
                             "ACCELERATE_USE_CPU": "1",
                             **{k: v.replace("{run}", str(out)) for k, v in (env or {}).items()}}
-                result = run([*LAUNCH[mode](), "--data-dir", str(data or self.exact_data), *flags,
-                              *outputs(out / "out")], env=full_env)
+                argv = ["--data-dir", str(data or self.exact_data), *flags, *outputs(out / "out")]
+                if (mode in SCRIPTS and not own_process and "--compile" not in flags
+                        and set(env or {}) <= in_process_variables()):
+                    full_env.pop("PYTHONPATH")
+                    result = run_main(importlib.import_module(SCRIPTS[mode]).main, argv, env=full_env)
+                else:
+                    result = run([*LAUNCH[mode](), *argv], env=full_env)
                 assert result.returncode == 0, result.stderr[-3000:]
                 (out / "result.json").write_text(json.dumps([result.args, result.stdout, result.stderr]))
         args, stdout, stderr = json.loads((out / "result.json").read_text())
         return out / "out", subprocess.CompletedProcess(args, 0, stdout, stderr)
 
-    def exact(self, mode: str, *flags: str, epochs: int = 2, env: dict | None = None):
+    def exact(self, mode: str, *flags: str, epochs: int = 2, env: dict | None = None, own_process: bool = False):
         """An EXACT run of `mode` with the global batch 2 * B (B per process for two processes)."""
         batch = 2 * B // PROCESSES[mode]
-        return self(mode, *EXACT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch), *flags, env=env)
+        return self(mode, *EXACT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch), *flags, env=env,
+                    own_process=own_process)
 
 
 @pytest.fixture(scope="session")
@@ -309,9 +398,11 @@ def mode_run(runs: Runs, mode: str):
     """The two-epoch EXACT run of a mode that test_modes compares and test_watch reads: with
     TensorBoard logs (OUT/../tensorboard), --profile, a log of which ranks scanned train/ (there is
     no train.csv; OUT/../scans.log) and of the settings train_accelerate.py gives accelerate
-    (OUT/../accelerator.log), where OUT is the run's output folder."""
+    (OUT/../accelerator.log), where OUT is the run's output folder. train_dp.py's from its command
+    line (`python train_dp.py`: that script's run end to end; train_single.py's are elsewhere)."""
     return runs.exact(mode, "--log-dir", "{run}/tensorboard", "--log-every", "2", "--profile",
-                      env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
+                      env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"},
+                      own_process=mode == "dp")
 
 
 # The full recipe (test_recipe, test_fsdp): every recipe flag on, a weight average among them.
