@@ -117,8 +117,126 @@ LONGEST_FIRST = ["test_sync_bn.py", "test_fsdp.py", "test_modes.py", "test_relia
 # processes: those whose code, or a fixture's they use (through any other), reads the session's
 # training runs, starts a process (a command line, a launcher, a spawned worker) or runs a training
 # script's main. The rest are marked where they are (pytest.mark.slow).
-SLOW_FIXTURES = {"runs"}
-SLOW_CODE = re.compile(r"(?<![\w.])(python|run|run_main)\(|subprocess\.|torchrun|\.Process\(|mp\.spawn|"
+SLOW_FIXTURES = {"runs", "launch", "bench", "compared"}  # the last three: two ranks, the benchmark's and
+# compare_recipes' runs, each made once per file
+# The tests that took 2.5 s or more each with -n 2 (pytest --durations, 2026-12-05, on the 2-core AMD
+# EPYC at a load of 7 to 9): slow, by file. A test's id with its parameters marks that one alone.
+SLOW_TESTS = {
+    "test_arch_walk.py": {
+        "test_every_listed_model_trains_a_step[alexnet]",
+        "test_every_listed_model_trains_a_step[convnext_base]",
+        "test_every_listed_model_trains_a_step[convnext_large]",
+        "test_every_listed_model_trains_a_step[convnext_small]",
+        "test_every_listed_model_trains_a_step[densenet161]",
+        "test_every_listed_model_trains_a_step[efficientnet_b5]",
+        "test_every_listed_model_trains_a_step[efficientnet_b7]",
+        "test_every_listed_model_trains_a_step[efficientnet_v2_l]",
+        "test_every_listed_model_trains_a_step[efficientnet_v2_m]",
+        "test_every_listed_model_trains_a_step[maxvit_t]",
+        "test_every_listed_model_trains_a_step[regnet_x_16gf]",
+        "test_every_listed_model_trains_a_step[regnet_x_32gf]",
+        "test_every_listed_model_trains_a_step[regnet_x_8gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_128gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_16gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_32gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_3_2gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_8gf]",
+        "test_every_listed_model_trains_a_step[resnet101]",
+        "test_every_listed_model_trains_a_step[resnet152]",
+        "test_every_listed_model_trains_a_step[resnext101_32x8d]",
+        "test_every_listed_model_trains_a_step[resnext101_64x4d]",
+        "test_every_listed_model_trains_a_step[swin_b]",
+        "test_every_listed_model_trains_a_step[swin_s]",
+        "test_every_listed_model_trains_a_step[swin_t]",
+        "test_every_listed_model_trains_a_step[swin_v2_b]",
+        "test_every_listed_model_trains_a_step[swin_v2_s]",
+        "test_every_listed_model_trains_a_step[swin_v2_t]",
+        "test_every_listed_model_trains_a_step[vgg11]",
+        "test_every_listed_model_trains_a_step[vgg11_bn]",
+        "test_every_listed_model_trains_a_step[vgg13]",
+        "test_every_listed_model_trains_a_step[vgg13_bn]",
+        "test_every_listed_model_trains_a_step[vgg16]",
+        "test_every_listed_model_trains_a_step[vgg16_bn]",
+        "test_every_listed_model_trains_a_step[vgg19]",
+        "test_every_listed_model_trains_a_step[vgg19_bn]",
+        "test_every_listed_model_trains_a_step[vit_b_16]",
+        "test_every_listed_model_trains_a_step[vit_b_32]",
+        "test_every_listed_model_trains_a_step[vit_h_14]",
+        "test_every_listed_model_trains_a_step[wide_resnet101_2]",
+        "test_every_listed_model_trains_a_step[wide_resnet50_2]",
+        "test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads[googlenet]",
+        "test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads[inception_v3]",
+    },
+    "test_augment.py": {
+        "test_lambda_follows_beta_alpha_alpha[cutmix_alpha-1.0]",
+        "test_lambda_follows_beta_alpha_alpha[mixup_alpha-0.2]",
+        "test_mixup_and_cutmix_each_mix_half_of_the_samples_with_both_alphas",
+        "test_random_erasing_erases_with_probability_p_a_box_of_the_documented_area",
+        "test_the_partner_is_drawn_uniformly_from_the_others_of_the_split_and_loaded_by_the_dataset",
+        "test_trivial_augment_draws_each_operation_and_magnitude_equally_often",
+    },
+    "test_benchmark.py": {
+        "test_loader_alone_measures_a_loader_of_known_speed",
+        "test_the_dropout_cost_table_shows_its_timings_and_counts",
+    },
+    "test_diverged.py": {
+        "test_predict_export_and_resume_refuse_weights_that_are_not_finite",
+    },
+    "test_dropout.py": {
+        "test_built_models_draw_per_sample_and_keep_torchvision_state_dicts[vgg11]",
+        "test_the_triton_kernel_compiles_for_an_h100",
+        "test_vgg_gradients_of_a_batch_split_between_two_processes_are_the_whole_batchs",
+    },
+    "test_ema.py": {
+        "test_best_pth_holds_the_average_when_it_validates_better",
+    },
+    "test_freeze.py": {
+        "test_the_feature_cache_is_rebuilt_when_the_backbone_or_size_changes",
+    },
+    "test_fsdp.py": {
+        "test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers",
+        "test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp[resnet18]",
+        "test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp[vgg11]",
+        "test_each_vgg16_rank_holds_half_of_what_a_ddp_rank_holds",
+    },
+    "test_gpu_on_cpu_fused_optimizers.py": {
+        "test_fp16_with_the_gpus_fused_adamw_ends_where_plain_adamw_does",
+        "test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does[train_accelerate]",
+        "test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does[train_single]",
+        "test_the_weight_average_leaves_out_the_steps_the_scaler_skips_under_fused_sgd",
+    },
+    "test_inputs.py": {
+        "test_workers_above_the_cpus_are_capped_in_one_line",
+    },
+    "test_models.py": {
+        "test_imagenet_file_keeps_every_backbone_tensor_and_gets_a_new_head[convnext_tiny]",
+        "test_random_init_model_loads_into_torchvision_two_class_model[vgg16]",
+    },
+    "test_mutations.py": {
+        "test_the_runner_reads_which_tests_failed_from_pytest",
+    },
+    "test_performance.py": {
+        "test_cache_is_reused_and_rebuilt_when_its_inputs_change",
+    },
+    "test_recipe.py": {
+        "test_each_recipe_flag_changes_the_training[augment-True]",
+        "test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by[val_log_loss]",
+    },
+    "test_synthetic.py": {
+        "test_hard_set_is_harder_but_fair",
+    },
+    "test_tracking.py": {
+        "test_wandb_offline_one_run_across_a_stop_each_epoch_once",
+        "test_a_tracker_failing_during_the_run_is_one_warning",
+        "test_accelerate_trackers_continue_the_saved_runs",
+        "test_mlflow_one_run_across_a_stop_each_epoch_once",
+        "test_mlflow_stopped_run_is_killed_until_its_resume_runs",
+        "test_resumed_history_fills_what_the_run_lacks",
+        "test_saved_run_missing_from_the_store_is_one_line",
+    },
+}
+
+SLOW_CODE = re.compile(r"(?<![\w.])(python|run|run_main)\(|subprocess\.|torchrun|\.Process\(|start_processes|mp\.spawn|"
                        r"(in_process|fails_in_process|printed_by)\(\s*train_")
 
 
@@ -133,6 +251,8 @@ def _slow_code(function, seen: dict) -> bool:
 
 def _is_slow(item, seen: dict) -> bool:
     if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+        return True
+    if {item.name, item.name.split("[")[0]} & SLOW_TESTS.get(item.path.name, set()):
         return True
     info = getattr(item, "_fixtureinfo", None)
     functions = [getattr(item, "function", None)]
