@@ -1185,7 +1185,7 @@ MUTATIONS = [
     # Issue 45's audit: breakages a blind audit got through. The distance every agreement test
     # measures with, against an independent norm; the chaos check's verdict; a loader worker left
     # alive at exit. (The constant PrefixStore prefix is the src/process_group.py entry above, caught
-    # now that each restart attempt is a process of its own.)
+    # now that the restart test checks that an attempt's store shows none of the dead one's keys.)
     ('src/tools/agreement.py', '.sum() for k in a).sqrt().item()', '.sum() for k in a).item()',
      ['tests/test_modes.py::test_distance_is_the_euclidean_norm_of_every_weight_difference']),
     ('src/tools/chaos.py', 'return weights == 0 and average == 0 and same_history',
