@@ -2,6 +2,7 @@
 #   write its report (model/report.html; its last line says how to open it)
 # make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright) and run the test suite in
 #   two workers; tests/test_report.py also needs Debian's chromium (apt-get install chromium; .ci/run installs it)
+# make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
 # make lint: ruff (requirements-lint.txt) with pyproject.toml's rules; installs only ruff into .venv
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
 #   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
@@ -12,7 +13,7 @@ SYNTHETIC := data/synthetic
 DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 32 \
               --batch-size 25 --lr 0.01 --epochs 3 --overwrite
 
-.PHONY: install demo test lint test-gpu
+.PHONY: install demo test test-fast lint test-gpu
 install: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt
@@ -29,6 +30,9 @@ demo: $(VENV)/.installed $(SYNTHETIC)/train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 tests
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 $(VENV)/.lint-installed: requirements-lint.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -4,6 +4,8 @@ the test runner's workers needs it first."""
 import contextlib
 import fcntl
 import hashlib
+import importlib
+import inspect
 import io
 import json
 import os
@@ -30,7 +32,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import warm_python  # noqa: E402
+from hooks.sitecustomize import InProcess, in_process_variables, install  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from src.history import AVERAGE  # noqa: E402
@@ -111,9 +113,166 @@ LONGEST_FIRST = ["test_sync_bn.py", "test_fsdp.py", "test_modes.py", "test_relia
                  "test_chaos.py", "test_hung_rank.py", "test_dropout.py", "test_report.py", "test_two_ranks.py"]
 
 
+# make test-fast (-m "not slow") leaves out, whoever wrote them, the tests that train or start
+# processes: those whose code, or a fixture's they use (through any other), reads the session's
+# training runs, starts a process (a command line, a launcher, a spawned worker) or runs a training
+# script's main. The rest are marked where they are (pytest.mark.slow).
+SLOW_FIXTURES = {"runs", "launch", "bench", "compared"}  # the last three: two ranks, the benchmark's and
+# compare_recipes' runs, each made once per file
+# The tests that took 2.5 s or more each with -n 2, and the four above 1.9 s after that (pytest
+# --durations, 2026-12-05, on the 2-core AMD EPYC at a load of 4 to 9): slow, by file. A test's id
+# with its parameters marks that one alone.
+SLOW_TESTS = {
+    "test_arch_walk.py": {
+        "test_sizes_a_model_cannot_take_are_refused_naming_the_size_it_needs[maxvit_t]",
+        "test_every_listed_model_trains_a_step[alexnet]",
+        "test_every_listed_model_trains_a_step[convnext_base]",
+        "test_every_listed_model_trains_a_step[convnext_large]",
+        "test_every_listed_model_trains_a_step[convnext_small]",
+        "test_every_listed_model_trains_a_step[densenet161]",
+        "test_every_listed_model_trains_a_step[efficientnet_b5]",
+        "test_every_listed_model_trains_a_step[efficientnet_b7]",
+        "test_every_listed_model_trains_a_step[efficientnet_v2_l]",
+        "test_every_listed_model_trains_a_step[efficientnet_v2_m]",
+        "test_every_listed_model_trains_a_step[maxvit_t]",
+        "test_every_listed_model_trains_a_step[regnet_x_16gf]",
+        "test_every_listed_model_trains_a_step[regnet_x_32gf]",
+        "test_every_listed_model_trains_a_step[regnet_x_8gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_128gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_16gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_32gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_3_2gf]",
+        "test_every_listed_model_trains_a_step[regnet_y_8gf]",
+        "test_every_listed_model_trains_a_step[resnet101]",
+        "test_every_listed_model_trains_a_step[resnet152]",
+        "test_every_listed_model_trains_a_step[resnext101_32x8d]",
+        "test_every_listed_model_trains_a_step[resnext101_64x4d]",
+        "test_every_listed_model_trains_a_step[swin_b]",
+        "test_every_listed_model_trains_a_step[swin_s]",
+        "test_every_listed_model_trains_a_step[swin_t]",
+        "test_every_listed_model_trains_a_step[swin_v2_b]",
+        "test_every_listed_model_trains_a_step[swin_v2_s]",
+        "test_every_listed_model_trains_a_step[swin_v2_t]",
+        "test_every_listed_model_trains_a_step[vgg11]",
+        "test_every_listed_model_trains_a_step[vgg11_bn]",
+        "test_every_listed_model_trains_a_step[vgg13]",
+        "test_every_listed_model_trains_a_step[vgg13_bn]",
+        "test_every_listed_model_trains_a_step[vgg16]",
+        "test_every_listed_model_trains_a_step[vgg16_bn]",
+        "test_every_listed_model_trains_a_step[vgg19]",
+        "test_every_listed_model_trains_a_step[vgg19_bn]",
+        "test_every_listed_model_trains_a_step[vit_b_16]",
+        "test_every_listed_model_trains_a_step[vit_b_32]",
+        "test_every_listed_model_trains_a_step[vit_h_14]",
+        "test_every_listed_model_trains_a_step[wide_resnet101_2]",
+        "test_every_listed_model_trains_a_step[wide_resnet50_2]",
+        "test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads[googlenet]",
+        "test_imagenet_weights_lose_the_auxiliary_classifiers_and_best_pth_reloads[inception_v3]",
+    },
+    "test_augment.py": {
+        "test_lambda_follows_beta_alpha_alpha[cutmix_alpha-1.0]",
+        "test_lambda_follows_beta_alpha_alpha[mixup_alpha-0.2]",
+        "test_mixup_and_cutmix_each_mix_half_of_the_samples_with_both_alphas",
+        "test_random_erasing_erases_with_probability_p_a_box_of_the_documented_area",
+        "test_the_partner_is_drawn_uniformly_from_the_others_of_the_split_and_loaded_by_the_dataset",
+        "test_trivial_augment_draws_each_operation_and_magnitude_equally_often",
+    },
+    "test_benchmark.py": {
+        "test_loader_alone_measures_a_loader_of_known_speed",
+        "test_the_dropout_cost_table_shows_its_timings_and_counts",
+    },
+    "test_diverged.py": {
+        "test_predict_export_and_resume_refuse_weights_that_are_not_finite",
+    },
+    "test_dropout.py": {
+        "test_built_models_draw_per_sample_and_keep_torchvision_state_dicts[vgg11]",
+        "test_the_triton_kernel_compiles_for_an_h100",
+        "test_vgg_gradients_of_a_batch_split_between_two_processes_are_the_whole_batchs",
+    },
+    "test_ema.py": {
+        "test_best_pth_holds_the_average_when_it_validates_better",
+    },
+    "test_freeze.py": {
+        "test_the_feature_cache_is_rebuilt_when_the_backbone_or_size_changes",
+    },
+    "test_fsdp.py": {
+        "test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers",
+        "test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp[resnet18]",
+        "test_compile_runs_every_convolution_and_linear_compiled_under_fsdp_as_under_ddp[vgg11]",
+        "test_each_vgg16_rank_holds_half_of_what_a_ddp_rank_holds",
+    },
+    "test_gpu_on_cpu_fused_optimizers.py": {
+        "test_the_schedule_advances_at_every_optimizer_step_also_a_skipped_one[train_accelerate]",
+        "test_fp16_with_the_gpus_fused_adamw_ends_where_plain_adamw_does",
+        "test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does[train_accelerate]",
+        "test_fp16_with_the_gpus_fused_sgd_ends_where_plain_sgd_does[train_single]",
+        "test_the_weight_average_leaves_out_the_steps_the_scaler_skips_under_fused_sgd",
+    },
+    "test_inputs.py": {
+        "test_workers_above_the_cpus_are_capped_in_one_line",
+    },
+    "test_models.py": {
+        "test_imagenet_file_keeps_every_backbone_tensor_and_gets_a_new_head[googlenet]",
+        "test_imagenet_file_keeps_every_backbone_tensor_and_gets_a_new_head[convnext_tiny]",
+        "test_random_init_model_loads_into_torchvision_two_class_model[vgg16]",
+    },
+    "test_mutations.py": {
+        "test_the_runner_reads_which_tests_failed_from_pytest",
+    },
+    "test_performance.py": {
+        "test_cache_is_reused_and_rebuilt_when_its_inputs_change",
+    },
+    "test_recipe.py": {
+        "test_each_recipe_flag_changes_the_training[augment-True]",
+        "test_save_epoch_writes_best_pth_only_for_a_better_epoch_by_best_by[val_log_loss]",
+    },
+    "test_synthetic.py": {
+        "test_hard_set_is_harder_but_fair",
+    },
+    "test_tracking.py": {
+        "test_a_closed_port_or_an_unknown_scheme_is_one_line_and_exit_2",
+        "test_wandb_offline_one_run_across_a_stop_each_epoch_once",
+        "test_a_tracker_failing_during_the_run_is_one_warning",
+        "test_accelerate_trackers_continue_the_saved_runs",
+        "test_mlflow_one_run_across_a_stop_each_epoch_once",
+        "test_mlflow_stopped_run_is_killed_until_its_resume_runs",
+        "test_resumed_history_fills_what_the_run_lacks",
+        "test_saved_run_missing_from_the_store_is_one_line",
+    },
+}
+
+SLOW_CODE = re.compile(r"(?<![\w.])(python|run|run_main)\(|subprocess\.|torchrun|\.Process\(|start_processes|mp\.spawn|"
+                       r"(in_process|fails_in_process|printed_by)\(\s*train_")
+
+
+def _slow_code(function, seen: dict) -> bool:
+    if function not in seen:
+        try:
+            seen[function] = bool(SLOW_CODE.search(inspect.getsource(function)))
+        except (OSError, TypeError):
+            seen[function] = False
+    return seen[function]
+
+
+def _is_slow(item, seen: dict) -> bool:
+    if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+        return True
+    if {item.name, item.name.split("[")[0]} & SLOW_TESTS.get(item.path.name, set()):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    functions = [getattr(item, "function", None)]
+    for name in getattr(item, "fixturenames", ()):
+        functions += [definition.func for definition in (info.name2fixturedefs.get(name, ()) if info else ())]
+    return any(function is not None and _slow_code(function, seen) for function in functions)
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     place = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(item.path.name, len(place)))  # stable: a file's tests keep their order
+    seen: dict = {}
+    for item in items:
+        if _is_slow(item, seen):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -154,19 +313,60 @@ def module_tmp(tmp_path_factory) -> Path:
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):
-    """Run a command as a user would (from the repo root), capturing its output; a one-process
-    Python command in a fork of a warm Python (tests/warm_python.py: torch is imported already)."""
+    """Run a command as a user would (from the repo root), as processes of its own, capturing its
+    output. For what needs them: a launcher (torchrun, accelerate launch), a signal, a kill, a crash,
+    the command line itself; one process's run is run_main's."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PATH"] = f"{BIN}{os.pathsep}{full_env.get('PATH', '')}"
-    warm = warm_python.server()
-    if warm is not None and warm.takes(command, full_env):
-        return warm.run(command, full_env, cwd, timeout)
     return subprocess.run(command, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=timeout)
 
 
 def python(*args: str, env: dict | None = None, timeout: int = 600):
+    """`python ARGS` as a process of its own (run): a new interpreter, about 4 s of imports."""
     return run([sys.executable, *args], env=env, timeout=timeout)
+
+
+def run_main(main, argv: list[str], env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """main(argv) of a script or tool in this process, as `python COMMAND ARGV` runs it alone: its
+    exit code (src.errors.run_command: 0, 2 with one line, 75 stopped, 130 on Ctrl-C), and what it
+    printed on stdout and stderr, as run() returns them. env: variables set for the run, the test
+    hooks' among them (tests/hooks/sitecustomize.py, installed with monkeypatch, all undone when it
+    ends; PYTHONPATH is ignored: the hooks need no path here). A hook that signals or kills its
+    process is refused: that test needs run()."""
+    from src.errors import INTERRUPTED, run_command
+    env = {key: value for key, value in (env or {}).items() if key != "PYTHONPATH"}
+    interrupted = getattr(sys.modules[main.__module__], "INTERRUPTED", INTERRUPTED)  # a tool's own advice
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        for key, value in env.items():
+            patch.setenv(key, value)
+        hooks = InProcess(patch)
+        install({**os.environ, **env}, hooks)
+        patch.setattr(sys, "argv", command_line(main, argv))
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = run_command(main, argv, interrupted)
+                except SystemExit as exit:  # argparse's usage error (2), a tool's sys.exit(1): as Python ends
+                    code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+                    if not isinstance(exit.code, int) and exit.code is not None:
+                        print(exit.code, file=sys.stderr)
+            hooks.finish()
+        finally:
+            forget_accelerator()
+    return subprocess.CompletedProcess([sys.executable, *command_line(main, argv)], code, out.getvalue(),
+                                       err.getvalue())
+
+
+def forget_accelerator() -> None:
+    """accelerate's singletons (AcceleratorState, GradientState) reset, as a new process has them: the
+    next Accelerator() starts from its arguments and the environment, not from the last one's."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def outputs(folder: Path, *extra: str) -> list[str]:
@@ -217,14 +417,22 @@ def fails(result, message: str) -> str:
     return last_line(result)
 
 
+# The modes whose run is one process: the shared runs train them in the test worker (run_main).
+SCRIPTS = {"single": "train_single", "dp": "train_dp"}
+
+
 class Runs:
     """Training runs shared by the whole session (every worker of it): run(mode, *flags) trains
-    once per distinct (mode, flags, env, data) and returns (output folder, finished process)."""
+    once per distinct (mode, flags, env, data) and returns (output folder, finished process). A
+    one-process mode trains in the worker's own process (run_main), unless own_process says to run
+    its command line, or the run compiles (torch.compile's caches are the process's); the others
+    under their launcher."""
 
     def __init__(self, root: Path, exact_data: Path):
         self.root, self.exact_data = root, exact_data
 
-    def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None):
+    def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None,
+                 own_process: bool = False):
         key = json.dumps([mode, flags, sorted((env or {}).items()), str(data)])
         out = self.root / f"run-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         with made_once(out) as missing:
@@ -235,17 +443,23 @@ class Runs:
                             "HF_HOME": str(out / "hf"),  # no accelerate config file
                             "ACCELERATE_USE_CPU": "1",
                             **{k: v.replace("{run}", str(out)) for k, v in (env or {}).items()}}
-                result = run([*LAUNCH[mode](), "--data-dir", str(data or self.exact_data), *flags,
-                              *outputs(out / "out")], env=full_env)
+                argv = ["--data-dir", str(data or self.exact_data), *flags, *outputs(out / "out")]
+                if (mode in SCRIPTS and not own_process and "--compile" not in flags
+                        and set(env or {}) <= in_process_variables()):
+                    full_env.pop("PYTHONPATH")
+                    result = run_main(importlib.import_module(SCRIPTS[mode]).main, argv, env=full_env)
+                else:
+                    result = run([*LAUNCH[mode](), *argv], env=full_env)
                 assert result.returncode == 0, result.stderr[-3000:]
                 (out / "result.json").write_text(json.dumps([result.args, result.stdout, result.stderr]))
         args, stdout, stderr = json.loads((out / "result.json").read_text())
         return out / "out", subprocess.CompletedProcess(args, 0, stdout, stderr)
 
-    def exact(self, mode: str, *flags: str, epochs: int = 2, env: dict | None = None):
+    def exact(self, mode: str, *flags: str, epochs: int = 2, env: dict | None = None, own_process: bool = False):
         """An EXACT run of `mode` with the global batch 2 * B (B per process for two processes)."""
         batch = 2 * B // PROCESSES[mode]
-        return self(mode, *EXACT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch), *flags, env=env)
+        return self(mode, *EXACT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch), *flags, env=env,
+                    own_process=own_process)
 
 
 @pytest.fixture(scope="session")
@@ -322,9 +536,11 @@ def mode_run(runs: Runs, mode: str):
     """The two-epoch EXACT run of a mode that test_modes compares and test_watch reads: with
     TensorBoard logs (OUT/../tensorboard), --profile, a log of which ranks scanned train/ (there is
     no train.csv; OUT/../scans.log) and of the settings train_accelerate.py gives accelerate
-    (OUT/../accelerator.log), where OUT is the run's output folder."""
+    (OUT/../accelerator.log), where OUT is the run's output folder. train_dp.py's from its command
+    line (`python train_dp.py`: that script's run end to end; train_single.py's are elsewhere)."""
     return runs.exact(mode, "--log-dir", "{run}/tensorboard", "--log-every", "2", "--profile",
-                      env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"})
+                      env={"SCAN_LOG": "{run}/scans.log", "ACCELERATOR_LOG": "{run}/accelerator.log"},
+                      own_process=mode == "dp")
 
 
 # The modern augmentation recipe (src/augment.py): a policy, erasing, MixUp and CutMix, with the

@@ -8,11 +8,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import EXACT, RESUMABLE, VAL, B, python, resumable_run
+from conftest import EXACT, RESUMABLE, VAL, B, python, resumable_run, run_main
 
 from src.checkpoint import read_last
 from src.errors import UserError
-from src.tools.chaos import WORLDS, compare, next_stop, plan, verdict
+from src.tools import chaos
+from src.tools.chaos import WORLDS, compare, ended_as_straight, next_stop, plan, verdict
 
 
 def test_two_stops_end_bit_for_bit_where_the_straight_run_does(runs, exact_data, tmp_path):
@@ -23,9 +24,9 @@ def test_two_stops_end_bit_for_bit_where_the_straight_run_does(runs, exact_data,
     either way; --resume, then SIGKILL of rank 1 after step 8: torchrun restarts the workers, which
     go on from the step checkpoint after step 6 (--save-every-steps 3) and redo steps 7 and 8."""
     reference = resumable_run(runs, "ddp")[0]
-    result = python("-m", "src.tools.chaos", "--stops", "2", "--seed", "0", "--epochs", "2", "--batch-size", str(B),
-                    "--data-dir", str(exact_data), "--reference", str(reference), "--work-dir", str(tmp_path),
-                    timeout=600)
+    result = run_main(chaos.main, ["--stops", "2", "--seed", "0", "--epochs", "2", "--batch-size", str(B),
+                                   "--data-dir", str(exact_data), "--reference", str(reference), "--work-dir",
+                                   str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[1] in ("launch 1: sigint (rank 0) after step 4; exit 1, last.pth at epoch 1 + 0 steps",
@@ -55,7 +56,8 @@ def test_another_run_is_not_at_distance_0(runs):
     in another order), and a run of other flags is refused as a reference."""
     single, ddp = resumable_run(runs, "single")[0], resumable_run(runs, "ddp")[0]
     weights, average, same_history = compare(single, ddp)
-    assert weights > 0 and average > 0
+    assert weights > 0 and average > 0 and not same_history
+    assert not ended_as_straight(weights, average, same_history)
     other = runs("single", *EXACT, *VAL, "--epochs", "2", "--batch-size", str(B))[0]  # conftest's `far` run
     with pytest.raises(UserError, match="is another run: its batch_size is 10, not 20"):
         compare(single, other)
@@ -129,3 +131,11 @@ def test_each_stop_is_planned_in_the_steps_left_and_another_world():
         assert next_stop(rng, done, 0, 100, previous)["event"] is None
     with pytest.raises(UserError, match="20 optimizer steps leave no room for 1 more stop.s. after step 20"):
         next_stop(random.Random(0), 20, 1, 20, None)
+def test_the_verdict_passes_only_the_same_weights_average_and_history():
+    """The check's exit code: a resumed run that ends with other weights, another weight average or
+    another history fails, each on its own (the smallest float above 0 is not 0)."""
+    tiny = 5e-324
+    assert ended_as_straight(0.0, 0.0, True)
+    assert not ended_as_straight(tiny, 0.0, True)
+    assert not ended_as_straight(0.0, tiny, True)
+    assert not ended_as_straight(0.0, 0.0, False)

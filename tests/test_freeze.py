@@ -12,9 +12,11 @@ from conftest import (
     last_model,
     outputs,
     python,
+    run_main,
     weights,
 )
 
+import train_single
 from src.cache import cached
 from src.cli import parse_args
 from src.freeze import backbone_outputs, set_frozen
@@ -105,7 +107,7 @@ def test_freeze_epochs_resume_across_the_unfreezing_equals_the_straight_run(smal
     result = python("train_single.py", *flags, *outputs(tmp_path), env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "5"})
     assert result.returncode == 75, result.stderr[-3000:]
     assert (weights(tmp_path, "last.pth")["epoch"], weights(tmp_path, "last.pth")["step"]) == (0, 5)
-    result = python("train_single.py", *flags, "--resume", *outputs(tmp_path))
+    result = run_main(train_single.main, [*flags, "--resume", *outputs(tmp_path)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "in epoch 1 of 2 after its step 5" in result.stdout and "the last layer trains on" in result.stdout
     assert torch.equal(torch.cat([t.flatten().double() for t in last_model(tmp_path).values()]),

@@ -33,9 +33,9 @@ from conftest import (
     last_model,
     mode_run,
     outputs,
-    python,
     recipe_run,
     run,
+    run_main,
     shard_as_train_fsdp,
     weights,
 )
@@ -109,8 +109,9 @@ def test_an_fsdp_last_dcp_resumes_under_train_single(fsdp_run, runs, reference, 
     shutil.copytree(out.parent / "copies" / "last.1.dcp", tmp_path / "out" / "last.dcp")
     saved = weights(tmp_path / "out", "last.pth")
     assert saved["epoch"] == 1 and sorted(saved["optimizer"]["state"]) == list(range(52))
-    result = python("train_single.py", "--data-dir", str(runs.exact_data), *EXACT, *VAL, *RECIPE, "--epochs", "2",
-                    "--batch-size", str(B), "--accumulate", "4", "--resume", *outputs(tmp_path / "out"))
+    result = run_main(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, *RECIPE, "--epochs", "2",
+                                          "--batch-size", str(B), "--accumulate", "4", "--resume",
+                                          *outputs(tmp_path / "out")])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "after epoch 1" in result.stdout
     assert_same_run(tmp_path / "out", reference, recipe_far)

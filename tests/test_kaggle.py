@@ -7,9 +7,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import LEARN, fails, fails_in_process, in_process, outputs, python
+from conftest import LEARN, fails, fails_in_process, in_process, outputs, python, run_main
 from PIL import Image
 
+import train_single
 from src.datasets import open_rgb
 from src.inference import load_checkpoint, submission_text
 from src.tools import predict, prepare
@@ -90,8 +91,8 @@ def trained(small_data, module_tmp):
     _plant_bad_files(data / "train")
     prepare.prepare(data, show_progress=False)
     model = module_tmp / "model"
-    result = python("train_single.py", "--data-dir", str(data), *LEARN, "--epochs", "3",
-                    "--batch-size", "16", "--val-fraction", "0.1", *outputs(model))
+    result = run_main(train_single.main, ["--data-dir", str(data), *LEARN, "--epochs", "3", "--batch-size", "16",
+                                          "--val-fraction", "0.1", *outputs(model)])
     assert result.returncode == 0, result.stderr[-3000:]
     return data, model
 
@@ -164,6 +165,5 @@ def test_predict_detects_a_best_json_of_another_best_pth(trained, tmp_path):
     state = torch.load(tmp_path / "model" / "best.pth", weights_only=True)
     state["fc.bias"] += 1
     torch.save(state, tmp_path / "model" / "best.pth")
-    result = python("-m", "src.tools.predict", "--data-dir", str(data), "--checkpoint",
-                    str(tmp_path / "model" / "best.pth"))  # through the command line, once
+    result = run_main(predict.main, ["--data-dir", str(data), "--checkpoint", str(tmp_path / "model" / "best.pth")])
     fails(result, "is not the file that")

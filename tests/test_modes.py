@@ -29,11 +29,13 @@ from conftest import (
     last_model,
     mode_run,
     outputs,
-    python,
     run,
+    run_main,
     weights,
 )
 
+import train_accelerate
+import train_ddp
 from src.inference import check_complete, kaggle_test_files, load_checkpoint, predict_files
 from src.loaders import labelled_data
 from src.transforms import normalize
@@ -51,6 +53,24 @@ def test_the_tolerance_catches_the_seed_faults(runs, single_run, far):
     assert far > 0
     same_order = runs.exact("single", env={"NO_RESHUFFLE": "1"})[0]
     assert distance(last_model(same_order), last_model(single_run)) / far > 20 * TOLERANCE
+
+
+def test_distance_is_the_euclidean_norm_of_every_weight_difference():
+    """src.tools.agreement.distance, which every agreement test measures with, against numpy's
+    norm of the two state_dicts' differences laid end to end (an integer buffer among them), a 3-4-5
+    triangle, and its refusal of state_dicts that hold other tensors."""
+    generator = torch.Generator().manual_seed(0)
+    a = {"w": torch.randn(4, 3, generator=generator), "b": torch.randn(5, generator=generator),
+         "count": torch.tensor(7)}
+    b = {"w": torch.randn(4, 3, generator=generator), "b": torch.randn(5, generator=generator),
+         "count": torch.tensor(4)}
+    by_hand = np.linalg.norm(np.concatenate([(a[k].numpy().astype(np.float64) - b[k].numpy()).ravel() for k in a]))
+    assert distance(a, b) == pytest.approx(by_hand, rel=1e-12) and by_hand > 3  # the buffer's 3 counts
+    assert distance({"x": torch.tensor([3.0]), "y": torch.tensor([[4.0]])},
+                    {"x": torch.tensor([0.0]), "y": torch.tensor([[0.0]])}) == 5.0
+    assert distance(a, a) == 0.0
+    with pytest.raises(ValueError, match="the state_dicts hold other tensors"):
+        distance(a, {**b, "extra": torch.zeros(1)})
 
 
 def test_data_parallel_matches_single(runs, single_run, far):
@@ -215,10 +235,10 @@ def test_accelerate_refuses_processes_it_cannot_see(exact_data, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("script, extra", [("train_ddp.py", ["--local-rank", "0"]),
-                                           ("train_accelerate.py", [])])
+@pytest.mark.parametrize("script, extra", [(train_ddp, ["--local-rank", "0"]), (train_accelerate, [])])
 def test_without_a_launcher_is_a_world_of_one(script, extra, exact_data, single_run, far, tmp_path):
-    result = python(script, "--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "2",
-                    "--batch-size", str(2 * B), *outputs(tmp_path), *extra)
+    result = run_main(script.main, ["--data-dir", str(exact_data), *EXACT, *VAL, "--epochs", "2",
+                                    "--batch-size", str(2 * B), *outputs(tmp_path), *extra],
+                      env={"HF_HOME": str(tmp_path / "hf")})
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path, single_run, far)

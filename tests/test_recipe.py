@@ -23,6 +23,7 @@ from conftest import (
     last_model,
     python,
     recipe_run,
+    run_main,
     script_loader,
     script_pass,
     weights,
@@ -168,7 +169,7 @@ def test_resume_in_the_middle_of_the_schedule_equals_the_straight_run(exact_data
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     assert [r["epoch"] for r in history(tmp_path)] == [1]
     assert torch.load(tmp_path / "last.pth", weights_only=True)["step"] == 1
-    result = python("train_single.py", *flags, "--resume", "--workers", "2")
+    result = run_main(train_single.main, [*flags, "--resume", "--workers", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert assert_same_run(tmp_path, reference, recipe_far) == 0
 

@@ -170,29 +170,51 @@ def _odd_model_and_samples() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def restart(rank: int, folder: Path, data: Path):
-    """torchrun --max-restarts keeps its store (the agent's) across attempts: attempt 0 joins,
-    reduces and ends; in attempt 1 rank 0 joins the same store at once and rank 1 RESTART_DELAY s
-    after it, as a restarted worker may (with the dead attempt's keys in reach, rank 0 would take
-    rank 1's old address and fail to connect), and they reduce again."""
-    from src.process_group import torchrun_store
+    """torchrun --max-restarts keeps its store (the agent's) across attempts, and starts each
+    attempt's workers as new processes: attempt 0 joins, reduces and ends; in attempt 1 rank 0 joins
+    the same store at once and rank 1 RESTART_DELAY s after it, as a restarted worker may (with the
+    dead attempt's keys in reach, rank 0 would take rank 1's old address and fail to connect), and
+    they reduce again. Each attempt is a process of its own: a process that joined a group before
+    names its next group otherwise (torch counts them), which would hide the old keys."""
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store at MASTER_PORT is the agent's (the test's)
     os.environ["MASTER_PORT"] = os.environ["AGENT_PORT"]
-    done, joining = [], folder / "attempt1.rank0"
+    done = []
     for attempt in (0, 1):
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
-        if attempt == 1 and rank == 0:
-            joining.touch()
-        if attempt == 1 and rank == 1:
-            while not joining.exists():
-                time.sleep(0.05)
-            time.sleep(RESTART_DELAY)
-        store, rank_, world_size = torchrun_store(SimpleNamespace(dist_timeout=1))  # as train_ddp.py joins
-        dist.init_process_group("gloo", store=store, rank=rank_, world_size=world_size)
-        total = torch.tensor([rank + 1.0])
-        dist.all_reduce(total)
-        done.append(total.item())
-        end_process_group()
+        worker = mp.get_context("spawn").Process(target=_restart_attempt, args=(rank, attempt, str(folder)),
+                                                 daemon=True)
+        worker.start()
+        worker.join(SCENARIO_LIMIT / 2)
+        if worker.is_alive():
+            worker.kill()
+        total = folder / f"restart{attempt}.{rank}"
+        assert worker.exitcode == 0 and total.exists(), f"attempt {attempt} of rank {rank}: exit {worker.exitcode}"
+        done.append(tuple(json.loads(total.read_text())))
     return done
+
+
+def _restart_attempt(rank: int, attempt: int, folder: str) -> None:
+    """One attempt's worker of `restart`, a new process: it joins as train_ddp.py does and writes its
+    all-reduced total to FOLDER/restartATTEMPT.RANK."""
+    from src.process_group import torchrun_store
+    torch.set_num_threads(1)
+    joining = Path(folder) / "attempt1.rank0"
+    if attempt == 1 and rank == 0:
+        joining.touch()
+    if attempt == 1 and rank == 1:
+        while not joining.exists():
+            time.sleep(0.05)
+        time.sleep(RESTART_DELAY)
+    store, rank_, world_size = torchrun_store(SimpleNamespace(dist_timeout=1))  # as train_ddp.py joins
+    # Whether this attempt's store shows a key of the dead attempt (gloo may not read the stale
+    # addresses: which rank of a pair connects depends on their ports).
+    stale = store.check([f"written in attempt 0 by rank {rank}"])
+    store.set(f"written in attempt {attempt} by rank {rank}", "1")
+    dist.init_process_group("gloo", store=store, rank=rank_, world_size=world_size)
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    end_process_group()
+    (Path(folder) / f"restart{attempt}.{rank}").write_text(json.dumps([total.item(), stale]))
 
 
 RESTART_DELAY = 3
@@ -419,7 +441,8 @@ def test_every_rank_resumes_from_the_newest_last_pth_of_any_node(case, want, lau
 
 
 def test_a_restarted_attempt_joins_a_store_holding_the_dead_attempts_keys(launch):
-    assert result(launch, "restart", 0) == result(launch, "restart", 1) == [3.0, 3.0]
+    """Each attempt reduces, and neither sees a key the dead attempt wrote to the agent's store."""
+    assert result(launch, "restart", 0) == result(launch, "restart", 1) == [(3.0, False), (3.0, False)]
 
 
 # What each rank wrote: rank 0 alone, each file in its order, with the mode a new file gets.

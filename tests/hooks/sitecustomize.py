@@ -1,5 +1,14 @@
-"""Test hooks, loaded by every Python process whose PYTHONPATH holds this folder. Each is off
-unless its variable is set.
+"""Test hooks: each one changes a piece of the product for a test, and is off unless its variable
+is set. Two ways in:
+
+- a process started by a test (a launcher's workers, a script run as a command): PYTHONPATH
+  holds this folder, Python imports this file at its start, and the variables of its environment
+  install their hooks (each into its module as that is imported);
+- a test's own process (a script's main(argv) run in-process, conftest.run_main): install(settings,
+  InProcess(monkeypatch)) installs the same hooks with monkeypatch, into every module of the
+  project that holds the piece, and monkeypatch undoes them when the run ends. The hooks that
+  signal or kill their process (IN_PROCESS lists the others) are refused there: those tests need
+  a process of their own.
 
 WRITE_LOG=path: log "RANK file" for each os.replace. All our outputs are written to a temporary
 name and renamed into place, so this lists every output file write and the rank that made it.
@@ -29,7 +38,7 @@ STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that s
 without dying; whoever reads STOP_LOG kills it).
 
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
-(in the processes that torchrun starts; in-process tests monkeypatch torch.cuda instead).
+(in the processes that torchrun starts; in-process tests use conftest's fake_gpus).
 
 ACCELERATOR_LOG=path: write the DataLoaderConfiguration that train_accelerate.py gives accelerate.
 
@@ -46,7 +55,8 @@ BATCH_MIXING=1: MixUp and CutMix as torchvision's reference script does them (a 
 training split mixes nothing, and each training micro-batch that a process's loop takes is mixed
 by src.augment.mixer's transform, which pairs each image with its neighbour in the process's own
 micro-batch (a roll by one) and draws lambda, the box and the choice from the process's generator.
-COMPILE_LOG=path: at exit, write how many frames torch.compile compiled.
+COMPILE_LOG=path: at the end (of the process, or of the in-process run), write how many frames
+torch.compile compiled.
 COPY_LAST=dir: copy last.pth to dir/last.K.pth each time the process writes it (K = 1, 2, ...),
 and FSDP's last.dcp folder to dir/last.K.dcp: the checkpoints that the next one replaces.
 SYNC_CHECK_STEPS=a:b (with SYNC_LOG=path): on a GPU, training micro-batches a to b of every epoch
@@ -85,6 +95,8 @@ AS_ON_GPU=1: src.devices.gpu_choices makes the CPU take the GPU's branch (fused 
 accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler as on CUDA
 (accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
 """
+import atexit
+import importlib
 import importlib.abc
 import importlib.util
 import os
@@ -92,7 +104,15 @@ import signal
 import sys
 import time
 
-RANK = os.environ.get("RANK", "0")
+# Where the hooks go.
+
+def _owner(module, attribute: str):
+    """(the object holding the last part of a dotted attribute of module, that part's name)."""
+    *path, name = attribute.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
 
 
 def _after_import(name, patch):
@@ -114,25 +134,126 @@ def _after_import(name, patch):
     sys.meta_path.insert(0, Finder())
 
 
-if os.environ.get("WRITE_LOG") or os.environ.get("INTERRUPT_AT_REPLACE") or os.environ.get("SIGNAL_AT_REPLACE"):
-    _replace, _renames = os.replace, {}
+class AtImport:
+    """A new process's hooks, for its whole life: a piece of the project (src, accelerate) is
+    replaced in its module as that is imported, before the scripts import it by name; torch's and
+    the standard library's at once."""
 
-    def _logged_replace(src, dst, *args, **kwargs):
-        for variable in ("INTERRUPT_AT_REPLACE", "SIGNAL_AT_REPLACE"):
-            if os.environ.get(variable):
-                name, k = os.environ[variable].split(":")
+    def wrap(self, module: str, attribute: str, make) -> None:
+        """module.attribute (a dotted path: Class.method) replaced by make(the original)."""
+        def patch(loaded):
+            owner, name = _owner(loaded, attribute)
+            setattr(owner, name, make(getattr(owner, name)))
+        if module in sys.modules or module.split(".")[0] not in ("src", "accelerate"):
+            patch(importlib.import_module(module))
+        else:
+            _after_import(module, patch)
+
+    def at_end(self, function) -> None:
+        atexit.register(function)
+
+
+def _ours(module) -> bool:
+    name = getattr(module, "__name__", "")
+    return name == "src" or name.startswith(("src.", "train_"))
+
+
+class InProcess:
+    """A test's own process: each replacement made with `monkeypatch` (undone when it ends), in its
+    module and in every module of the project that imported the original by name; the functions
+    given to at_end run at finish(), when the in-process run has ended."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.ends = monkeypatch, []
+
+    def wrap(self, module: str, attribute: str, make) -> None:
+        loaded = importlib.import_module(module)
+        owner, name = _owner(loaded, attribute)
+        original = getattr(owner, name)
+        replacement = make(original)
+        self.monkeypatch.setattr(owner, name, replacement)
+        if owner is loaded:
+            for other in list(sys.modules.values()):
+                if other is not loaded and _ours(other) and getattr(other, name, None) is original:
+                    self.monkeypatch.setattr(other, name, replacement)
+
+    def at_end(self, function) -> None:
+        self.ends.append(function)
+
+    def finish(self) -> None:
+        for function in self.ends:
+            function()
+
+
+HOOKS = []  # (the variables that turn a hook on, its install(settings, patcher), whether a test's process may take it)
+
+
+def hook(*variables: str, in_process: bool = True):
+    """Register install(settings, patcher) as the hook that any of `variables` turns on;
+    in_process=False: one that signals, stops or kills its process, or reads what only a new
+    process starts with."""
+    def register(function):
+        HOOKS.append((variables, function, in_process))
+        return function
+    return register
+
+
+def install(settings, patcher) -> None:
+    """Install the hook of each variable set (non-empty) in settings (an environment)."""
+    for variables, function, in_process in HOOKS:
+        on = [variable for variable in variables if settings.get(variable)]
+        if on and isinstance(patcher, InProcess) and not in_process:
+            raise ValueError(f"the test hook {on[0]} signals or ends its process, or changes how it starts: "
+                             "run the command as a process of its own")
+        if on:
+            function(settings, patcher)
+
+
+def in_process_variables() -> set:
+    """The variables whose hooks a test's own process may take."""
+    return {variable for variables, _, in_process in HOOKS if in_process for variable in variables}
+
+
+def _rank(settings) -> str:
+    return settings.get("RANK", "0")
+
+
+# The hooks.
+
+@hook("WRITE_LOG", "INTERRUPT_AT_REPLACE")
+def _logged_replaces(settings, patcher):
+    renames = {}
+
+    def make(replace):
+        def logged_replace(src, dst, *args, **kwargs):
+            if settings.get("INTERRUPT_AT_REPLACE"):
+                name, k = settings["INTERRUPT_AT_REPLACE"].split(":")
                 if os.path.basename(os.fspath(dst)) == name:
-                    _renames[variable] = _renames.get(variable, 0) + 1
-                    if _renames[variable] == int(k) and variable == "INTERRUPT_AT_REPLACE":
+                    renames["interrupt"] = renames.get("interrupt", 0) + 1
+                    if renames["interrupt"] == int(k):
                         raise KeyboardInterrupt
-                    if _renames[variable] == int(k):
-                        os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM")))
-        if os.environ.get("WRITE_LOG"):
-            with open(os.environ["WRITE_LOG"], "a") as log:
-                log.write(f"{os.environ.get('RANK', '-')} {os.fspath(dst)}\n")
-        return _replace(src, dst, *args, **kwargs)
+            if settings.get("WRITE_LOG"):
+                with open(settings["WRITE_LOG"], "a") as log:
+                    log.write(f"{settings.get('RANK', '-')} {os.fspath(dst)}\n")
+            return replace(src, dst, *args, **kwargs)
+        return logged_replace
+    patcher.wrap("os", "replace", make)
 
-    os.replace = _logged_replace
+
+@hook("SIGNAL_AT_REPLACE", in_process=False)
+def _signal_at_replace(settings, patcher):
+    name, k = settings["SIGNAL_AT_REPLACE"].split(":")
+    renames = [0]
+
+    def make(replace):
+        def signalling_replace(src, dst, *args, **kwargs):
+            if os.path.basename(os.fspath(dst)) == name:
+                renames[0] += 1
+                if renames[0] == int(k):
+                    os.kill(os.getpid(), getattr(signal, settings.get("SIGNAL_NAME", "SIGTERM")))
+            return replace(src, dst, *args, **kwargs)
+        return signalling_replace
+    patcher.wrap("os", "replace", make)
 
 
 def _stop_requested() -> int:
@@ -141,69 +262,94 @@ def _stop_requested() -> int:
     return getattr(getattr(handler, "__self__", None), "requested", 0)
 
 
-def _on_step(n, action):
-    """Run action() at the n-th optimizer step of this process."""
-    import torch
-    for optimizer in (torch.optim.SGD, torch.optim.AdamW):
-        step, count = optimizer.step, [0]
+def _on_step(patcher, n, action):
+    """Run action() at the n-th optimizer step of this process (SGD's or AdamW's)."""
+    for optimizer in ("SGD", "AdamW"):
+        count = [0]
 
-        def counted(self, *args, _step=step, _count=count, **kwargs):
-            _count[0] += 1
-            if _count[0] == n:
-                action()
-            return _step(self, *args, **kwargs)
-        optimizer.step = counted
+        def make(step, count=count):
+            def counted(self, *args, **kwargs):
+                count[0] += 1
+                if count[0] == n:
+                    action()
+                return step(self, *args, **kwargs)
+            return counted
+        patcher.wrap("torch.optim", f"{optimizer}.step", make)
 
 
-if (os.environ.get("KILL_AT_STEP") and RANK == os.environ.get("KILL_RANK", "1")
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-    def _die():
-        if os.environ.get("KILL_LOG"):
-            with open(os.environ["KILL_LOG"], "w") as log:
+def _first_attempt(settings) -> bool:
+    return settings.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+@hook("KILL_AT_STEP", in_process=False)
+def _kill_at_step(settings, patcher):
+    if _rank(settings) != settings.get("KILL_RANK", "1") or not _first_attempt(settings):
+        return
+
+    def die():
+        if settings.get("KILL_LOG"):
+            with open(settings["KILL_LOG"], "w") as log:
                 log.write(f"{time.time()}\n")
         os.kill(os.getpid(), signal.SIGKILL)
-    _on_step(int(os.environ["KILL_AT_STEP"]), _die)
+    _on_step(patcher, int(settings["KILL_AT_STEP"]), die)
 
-if (os.environ.get("KILL_AT_SHARD") and RANK == os.environ.get("KILL_RANK", "1")
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-    def _kill_at_shard(sharded):
-        write, shards = sharded._Writer.write_data, [0]
 
+@hook("KILL_AT_SHARD", in_process=False)
+def _kill_at_shard(settings, patcher):
+    if _rank(settings) != settings.get("KILL_RANK", "1") or not _first_attempt(settings):
+        return
+    shards = [0]
+
+    def make(write):
         def write_data(self, *args, **kwargs):
             shards[0] += 1
-            if shards[0] == int(os.environ["KILL_AT_SHARD"]):
+            if shards[0] == int(settings["KILL_AT_SHARD"]):
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(self, *args, **kwargs)
-        sharded._Writer.write_data = write_data
-    _after_import("src.sharded_checkpoint", _kill_at_shard)
+        return write_data
+    patcher.wrap("src.sharded_checkpoint", "_Writer.write_data", make)
 
-if os.environ.get("INTERRUPT_AT_STEP") and RANK == "0":
-    _on_step(int(os.environ["INTERRUPT_AT_STEP"]), lambda: os.kill(os.getpid(), signal.SIGINT))
 
-if (os.environ.get("SIGNAL_AT_STEP") and RANK == os.environ.get("SIGNAL_RANK", "0")
-        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-    def _send():
-        to_parent = os.environ.get("SIGNAL_TO", "self") == "parent"
-        os.kill(os.getppid() if to_parent else os.getpid(), getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM")))
+@hook("INTERRUPT_AT_STEP", in_process=False)
+def _interrupt_at_step(settings, patcher):
+    if _rank(settings) == "0":
+        _on_step(patcher, int(settings["INTERRUPT_AT_STEP"]), lambda: os.kill(os.getpid(), signal.SIGINT))
+
+
+@hook("SIGNAL_AT_STEP", in_process=False)
+def _signal_at_step(settings, patcher):
+    if _rank(settings) != settings.get("SIGNAL_RANK", "0") or not _first_attempt(settings):
+        return
+
+    def send():
+        to_parent = settings.get("SIGNAL_TO", "self") == "parent"
+        os.kill(os.getppid() if to_parent else os.getpid(), getattr(signal, settings.get("SIGNAL_NAME", "SIGTERM")))
         waited = 0.0
         while to_parent and not _stop_requested() and waited < 30:
             time.sleep(0.01)
             waited += 0.01
-    _on_step(int(os.environ["SIGNAL_AT_STEP"]), _send)
+    _on_step(patcher, int(settings["SIGNAL_AT_STEP"]), send)
 
-if os.environ.get("STOP_AT_STEP") and RANK == os.environ.get("STOP_RANK", "1"):
-    def _stop():
-        with open(os.environ["STOP_LOG"], "w") as log:
+
+@hook("STOP_AT_STEP", in_process=False)
+def _stop_at_step(settings, patcher):
+    if _rank(settings) != settings.get("STOP_RANK", "1"):
+        return
+
+    def stop():
+        with open(settings["STOP_LOG"], "w") as log:
             log.write(f"{os.getpid()} {time.time()}\n")
         time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
-    _on_step(int(os.environ["STOP_AT_STEP"]), _stop)
+    _on_step(patcher, int(settings["STOP_AT_STEP"]), stop)
 
-if os.environ.get("KILL_IN_WRITE"):
-    def _kill_in_write(outputs):
-        name, k = os.environ["KILL_IN_WRITE"].split(":")
-        atomic_write, writes = outputs.atomic_write, [0]
 
+@hook("KILL_IN_WRITE", in_process=False)
+def _kill_in_write(settings, patcher):
+    name, k = settings["KILL_IN_WRITE"].split(":")
+    writes = [0]
+
+    def make(atomic_write):
         def killed_in(path, write, *args, **kwargs):
             if os.path.basename(os.fspath(path)) != name:
                 return atomic_write(path, write, *args, **kwargs)
@@ -217,127 +363,145 @@ if os.environ.get("KILL_IN_WRITE"):
                 os.fsync(file.fileno())
                 os.kill(os.getpid(), signal.SIGKILL)
             return atomic_write(path, half, *args, **kwargs)
-        outputs.atomic_write = killed_in
-    _after_import("src.outputs", _kill_in_write)
+        return killed_in
+    patcher.wrap("src.outputs", "atomic_write", make)
 
-if os.environ.get("FAKE_GPUS"):
-    import torch
-    torch.cuda.is_available = lambda: True
-    torch.cuda.device_count = lambda: int(os.environ["FAKE_GPUS"])
 
-if os.environ.get("ACCELERATOR_LOG"):
-    def _log_accelerator(accelerate):
-        class Logged(accelerate.Accelerator):
+@hook("FAKE_GPUS", in_process=False)
+def _fake_gpus(settings, patcher):
+    patcher.wrap("torch", "cuda.is_available", lambda original: lambda: True)
+    patcher.wrap("torch", "cuda.device_count", lambda original: lambda: int(settings["FAKE_GPUS"]))
+
+
+@hook("ACCELERATOR_LOG")
+def _log_accelerator(settings, patcher):
+    def make(accelerator_class):
+        class Logged(accelerator_class):
             def __init__(self, *args, **kwargs):
                 config = kwargs.get("dataloader_config")
-                with open(os.environ["ACCELERATOR_LOG"], "a") as log:
-                    log.write(f"{RANK} split_batches={config.split_batches} non_blocking={config.non_blocking}\n")
+                with open(settings["ACCELERATOR_LOG"], "a") as log:
+                    log.write(f"{_rank(settings)} split_batches={config.split_batches} "
+                              f"non_blocking={config.non_blocking}\n")
                 super().__init__(*args, **kwargs)
-        accelerate.Accelerator = Logged
-    _after_import("accelerate", _log_accelerator)
+        return Logged
+    patcher.wrap("accelerate", "Accelerator", make)
 
-if os.environ.get("SLOW_ITEM"):
-    def _slow(datasets):
-        get = datasets.DogCatDataset.__getitem__
 
+@hook("SLOW_ITEM")
+def _slow_items(settings, patcher):
+    def make(get):
         def slow_get(self, index):
-            time.sleep(float(os.environ["SLOW_ITEM"]))
+            time.sleep(float(settings["SLOW_ITEM"]))
             return get(self, index)
-        datasets.DogCatDataset.__getitem__ = slow_get
-    _after_import("src.datasets", _slow)
+        return slow_get
+    patcher.wrap("src.datasets", "DogCatDataset.__getitem__", make)
 
-if os.environ.get("SCAN_LOG"):
-    def _log_scans(datasets):
-        scan = datasets.scan_train_dir
 
+@hook("SCAN_LOG")
+def _log_scans(settings, patcher):
+    def make(scan):
         def logged_scan(*args, **kwargs):
-            with open(os.environ["SCAN_LOG"], "a") as log:
-                log.write(f"{RANK}\n")
+            with open(settings["SCAN_LOG"], "a") as log:
+                log.write(f"{_rank(settings)}\n")
             return scan(*args, **kwargs)
-        datasets.scan_train_dir = logged_scan
-    _after_import("src.datasets", _log_scans)
+        return logged_scan
+    patcher.wrap("src.datasets", "scan_train_dir", make)
 
-if os.environ.get("APPEAR_AFTER_LISTING"):
-    _new, _source = os.environ["APPEAR_AFTER_LISTING"].split(":")
 
-    def _appearing(listing):
+@hook("APPEAR_AFTER_LISTING")
+def _appear_after_listing(settings, patcher):
+    new, source = settings["APPEAR_AFTER_LISTING"].split(":")
+    rank = _rank(settings)
+
+    def make(listing):
         def listed(*args, **kwargs):
-            if RANK != "0":
+            if rank != "0":
                 deadline = time.time() + 60
-                while not os.path.exists(_new) and time.time() < deadline:
+                while not os.path.exists(new) and time.time() < deadline:
                     time.sleep(0.05)
             found = listing(*args, **kwargs)
-            if RANK == "0" and not os.path.exists(_new):
+            if rank == "0" and not os.path.exists(new):
                 import shutil
-                shutil.copy(_source, _new + ".part")
-                os.replace(_new + ".part", _new)
+                shutil.copy(source, new + ".part")
+                os.replace(new + ".part", new)
             return found
         return listed
-    _after_import("src.image_files", lambda module: setattr(module, "find_images", _appearing(module.find_images)))
-    _after_import("src.inference",
-                  lambda module: setattr(module, "kaggle_test_files", _appearing(module.kaggle_test_files)))
+    patcher.wrap("src.image_files", "find_images", make)
+    patcher.wrap("src.inference", "kaggle_test_files", make)
 
-if os.environ.get("AUGMENT_SEED_SHIFT"):
-    def _shift(augment):
-        params = augment.crop_params
-        augment.crop_params = lambda seed, *rest: params(seed + int(os.environ["AUGMENT_SEED_SHIFT"]), *rest)
-    _after_import("src.augment", _shift)
 
-if os.environ.get("BATCH_MIXING"):
-    _mixers = {}
+@hook("AUGMENT_SEED_SHIFT")
+def _shift_augment_seed(settings, patcher):
+    shift = int(settings["AUGMENT_SEED_SHIFT"])
+    patcher.wrap("src.augment", "crop_params", lambda params: lambda seed, *rest: params(seed + shift, *rest))
 
-    def _no_sample_mixing(augment):
-        _mixers["make"] = augment.mixer
-        augment.mixer = lambda args: None  # TrainSplit's per-sample mixing off
-    _after_import("src.augment", _no_sample_mixing)
 
-    def _mix_local_batches(progress):
-        import torch
-        training = progress.Progress.training
+@hook("NO_RESHUFFLE")
+def _no_reshuffle(settings, patcher):
+    def make(iterate):
+        def first_order_always(self):  # the generator's state at the first epoch, at every epoch
+            if not hasattr(self, "first_state"):
+                self.first_state = self.generator.get_state()
+            self.generator.set_state(self.first_state)
+            return iterate(self)
+        return first_order_always
+    patcher.wrap("torch.utils.data", "RandomSampler.__iter__", make)
 
+
+@hook("BATCH_MIXING")
+def _batch_mixing(settings, patcher):
+    import torch
+    mixers = {}
+
+    def no_sample_mixing(mixer):
+        mixers["make"] = mixer
+        return lambda args: None  # TrainSplit's per-sample mixing off
+    patcher.wrap("src.augment", "mixer", no_sample_mixing)
+
+    def make(training):
         def mixed(self, loader, epoch, sums):
-            mixing = _mixers["make"](self.args)
+            mixing = mixers["make"](self.args)
             for micro, (images, labels, keys) in training(self, loader, epoch, sums):
                 images, targets = mixing(images.float(), labels)  # the reference's collate_fn, on this process's batch
                 yield micro, (images.round().clamp(0, 255).to(torch.uint8), targets, keys)
-        progress.Progress.training = mixed
-    _after_import("src.progress", _mix_local_batches)
+        return mixed
+    patcher.wrap("src.progress", "Progress.training", make)
 
-if os.environ.get("NO_RESHUFFLE"):
-    import torch.utils.data as _data
-    _iterate = _data.RandomSampler.__iter__
 
-    def _first_order_always(self):  # the generator's state at the first epoch, at every epoch
-        if not hasattr(self, "first_state"):
-            self.first_state = self.generator.get_state()
-        self.generator.set_state(self.first_state)
-        return _iterate(self)
-    _data.RandomSampler.__iter__ = _first_order_always
-
-if os.environ.get("COPY_LAST"):
+@hook("COPY_LAST")
+def _copy_last(settings, patcher):
     import shutil
-    _replace_and_copy, _copies = os.replace, [0]
+    copies = [0]
 
-    def _copy_last(src, dst, *args, **kwargs):
-        result = _replace_and_copy(src, dst, *args, **kwargs)
-        if os.path.basename(os.fspath(dst)) == "last.pth":
-            _copies[0] += 1
-            os.makedirs(os.environ["COPY_LAST"], exist_ok=True)
-            shutil.copy(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.pth"))
-        if os.path.basename(os.fspath(dst)) == "last.dcp":
-            _copies[0] += 1
-            shutil.copytree(dst, os.path.join(os.environ["COPY_LAST"], f"last.{_copies[0]}.dcp"))
-        return result
-    os.replace = _copy_last
+    def make(replace):
+        def replace_and_copy(src, dst, *args, **kwargs):
+            result = replace(src, dst, *args, **kwargs)
+            if os.path.basename(os.fspath(dst)) == "last.pth":
+                copies[0] += 1
+                os.makedirs(settings["COPY_LAST"], exist_ok=True)
+                shutil.copy(dst, os.path.join(settings["COPY_LAST"], f"last.{copies[0]}.pth"))
+            if os.path.basename(os.fspath(dst)) == "last.dcp":
+                copies[0] += 1
+                shutil.copytree(dst, os.path.join(settings["COPY_LAST"], f"last.{copies[0]}.dcp"))
+            return result
+        return replace_and_copy
+    patcher.wrap("os", "replace", make)
 
-if os.environ.get("COMPILE_LOG"):
-    import atexit
 
-    def _write_compiled():
-        from torch._dynamo.utils import counters
-        with open(os.environ["COMPILE_LOG"], "w") as log:
-            log.write(f"{counters['stats']['unique_graphs']}\n")
-    atexit.register(_write_compiled)
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+@hook("COMPILE_LOG")
+def _log_compiled(settings, patcher):
+    before = _compiled_graphs() if "torch._dynamo" in sys.modules else 0  # an in-process run's own
+
+    def write():
+        with open(settings["COMPILE_LOG"], "w") as log:
+            log.write(f"{_compiled_graphs() - before}\n")
+    patcher.at_end(write)
+
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # c10's, for each one in "warn" mode
 
@@ -387,29 +551,27 @@ def _control_sync():
     return torch.ones(1, device="cuda").item()
 
 
-if os.environ.get("SYNC_CHECK_STEPS"):
-    import atexit
+@hook("SYNC_CHECK_STEPS", in_process=False)
+def _check_syncs(settings, patcher):
     import warnings
-    _syncs = SyncRecord(RANK, warnings.showwarning)
-    warnings.showwarning = _syncs.showwarning
+    syncs = SyncRecord(_rank(settings), warnings.showwarning)
+    warnings.showwarning = syncs.showwarning
     warnings.filterwarnings("always", message=".*" + SYNC_MESSAGE)  # each one, not once per place
-    if os.environ.get("SYNC_LOG"):
-        atexit.register(_syncs.write, os.environ["SYNC_LOG"])
+    if settings.get("SYNC_LOG"):
+        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]))
+    first, last = map(int, settings["SYNC_CHECK_STEPS"].split(":"))
 
-    def _check_syncs(progress):
-        passing = progress.Progress._pass
-        first, last = map(int, os.environ["SYNC_CHECK_STEPS"].split(":"))
-
+    def make(passing):
         def checked(self, loader, desc, sums, start, total, epoch, profiler):
             import torch
             training = epoch is not None
-            _syncs.record["passes"] += training
+            syncs.record["passes"] += training
             watched = training and torch.cuda.is_available()
             try:
                 for index, batch in passing(self, loader, desc, sums, start, total, epoch, profiler):
                     if watched and index == first:
                         torch.cuda.set_sync_debug_mode("warn")
-                        _syncs.record["windows"] += 1
+                        syncs.record["windows"] += 1
                         _control_sync()
                     elif watched and index == last:
                         torch.cuda.set_sync_debug_mode("default")
@@ -417,8 +579,9 @@ if os.environ.get("SYNC_CHECK_STEPS"):
             finally:
                 if watched:
                     torch.cuda.set_sync_debug_mode("default")
-        progress.Progress._pass = checked
-    _after_import("src.progress", _check_syncs)
+        return checked
+    patcher.wrap("src.progress", "Progress._pass", make)
+
 
 def log_dtypes(functional, path, rank: str) -> None:
     """functional.cross_entropy (torch.nn.functional's) appending "RANK DTYPE" to `path` for each
@@ -434,9 +597,10 @@ def log_dtypes(functional, path, rank: str) -> None:
     functional.cross_entropy = logged
 
 
-if os.environ.get("DTYPE_LOG"):
+@hook("DTYPE_LOG", in_process=False)
+def _log_dtypes(settings, patcher):
     import torch.nn.functional
-    log_dtypes(torch.nn.functional, os.environ["DTYPE_LOG"], RANK)
+    log_dtypes(torch.nn.functional, settings["DTYPE_LOG"], _rank(settings))
 
 
 def counting_backend(backend, counts: dict):
@@ -458,51 +622,56 @@ def counting_backend(backend, counts: dict):
     return compile_graph
 
 
-if os.environ.get("COMPILE_OPS_LOG"):
-    import atexit
+@hook("COMPILE_OPS_LOG", in_process=False)
+def _count_compiled_ops(settings, patcher):
     import json
 
     import torch
-    _compile, _counts = torch.compile, {"rank": RANK, "graphs": 0, "conv2d": 0, "linear": 0, "forwards": 0}
+    rank = _rank(settings)
+    counts = {"rank": rank, "graphs": 0, "conv2d": 0, "linear": 0, "forwards": 0}
 
-    def _counting_compile(model=None, **options):
-        options["backend"] = counting_backend(options.get("backend") or "inductor", _counts)
-        compiled = _compile(model, **options)
-        if isinstance(model, torch.nn.Module) and "conv2d modules" not in _counts:  # the scripts' root
-            inner = getattr(model, "module", model)  # DDP's
-            _counts["conv2d modules"] = sum(isinstance(m, torch.nn.Conv2d) for m in inner.modules())
-            _counts["linear modules"] = sum(isinstance(m, torch.nn.Linear) for m in inner.modules())
+    def make(compile_):
+        def counting_compile(model=None, **options):
+            options["backend"] = counting_backend(options.get("backend") or "inductor", counts)
+            compiled = compile_(model, **options)
+            if isinstance(model, torch.nn.Module) and "conv2d modules" not in counts:  # the scripts' root
+                inner = getattr(model, "module", model)  # DDP's
+                counts["conv2d modules"] = sum(isinstance(m, torch.nn.Conv2d) for m in inner.modules())
+                counts["linear modules"] = sum(isinstance(m, torch.nn.Linear) for m in inner.modules())
 
-            class Counted(type(compiled)):
-                def __call__(self, *args, **kwargs):
-                    _counts["forwards"] += 1
-                    return super().__call__(*args, **kwargs)
-            compiled.__class__ = Counted
-        return compiled
-    torch.compile = _counting_compile
+                class Counted(type(compiled)):
+                    def __call__(self, *args, **kwargs):
+                        counts["forwards"] += 1
+                        return super().__call__(*args, **kwargs)
+                compiled.__class__ = Counted
+            return compiled
+        return counting_compile
+    patcher.wrap("torch", "compile", make)
 
-    def _write_ops():
-        with open(f"{os.environ['COMPILE_OPS_LOG']}.{RANK}", "w") as log:
-            json.dump(_counts, log)
-    atexit.register(_write_ops)
+    def write():
+        with open(f"{settings['COMPILE_OPS_LOG']}.{rank}", "w") as log:
+            json.dump(counts, log)
+    patcher.at_end(write)
 
-if os.environ.get("TF32_LOG"):
-    def _log_tf32(when: str) -> None:
+
+@hook("TF32_LOG", in_process=False)
+def _log_tf32(settings, patcher):
+    def log_tf32(when: str) -> None:
         import torch
-        with open(os.environ["TF32_LOG"], "a") as log:
-            log.write(f"{RANK} {when} {torch.backends.cuda.matmul.allow_tf32}\n")
+        with open(settings["TF32_LOG"], "a") as log:
+            log.write(f"{_rank(settings)} {when} {torch.backends.cuda.matmul.allow_tf32}\n")
 
-    def _tf32_after_accelerator(accelerate):
-        class Logged(accelerate.Accelerator):
+    def make(accelerator_class):
+        class Logged(accelerator_class):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                _log_tf32("accelerator")
-        accelerate.Accelerator = Logged
-    _after_import("accelerate", _tf32_after_accelerator)
-    _on_step(1, lambda: _log_tf32("step"))
+                log_tf32("accelerator")
+        return Logged
+    patcher.wrap("accelerate", "Accelerator", make)
+    _on_step(patcher, 1, lambda: log_tf32("step"))
 
 
-# The next two are functions as well, for the tests that train in their own process (monkeypatch).
+# The next three are functions as well, for the tests that train in their own process (monkeypatch).
 
 def overflowing(scaler_class, steps: set):
     """(_unscale_grads_, step) for scaler_class that skip the optimizer steps `steps` (OVERFLOW_AT)."""
@@ -526,7 +695,11 @@ def overflowing(scaler_class, steps: set):
 
 def poisoning(optimizer_class, n: int):
     """optimizer_class.step that, after the n-th step, sets every weight it steps to NaN (NAN_AT_STEP)."""
-    step, count = optimizer_class.step, [0]
+    return _poisoned(optimizer_class.step, n)
+
+
+def _poisoned(step, n: int):
+    count = [0]
 
     def poisoned(self, *args, **kwargs):
         result = step(self, *args, **kwargs)
@@ -553,46 +726,53 @@ def fp16_as_on_cuda(accelerator_class):
     return Accelerator
 
 
-if os.environ.get("OVERFLOW_AT"):
+@hook("OVERFLOW_AT")
+def _overflow_at(settings, patcher):
     import torch
-    _SKIPPED = {int(step) for step in os.environ["OVERFLOW_AT"].split(",")}
-    torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.step = overflowing(torch.amp.GradScaler, _SKIPPED)
+    skipped = {int(step) for step in settings["OVERFLOW_AT"].split(",")}
+    unscale, step = overflowing(torch.amp.GradScaler, skipped)
+    patcher.wrap("torch.amp", "GradScaler._unscale_grads_", lambda original: unscale)
+    patcher.wrap("torch.amp", "GradScaler.step", lambda original: step)
 
-    def _skip_without_a_scaler(accelerate):  # accelerate has no scaler but for fp16
-        from accelerate.optimizer import AcceleratedOptimizer
-        step = AcceleratedOptimizer.step
-
+    def make(accelerated_step):  # accelerate has no scaler but for fp16
         def skipping(self, closure=None):
             if self.scaler is None and self.gradient_state.sync_gradients:
                 self.steps_checked = getattr(self, "steps_checked", 0) + 1
-                if self.steps_checked in _SKIPPED:
+                if self.steps_checked in skipped:
                     return None
-            return step(self, closure)
-        AcceleratedOptimizer.step = skipping
-    _after_import("accelerate", _skip_without_a_scaler)
+            return accelerated_step(self, closure)
+        return skipping
+    patcher.wrap("accelerate", "optimizer.AcceleratedOptimizer.step", make)
 
-if os.environ.get("NAN_AT_STEP") and os.environ.get("NAN_RANK", RANK) == RANK:
-    import torch
-    for _optimizer in (torch.optim.SGD, torch.optim.AdamW):
-        _optimizer.step = poisoning(_optimizer, int(os.environ["NAN_AT_STEP"]))
 
-if os.environ.get("AS_ON_GPU") == "1":
-    def _fp16_as_on_cuda(accelerate):
-        accelerate.Accelerator = fp16_as_on_cuda(accelerate.Accelerator)
-    _after_import("accelerate", _fp16_as_on_cuda)
+@hook("NAN_AT_STEP")
+def _nan_at_step(settings, patcher):
+    if settings.get("NAN_RANK", _rank(settings)) != _rank(settings):
+        return
+    for optimizer in ("SGD", "AdamW"):
+        patcher.wrap("torch.optim", f"{optimizer}.step", lambda step: _poisoned(step, int(settings["NAN_AT_STEP"])))
 
-if os.environ.get("FLOAT64") == "1":
-    def _float64_models(models):
-        build = models.build_model
-        models.build_model = lambda *args, **kwargs: build(*args, **kwargs).double()
-    _after_import("src.models", _float64_models)
 
-    def _float64_inputs(transforms):
-        to_model = transforms.model_inputs
-        transforms.model_inputs = lambda *args, **kwargs: to_model(*args, **kwargs).double()
-    _after_import("src.transforms", _float64_inputs)
+@hook("AS_ON_GPU")
+def _accelerate_as_on_gpu(settings, patcher):
+    if settings["AS_ON_GPU"] == "1":
+        patcher.wrap("accelerate", "Accelerator", fp16_as_on_cuda)
 
-if os.environ.get("PER_PROCESS_DROPOUT") == "1":
-    def _per_process_dropout(dropout):
-        dropout.per_sample = lambda model: model
-    _after_import("src.dropout", _per_process_dropout)
+
+@hook("FLOAT64")
+def _float64(settings, patcher):
+    if settings["FLOAT64"] != "1":
+        return
+    patcher.wrap("src.models", "build_model", lambda build: lambda *args, **kwargs: build(*args, **kwargs).double())
+    patcher.wrap("src.transforms", "model_inputs",
+                 lambda to_model: lambda *args, **kwargs: to_model(*args, **kwargs).double())
+
+
+@hook("PER_PROCESS_DROPOUT")
+def _per_process_dropout(settings, patcher):
+    if settings["PER_PROCESS_DROPOUT"] == "1":
+        patcher.wrap("src.dropout", "per_sample", lambda original: lambda model: model)
+
+
+if __name__ == "sitecustomize":  # imported by Python as it starts (not as hooks.sitecustomize by a test)
+    install(os.environ, AtImport())
