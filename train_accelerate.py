@@ -73,6 +73,8 @@ def train_epoch(accelerator, model, loader: DataLoader, epoch: int, progress: Pr
         sums += batch_sums(logits, labels)
         if accelerator.sync_gradients:  # that was a step's last micro-batch
             state.step += 1
+            # Every process makes the state's calls below (under a launcher the ranks agree through them): never
+            # only rank 0, which would wait alone in their collectives.
             stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came to any process (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 state.save_step(sums)  # last.pth at this step: --resume goes on from here
@@ -86,7 +88,7 @@ def train_epoch(accelerator, model, loader: DataLoader, epoch: int, progress: Pr
 def evaluate(accelerator, model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
-    sums = torch.zeros(4, device=device)
+    sums = torch.zeros(4, device=device)  # summed loss, correct, samples, log loss (src.metrics.batch_sums)
     for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         logits = model(inputs)
@@ -107,10 +109,12 @@ def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
-    schedule = make_schedule(optimizer, args, steps)
+    schedule = make_schedule(optimizer, args, steps)  # not prepared (step_scheduler_with_optimizer=False): as in every mode
     info = run_info(args, global_batch, data.digest)
     state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
+    # The optimizer is prepared now, the model per stage below (--freeze-epochs changes what trains):
+    # AcceleratedOptimizer skips zero_grad and step on all but a step's last micro-batch.
     state.optimizer = accelerator.prepare(optimizer)  # steps on a step's last micro-batch only, with the fp16 scaler
     # The trackers of log_with, on the main process only: last.pth's tracked runs continued (their ids)
     accelerator.init_trackers(PROJECT if args.track else "train_accelerate",
@@ -135,7 +139,8 @@ def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             net = torch.compile(stage.net) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device, processes)
-            order = train_loader.sampler.generator  # draws each epoch's permutation: seeded in the loop
+            # prepare() wraps the sampler; its generator, kept here, still draws each epoch's permutation
+            order = train_loader.sampler.generator
             net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
             for epoch in stage.epochs:
                 if state.stop_agreed(now=True):  # a signal since the last epoch's saves
@@ -155,7 +160,7 @@ def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker
                 if accelerator.is_main_process:
                     print(format_record(record, args.epochs) + ("  best so far" if is_best else ""))
                 progress.epoch_end(record)  # TensorBoard's tracker writes on the main process only
-                accelerator.wait_for_everyone()
+                accelerator.wait_for_everyone()  # no process starts the next epoch while the main one writes
     if accelerator.is_main_process:
         print(done_line(state.history, args, time.time() - since))
     progress.run_end()

@@ -59,6 +59,8 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         if last:
             optimizer_step(model, state.optimizer, state.scaler, state.schedule, args.clip_grad_norm)
             state.step += 1
+            # Every process makes the state's calls below (under a launcher the ranks agree through them): never
+            # only rank 0, which would wait alone in their collectives.
             stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 state.save_step(sums)  # last.pth at this step: --resume goes on from here
@@ -71,7 +73,7 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
 def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
-    sums = torch.zeros(4, device=device)
+    sums = torch.zeros(4, device=device)  # summed loss, correct, samples, log loss (src.metrics.batch_sums)
     for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)

@@ -77,6 +77,8 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         if last:
             optimizer_step(model, state.optimizer, state.scaler, state.schedule, args.clip_grad_norm)
             state.step += 1
+            # Every process makes the state's calls below (under a launcher the ranks agree through them): never
+            # only rank 0, which would wait alone in their collectives.
             stop = state.stop_agreed()  # SIGTERM, SIGUSR1, SIGHUP or Ctrl-C came to any rank (src/stopping.py)
             if stop or state.checkpoint_due():  # or --save-every-steps
                 # last.dcp at this step, each rank writing its own shards (torch.distributed.checkpoint);
@@ -93,7 +95,7 @@ def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, dev
     """One pass over the validation batches; the metric sums."""
     model.eval()
     broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds (rank 0's)
-    sums = torch.zeros(4, device=device)
+    sums = torch.zeros(4, device=device)  # summed loss, correct, samples, log loss (src.metrics.batch_sums)
     for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
@@ -108,7 +110,7 @@ def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, dev
 
 def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the same seed on every rank: the same initial weights to shard
     data = labelled_data(args, dist_timeout(args).total_seconds())
     check_batches(data, args, world_size)
     global_batch = args.batch_size * world_size * args.accumulate

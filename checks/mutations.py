@@ -1375,7 +1375,7 @@ MUTATIONS = [
     ('src/dropout.py', '        return _scaled(grad, kept, ctx.scale), None, None',
      '        return _scaled(grad, kept, float(kept.sum()) and ctx.scale), None, None',
      ['tests/test_gpu_on_cpu_host_syncs.py::test_no_tensor_is_built_from_python_values_inside_a_step']),
-    ('tests/hooks/sitecustomize.py', '        progress.Progress._pass = checked', '        pass',
+    ('tests/hooks/sitecustomize.py', '    patcher.wrap("src.progress", "Progress._pass", make)', '    pass',
      ['tests/test_gpu_selftest_logic.py::test_the_sync_hook_wraps_each_training_pass_of_a_run']),
     ('src/tools/benchmark.py', '        atomic_torch_save(state, path, hashed=True)', '        atomic_torch_save(state, path)',
      ['tests/test_benchmark.py::test_save_seconds_times_the_old_save_and_the_new_one_best_of_the_rounds']),
