@@ -8,9 +8,11 @@ The run
                       history, place in the epoch) and its verbs: resume, save, stop
     checkpoint.py     what best.pth, best.json and last.pth hold; reading a last back (last.pth or last.dcp)
     sharded_checkpoint.py  FSDP's last.dcp: each rank's shards through torch.distributed.checkpoint
+    checkpoint_writer.py  rank 0's step checkpoints written in a thread while training goes on
     stopping.py       SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: the handlers and the agreement of every rank
     outputs.py        the files a command writes: checked at start, the run lock, atomic writes
     history.py        the per-epoch records, the best epoch, the lines a run prints
+    plot.py           the training curves (--plot), marked as a run's
     progress.py       the progress bar, data-wait clock, TensorBoard, the profiler's hooks
     tracking.py       --track: MLflow and W&B runs, one per training run across every stop
     profiling.py      --profile: torch.profiler's trace and its table
