@@ -220,7 +220,8 @@ MUTATIONS = [
      ['tests/test_gpu_on_cpu_data_parallel.py::test_data_parallel_replicas_keep_channels_last_weights']),
     ('src/checkpoint.py', '    optimizer.load_state_dict({**saved, "param_groups": groups})', '    optimizer.load_state_dict(saved)\n    [group.update(kept) for group, kept in zip(optimizer.param_groups, kernels)]',
      ['tests/test_gpu_on_cpu_fused_optimizers.py::test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw']),
-    ('src/checkpoint.py', '        load_optimizer(optimizer, state["optimizer"])', '        optimizer.load_state_dict(state["optimizer"])',
+    ('src/checkpoint.py', '            load_optimizer(optimizer, state["optimizer"])',
+     '            optimizer.load_state_dict(state["optimizer"])',
      ['tests/test_gpu_on_cpu_fused_optimizers.py::test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw']),
     ('train_ddp.py', 'timeout=dist_timeout(args))  # a peer',
      'timeout=__import__("datetime").timedelta(minutes=10))  # a peer',
@@ -277,9 +278,11 @@ MUTATIONS = [
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
     ('src/tools/predict.py', 'amp_dtype(args), args.channels_last, rank, world_size)', 'None, args.channels_last, rank, world_size)',
      ['tests/test_predict.py::test_tta_amp_and_channels_last_are_applied']),
-    ('src/tools/predict.py', '    model.to(device, memory_format=memory_format(args))', '    model.to(device)',
+    ('src/tools/predict.py', '            model.to(device, memory_format=memory_format(args))',
+     '            model.to(device)',
      ['tests/test_predict.py::test_tta_amp_and_channels_last_are_applied']),
-    ('src/tools/predict.py', '            from_rank_0(lambda: check_output(args, files))', '            pass',
+    ('src/tools/predict.py', '                from_rank_0(lambda: check_output(args, files))',
+     '                pass',
      ['tests/test_predict.py::test_bad_input_ends_in_one_line_before_any_work']),
     ('src/tools/predict.py', '        check_complete(result.files, result.broken)', '        pass',
      ['tests/test_predict.py::test_kaggle_test_folder_with_a_broken_image_is_refused']),
@@ -477,7 +480,8 @@ MUTATIONS = [
     ('train_single.py', 'enabled=args.amp != "no"):\n            logits = model(inputs)\n            loss',
      'enabled=args.amp == "bf16"):\n            logits = model(inputs)\n            loss', ['gpu:fp16']),
     ('src/transforms.py', '    batch = batch.to(device, non_blocking=True)', '    batch = batch.to(device)', ['gpu:sync']),
-    ('src/checkpoint.py', '        load_optimizer(optimizer, state["optimizer"])', '        pass',
+    ('src/checkpoint.py', '            load_optimizer(optimizer, state["optimizer"])',
+     '            pass',
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run', 'gpu:resume']),
     ('checks/gpu_selftest.py', '                groups.add(os.getpgid(pid))', '                groups.add(launch.pid)',
      ['tests/test_gpu_selftest_logic.py::test_stop_ends_the_workers_that_torchrun_puts_in_sessions_of_their_own']),
@@ -559,8 +563,9 @@ MUTATIONS = [
     ('src/checkpoint.py', 'average_state["model"] if weights == "average" else model_state',
      'model_state',
      ['tests/test_ema.py::test_best_pth_holds_the_average_when_it_validates_better']),
-    ("src/checkpoint.py", '            average.load(getattr(model, "_orig_mod", model), state["average"])', "            pass",
-     ["tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run"]),
+    ('src/checkpoint.py', '                average.load(getattr(model, "_orig_mod", model), state["average"])',
+     '                pass',
+     ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
     ("src/history.py", '    offered = [(record, "weights")]\n    if AVERAGE["val_acc"] in record:', '    offered = [(record, "weights")]\n    if False:',
      ["tests/test_ema.py::test_best_pth_holds_the_average_when_it_validates_better"]),
     ('src/data_parallel.py', '        if keys is not None and module.training:', '        if keys is not None:',
@@ -1106,7 +1111,8 @@ MUTATIONS = [
      ['tests/test_tool_outputs.py::test_a_tool_that_owns_a_folder_refuses_one_it_did_not_write']),
     ('src/tools/chaos.py', '    claim_folder(work, MARK, WRITES, "src.tools.chaos", "the chaos check", "--work-dir ")', '    work.mkdir(parents=True, exist_ok=True)',
      ['tests/test_tool_outputs.py::test_a_tool_that_owns_a_folder_refuses_one_it_did_not_write']),
-    ('src/tools/predict.py', '            files, others = from_rank_0(lambda: listed(args))', '            files, others = listed(args)',
+    ('src/tools/predict.py', '                files, others = from_rank_0(lambda: listed(args))',
+     '                files, others = listed(args)',
      ['tests/test_every_image.py::test_under_torchrun_every_rank_predicts_its_share_of_rank_0s_list']),
     ('src/datasets.py', '            said = not_used_line(data_dir, list(frame["filename"]), csv_file)', '            said = None',
      ['tests/test_every_image.py::test_images_added_after_prepare_are_named_as_not_used']),
@@ -1350,7 +1356,8 @@ MUTATIONS = [
      ['tests/test_checkpoint_writer.py::test_the_steps_after_a_save_train_while_it_is_written']),
     ('src/checkpoint_writer.py', '        buffer.copy_(tensor, non_blocking=pinned)\n        return buffer', '        return tensor',
      ['tests/test_checkpoint_writer.py::test_the_steps_after_a_save_train_while_it_is_written']),
-    ('src/state.py', '        self.writer.wait()  # a step\'s last.pth still being written', '        pass  #',
+    ('src/state.py', "            self.writer.wait()  # a step's last.pth still being written",
+     '            pass  #',
      ['tests/test_checkpoint_writer.py::test_an_epochs_last_pth_is_never_replaced_by_an_older_steps_write']),
     ('src/checkpoint_writer.py', '        error, self.error = self.error, None', '        error, self.error = None, None',
      ['tests/test_checkpoint_writer.py::test_a_write_that_fails_says_so_in_the_training_thread']),
@@ -1407,9 +1414,13 @@ def problems(entries: list[tuple]) -> list[str]:
         if not where.is_file():
             found.append(f"{path}: no such file")
             continue
-        count = where.read_text().count(original)
+        text = where.read_text()
+        count = text.count(original)
         if count != 1:
             found.append(f"{path}: the original text {original!r} occurs {count} times, not once")
+        elif original[:1] in (" ", "\t") and _inside_indent(text, text.index(original)):
+            # an indented text found inside a line indented deeper: its replacement breaks the indent
+            found.append(f"{path}: the original text {original!r} starts inside a line's indent, not at its start")
         if original == replacement:
             found.append(f"{path}: {original!r} is replaced by itself")
         if not tests or not all(isinstance(test, str) and test.startswith(("tests/", GPU)) for test in tests):
@@ -1420,6 +1431,12 @@ def problems(entries: list[tuple]) -> list[str]:
         if unknown:
             found.append(f"{path}: {original!r} names tests that do not exist: {unknown!r}")
     return found
+
+
+def _inside_indent(text: str, at: int) -> bool:
+    """Whether position `at` of `text` lies inside a line's leading whitespace, past its start."""
+    before = text[text.rfind("\n", 0, at) + 1:at]
+    return before != "" and before.strip() == ""
 
 
 def test_exists(test: str) -> bool:
