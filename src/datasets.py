@@ -306,10 +306,9 @@ def _fork_server() -> multiprocessing.context.BaseContext:
 def main_module() -> list[str]:
     """The main module's name, for the fork server to import once ([] where there is none to
     import). A worker started from the fork server runs the main script again (multiprocessing's
-    spawn preparation, as __mp_main__), and with it the script's imports: each worker of each pass
-    imported train_single.py's (matplotlib, the src modules), 5 s a pass on a busy 2-core machine
-    against 0.3 s for a fork (docs/performance.md#loader-workers-a-fork-server). Imported once in
-    the server, they are there in every worker forked from it. Not a package's __main__ (`python
+    spawn preparation, as __mp_main__), and with it the script's imports (matplotlib, the src
+    modules). Imported once in the server, they are there in every worker forked from it (what a
+    worker's start costs: docs/performance.md#loader-workers-a-fork-server). Not a package's __main__ (`python
     -m pytest`): importing that runs it."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
