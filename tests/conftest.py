@@ -772,6 +772,15 @@ def fails_in_process(main, argv: list[str], monkeypatch, capsys, message: str) -
 
 
 @pytest.fixture
+def offline_trackers(monkeypatch):
+    """No user setting of the machine reaches a tracked run (the tracking tests use it) (W&B offline, MLflow's default store)."""
+    for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
+                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+
+
+@pytest.fixture
 def tmpfs(tmp_path):
     """tmpfs(name, options): a tmpfs mounted at tmp_path / name (e.g. "size=64m", "ro,size=1m"),
     unmounted after the test; remount(folder, options) changes it. Needs root with mount rights,

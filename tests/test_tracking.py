@@ -33,13 +33,7 @@ from src.tracking import (
 ARTIFACTS = ("best.pth", "best.json", "training_results.png")
 
 
-@pytest.fixture(autouse=True)
-def _offline_trackers(monkeypatch):
-    """No user setting of the machine reaches these runs (W&B offline, MLflow's default store)."""
-    for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
-                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+pytestmark = pytest.mark.usefixtures("offline_trackers")
 
 
 def _args(folder: Path, *flags: str):

@@ -19,13 +19,7 @@ from src.tracking import EXIT_CODES, PROJECT, default_uri, wandb_files, wandb_hi
 ARTIFACTS = ("best.pth", "best.json", "curves.png")  # conftest.outputs names the plot curves.png
 
 
-@pytest.fixture(autouse=True)
-def _offline_trackers(monkeypatch):
-    """No user setting of the machine reaches these runs (W&B offline, MLflow's default store)."""
-    for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
-                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+pytestmark = pytest.mark.usefixtures("offline_trackers")
 
 
 def _flags(data: Path, out: Path, batch: int, every: int, *extra: str) -> list[str]:
