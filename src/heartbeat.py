@@ -161,6 +161,15 @@ def read_beats(store, world_size: int) -> list[dict | None]:
     return beats
 
 
+def _silent(other: int, beat: dict | None, now: float) -> str | None:
+    """What is known of a rank not heard from for STALE seconds, or None where it answers."""
+    if beat is None:
+        return f"rank {other} never answered"
+    if now - beat["time"] > STALE:
+        return f"rank {other} stopped answering at {beat['where']}; last heard {now - beat['time']:.0f} s ago"
+    return None
+
+
 def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> tuple[str | None, bool]:
     """(the line naming the ranks that did not arrive, whether this rank prints it), or (None, False)
     when every rank is where this one is and answering (then the wait is not theirs to explain)."""
@@ -169,14 +178,11 @@ def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> 
     for other, beat in enumerate(beats):
         if other == rank:
             continue
-        if beat is None:
-            missing[other] = f"rank {other} never answered"
-        elif now - beat["time"] > STALE:
-            missing[other] = (f"rank {other} stopped answering at {beat['where']}; last heard "
-                              f"{now - beat['time']:.0f} s ago")
-        elif beat["order"] < mine["order"]:
-            missing[other] = (f"rank {other} did not arrive: it is still at {beat['where']}, last heard "
-                              f"{now - beat['time']:.0f} s ago")
+        said = _silent(other, beat, now)
+        if said is None and beat["order"] < mine["order"]:
+            said = f"rank {other} did not arrive: it is still at {beat['where']}, last heard {now - beat['time']:.0f} s ago"
+        if said is not None:
+            missing[other] = said
     if not missing:
         return None, False
     printer = min(r for r in range(len(beats)) if r not in missing)
@@ -188,14 +194,8 @@ def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> 
 def judge_stop(beats: list[dict | None], rank: int, now: float) -> tuple[str | None, bool]:
     """With a stop signal pending: (the line naming the ranks not heard from for STALE seconds,
     without which no step can be agreed, whether this rank prints it), or (None, False)."""
-    missing = {}
-    for other, beat in enumerate(beats):
-        if other == rank:
-            continue
-        if beat is None:
-            missing[other] = f"rank {other} never answered"
-        elif now - beat["time"] > STALE:
-            missing[other] = f"rank {other} stopped answering at {beat['where']}; last heard {now - beat['time']:.0f} s ago"
+    missing = {other: said for other, beat in enumerate(beats)
+               if other != rank and (said := _silent(other, beat, now)) is not None}
     if not missing:
         return None, False
     printer = min(r for r in range(len(beats)) if r not in missing)
