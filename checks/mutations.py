@@ -1399,6 +1399,11 @@ MUTATIONS = [
      ['tests/test_chaos.py::test_the_verdict_passes_only_the_same_weights_average_and_history']),
     ('src/datasets.py', '        if child.daemon:\n            child.kill()', '        if not child.daemon:\n            child.kill()',
      ['tests/test_reliability.py::test_image_that_turns_unreadable_during_training']),
+    # A second blind audit (2026-12-05): each mixer draws lambda with its own flag's alpha when both are on.
+    ('src/augment.py', 'v2.CutMix(alpha=args.cutmix_alpha,', 'v2.CutMix(alpha=args.mixup_alpha,',
+     ['tests/test_augment.py::test_mixup_and_cutmix_each_mix_half_of_the_samples_with_both_alphas']),
+    ('src/augment.py', 'v2.MixUp(alpha=args.mixup_alpha,', 'v2.MixUp(alpha=args.cutmix_alpha,',
+     ['tests/test_augment.py::test_mixup_and_cutmix_each_mix_half_of_the_samples_with_both_alphas']),
 ]
 
 

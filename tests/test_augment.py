@@ -406,12 +406,18 @@ def test_lambda_follows_beta_alpha_alpha(flag, alpha, monkeypatch):
 
 
 def test_mixup_and_cutmix_each_mix_half_of_the_samples_with_both_alphas(monkeypatch):
+    """With both alphas, RandomChoice takes MixUp for half of the samples and CutMix for the
+    other half, each drawing lambda ~ Beta(its own alpha, its own alpha)."""
     seen = _spy_mixers(monkeypatch)
     n = 4000
     split = TrainSplit(_images(50, 8), list(range(50)), _flags(mixup_alpha=0.2, cutmix_alpha=1.0))
     _items(split, range(n // 50))
     kinds = collections.Counter(kind for kind, _ in seen)
     assert set(kinds) == {"MixUp", "CutMix"} and _within(kinds["MixUp"], n, 0.5), kinds
+    for kind, alpha in (("MixUp", 0.2), ("CutMix", 1.0)):  # each draws lambda with its own alpha
+        raw = [params["raw"] for name, params in seen if name == kind]
+        bound = math.sqrt(math.log(2 / FALSE_ALARM) / (2 * len(raw)))
+        assert _ks_distance(raw, lambda x: _beta_cdf(x, alpha)) < bound, kind
 
 
 def test_mixup_blends_the_two_augmented_images_and_their_labels_by_lambda(monkeypatch):
