@@ -309,7 +309,9 @@ def is_sharded(optimizer: torch.optim.Optimizer | None) -> bool:
 def rank_bytes(optimizer: torch.optim.Optimizer, whole: bool = False) -> dict[str, int]:
     """The bytes of the optimizer's parameters, their gradients and its state that this rank
     holds: the local shards of a sharded model (a DTensor's to_local()), every tensor of a plain
-    one; whole: the whole tensors of a sharded model, what each DDP rank holds. Call it after an
+    one; whole: the whole tensors of a sharded model, what each DDP rank holds. The state is the
+    per-element kind (SGD's momentum, AdamW's exp_avg and exp_avg_sq), the memory that sharding
+    divides; not AdamW's 0-dim step counts, a few bytes that every rank holds whole. Call it after an
     optimizer step and before zero_grad, when all three exist."""
     def size(tensor: torch.Tensor) -> int:
         counted = tensor.to_local() if isinstance(tensor, DTensor) and not whole else tensor

@@ -587,3 +587,36 @@ def test_the_save_cost_table_shows_each_checkpoint_and_the_floor_it_sets(tmp_pat
     assert "| SGD | 5 | 10.00 | 0.250 | 5.00 | 3 |" in markdown
     assert "| SGD and --ema-decay | 4 | 8.00 | 0.250 | 4.00 | 2 |" in markdown
     assert not (tmp_path / "save-cost").exists()
+
+
+def test_the_worker_start_table_shows_the_first_pass_and_the_median_of_the_later_ones(tmp_path, monkeypatch):
+    """--worker-start's table: per data path (JPEG, cache) and way of starting the workers, the
+    first pass's seconds to the first batch, and the median of the later passes' seconds and
+    images/s (worker_start's figures, given here: 4 passes, the later three in no order, their
+    median neither the first nor the smallest); each measured with the sizes it was asked for."""
+    import statistics
+    calls, figures = [], {}
+    for number, (kind, start) in enumerate((kind, start) for kind in ("JPEG", "cache")
+                                           for start in benchmark.WORKER_STARTS):
+        first = [5.0 + number, 0.9 + number, 0.3 + number, 0.6 + number]
+        rates = [10.0 + number, 400.0 + number, 100.0 + number, 250.0 + number]
+        figures[kind, start] = {"first": first, "rates": rates}
+
+    def worker_start(start, kind, data_dir, cache_dir, size, batch, workers, passes):
+        calls.append((kind, start))
+        assert (data_dir, cache_dir, size, batch, workers, passes) == (tmp_path, tmp_path / "cache", 32, 8, 2, 4)
+        return figures[kind, start]
+    monkeypatch.setattr(benchmark, "worker_start", worker_start)
+    monkeypatch.setattr(benchmark, "labelled_images", lambda data_dir, size, show_progress: (data_dir, size))
+    monkeypatch.setattr(benchmark, "cached", lambda images, size, cache_dir, workers, show_progress: None)
+    markdown = benchmark.worker_start_report(tmp_path, tmp_path / "cache", 32, 8, 2, 4,
+                                             run=lambda function, *args: function(*args))
+    assert calls == list(figures)
+    rows = [line for line in markdown.splitlines() if line.startswith(("| JPEG |", "| cache |"))]
+    assert len(rows) == len(figures)
+    for row, ((kind, start), found) in zip(rows, figures.items()):
+        later, rates = found["first"][1:], found["rates"][1:]
+        assert statistics.median(later) not in (found["first"][0], min(later))
+        assert row == (f"| {kind} | {start} | {found['first'][0]:.2f} | {statistics.median(later):.2f} "
+                       f"| {statistics.median(rates):.0f} |")
+    assert "4 passes" in markdown and "2 workers, batch 8, 32 px" in markdown

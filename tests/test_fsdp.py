@@ -526,3 +526,25 @@ def test_saves_without_an_optimizer_state_count_no_update_of_the_average(exact_d
     assert code == 0, err[-3000:]
     last = weights(tmp_path, "last.pth")
     assert last["average"]["updates"] == 100 // (2 * B) and last["optimizer"]["state"] == {}
+
+
+def test_the_bytes_of_adamws_state_are_its_two_moments_without_the_step_counts():
+    """rank_bytes after an AdamW step of a plain model: the parameters' and gradients' bytes, and
+    of the optimizer's state exp_avg and exp_avg_sq only (each a parameter's size), not the 0-dim
+    `step` tensor AdamW keeps beside them (the tests above use SGD, which keeps none)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
+    optimizer = make_optimizer(model, parse_args("", ["--optimizer", "adamw"]), torch.device("cpu"))
+    F.cross_entropy(model(torch.randn(4, 5)), torch.tensor([0, 1, 1, 0])).backward()
+    optimizer.step()
+
+    def nbytes(tensor):
+        return tensor.numel() * tensor.element_size()
+    params = list(model.parameters())
+    states = [optimizer.state[p] for p in params]
+    assert all(state["step"].dim() == 0 for state in states), "AdamW keeps a 0-dim step count per parameter"
+    moments = sum(nbytes(state["exp_avg"]) + nbytes(state["exp_avg_sq"]) for state in states)
+    assert moments == 2 * sum(nbytes(p) for p in params) == 2 * 4 * (5 * 3 + 3 + 3 * 2 + 2)
+    expected = {"parameters": sum(map(nbytes, params)), "gradients": sum(nbytes(p.grad) for p in params),
+                "optimizer": moments}
+    assert rank_bytes(optimizer) == expected == rank_bytes(optimizer, whole=True)

@@ -46,6 +46,8 @@ EDITS = {
                               "record 1: train_samples is missing (it must be a whole number)"),
     "epoch a fraction": ("history.json", lambda history: history[0].update(epoch=1.5),
                          "record 1: epoch 1.5 is not a whole number from 1"),
+    "epoch 0": ("history.json", lambda history: history[0].update(epoch=0),
+                "record 1: epoch 0 is not a whole number from 1"),
     "a record not an object": ("history.json", lambda history: history.append(7), "record 3 is not an object"),
 }
 

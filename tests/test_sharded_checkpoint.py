@@ -204,6 +204,24 @@ def test_each_rank_writes_its_own_shard_and_none_holds_the_whole_state(two_ranks
     assert gather_largest > max(rank["largest local"] for rank in ranks)
 
 
+def test_held_bytes_counts_the_tensors_made_inside_not_older_ones_written_in_place():
+    """HeldBytes, which the test above measures the saves with: an in-place operation (add_,
+    copy_, an out= tensor) on tensors made before it was on, listed as existing or not, makes no
+    new storage and counts nothing; the control: a new tensor made inside counts its bytes."""
+    from src.tools.checkpoint_cost import HeldBytes
+    listed, older, buf, source, out = torch.zeros(100), torch.zeros(1000), torch.empty(500), torch.ones(500), torch.empty(200)
+    with HeldBytes([listed]) as held:
+        listed.add_(1)
+        older.add_(1)
+        buf.copy_(source)
+        torch.mul(source[:200], 2, out=out)
+    assert (held.peak, held.largest) == (0, 0)
+    assert older.sum() == 1000 and torch.equal(buf, source) and out.sum() == 400, "the operations ran"
+    with HeldBytes([older]) as held:
+        new = older + 1
+    assert (held.peak, held.largest) == (new.numel() * new.element_size(),) * 2 == (4000, 4000)
+
+
 def test_a_step_checkpoint_is_written_while_training_goes_on_and_holds_its_step(two_ranks):
     """save_step with dcp.async_save returns before any shard is written (the writing thread
     waited for the next training step, which changed every weight); what it wrote is the state at

@@ -70,14 +70,15 @@ def run_folder(untrained, tmp_path) -> Path:
     return folder
 
 
-def _onnx_file(path: Path, ours: bool) -> Path:
-    """A tiny ONNX model (an identity), with export's format mark or without."""
+def _onnx_file(path: Path, ours: bool, props: dict | None = None) -> Path:
+    """A tiny ONNX model (an identity), with export's format mark or without, or with the metadata `props`."""
     graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
                                    [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
                                    [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
     model = onnx.helper.make_model(graph)
-    if ours:
-        onnx.helper.set_model_props(model, {"format": FORMAT})
+    props = props if props is not None else {"format": FORMAT} if ours else {}
+    if props:
+        onnx.helper.set_model_props(model, props)
     onnx.save(model, str(path))
     return path
 
@@ -119,6 +120,18 @@ def test_the_tools_never_write_over_a_runs_files_nor_a_file_not_theirs(run_folde
     ours = _onnx_file(tmp_path / "ours.onnx", ours=True)
     assert export.is_export(ours) and not export.is_export(foreign) and not export.is_export(notes)
     assert predict.is_predict_csv(old) and not predict.is_predict_csv(foreign)
+
+
+def test_an_onnx_file_whose_format_is_another_tools_is_not_exports(run_folder, tiny_data, tmp_path, monkeypatch,
+                                                                     capsys):
+    """An ONNX file with a "format" in its metadata that is not export's FORMAT is another tool's:
+    export refuses to replace it without --overwrite (one line, exit 2, nothing written)."""
+    other = _onnx_file(tmp_path / "other.onnx", ours=False, props={"format": "another-tool/1"})
+    assert not export.is_export(other)
+    before = snapshot(tmp_path)
+    fails_in_process(export.main, [str(run_folder / "best.pth"), str(other), "--images", str(tiny_data / "test")],
+                     monkeypatch, capsys, f"OUTPUT {other} exists and is not an ONNX file of src.tools.export")
+    assert snapshot(tmp_path) == before, "nothing written, nothing replaced"
 
 
 def test_no_tool_writes_into_the_folder_of_a_run_in_progress(run_folder, tiny_data, runs, tmp_path, monkeypatch,
