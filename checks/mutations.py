@@ -1402,6 +1402,11 @@ MUTATIONS = [
      ['tests/test_chaos.py::test_the_verdict_passes_only_the_same_weights_average_and_history']),
     ('src/datasets.py', '        if child.daemon:\n            child.kill()', '        if not child.daemon:\n            child.kill()',
      ['tests/test_reliability.py::test_image_that_turns_unreadable_during_training']),
+
+    # survivors of a blind audit, 2026-12-05 (training)
+    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1',
+     'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") else 1',
+     ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
 ]
 
 
