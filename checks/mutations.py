@@ -1407,6 +1407,8 @@ MUTATIONS = [
     ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1',
      'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") else 1',
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
+    ('src/stopping.py', 'self.requested = self.requested or signum', 'self.requested = signum',
+     ['tests/test_stopping.py::test_a_second_signal_before_the_stop_is_acted_on_keeps_the_first']),
 ]
 
 

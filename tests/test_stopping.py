@@ -46,7 +46,7 @@ from src.metrics import COUNT
 from src.ranks import restarted
 from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
-from src.stopping import CHECK_EVERY
+from src.stopping import CHECK_EVERY, StopSignals
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
 # torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
@@ -199,10 +199,10 @@ def test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job(monkeypatch):
         assert restarted() is expected, (torchrun, slurm)
 
 
-def _tiny_run(args, saved: list, signal_at: int | None):
+def _tiny_run(args, saved: list, signal_at: int | None, signals: tuple = (signal.SIGTERM,)):
     """train_single.train_epoch over 48 images of a tiny model, inside the training state's stop
     signals, its step checkpoints recorded in `saved` as (epoch, step, the sums) instead of written;
-    SIGTERM to this process as micro-batch `signal_at` (from 0) is handed out."""
+    `signals` to this process, one after the other, as micro-batch `signal_at` (from 0) is handed out."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(48)]
@@ -222,7 +222,8 @@ def _tiny_run(args, saved: list, signal_at: int | None):
         def __iter__(self):
             for i, batch in enumerate(loader):
                 if i == signal_at:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    for number in signals:
+                        os.kill(os.getpid(), number)
                 yield batch
     with state.stop_signals():
         script_pass(train_single, model, Signalling(), args, optimizer, scaler, schedule, state=state)
@@ -242,6 +243,23 @@ def test_a_signal_between_micro_batches_stops_after_the_optimizer_step(stop_sign
     saved.clear()
     schedule = _tiny_run(args, saved, signal_at=None)
     assert schedule.last_epoch == 12 and [step for _, step, _ in saved] == [5, 10]
+
+
+def test_a_second_signal_before_the_stop_is_acted_on_keeps_the_first(stop_signals, tmp_path, capsys):
+    """Ctrl-C, then SIGTERM before the run stopped: the stop is Ctrl-C's, and its line names it.
+    StopSignals keeps the first signal's number; --accumulate 3, both as the 2nd micro-batch of
+    step 2 starts: the run stops after step 2 (of 48 // 12 = 4), saying SIGINT."""
+    with StopSignals() as signals:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), number)
+        assert signals.requested == signal.SIGINT
+        assert signals.agreed_at(1) and signals.agreed == signal.SIGINT
+    args = parse_args("", ["--batch-size", "4", "--accumulate", "3", *outputs(tmp_path)])
+    saved = []
+    with pytest.raises(Stopped):
+        _tiny_run(args, saved, signal_at=4, signals=(signal.SIGINT, signal.SIGTERM))
+    assert [(epoch, step) for epoch, step, _ in saved] == [(0, 2)]
+    assert stop_line(capsys.readouterr().err).startswith(f"stopped by SIGINT at epoch 1 step 2 of 4: {tmp_path}/last.pth ")
 
 
 @pytest.mark.parametrize("value, message", [
