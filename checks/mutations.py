@@ -1409,6 +1409,9 @@ MUTATIONS = [
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
     ('src/stopping.py', 'self.requested = self.requested or signum', 'self.requested = signum',
      ['tests/test_stopping.py::test_a_second_signal_before_the_stop_is_acted_on_keeps_the_first']),
+    ('src/checkpoint.py', 'step = int(state.get("step", 0)) if state["epoch"] < args.epochs else 0',
+     'step = int(state.get("step", 0)) if state["epoch"] <= args.epochs else 0',
+     ['tests/test_stopping.py::test_a_mid_epoch_checkpoint_past_the_epochs_asked_for_has_nothing_left_to_train']),
 ]
 
 

@@ -279,6 +279,22 @@ def test_a_mid_epoch_checkpoint_with_another_global_batch_is_refused(stepped, ru
                      "was trained with --batch-size (x processes x --accumulate) 20, not 10")
 
 
+def test_a_mid_epoch_checkpoint_past_the_epochs_asked_for_has_nothing_left_to_train(stepped, runs, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """The stepped run's last.pth after step 6 (epoch 2's first) resumed with --epochs 1: epoch 1 is
+    done, so the run has nothing left to train; it does not go on inside epoch 2, and writes no file
+    (but its lock, .run.lock)."""
+    shutil.copy(stepped.parent / "copies" / "last.3.pth", tmp_path / "last.pth")
+    before = {"last.pth": (tmp_path / "last.pth").read_bytes()}
+    code, stdout, stderr = in_process(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs",
+                                                          "1", "--batch-size", str(2 * B), "--resume", *outputs(tmp_path)],
+                                      monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    assert f"resumed from {tmp_path}/last.pth after epoch 1 of 1: nothing left to train" in stdout, stdout
+    assert "in epoch 2" not in stdout, stdout
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.name != ".run.lock"} == before
+
+
 class _Collective:
     """A collective in flight, as gloo's Work (is_completed, wait) or a CUDA event behind NCCL's
     (query, synchronize): done when `done` says so; a wait for it is recorded."""
