@@ -1412,6 +1412,18 @@ MUTATIONS = [
     ('src/checkpoint.py', 'step = int(state.get("step", 0)) if state["epoch"] < args.epochs else 0',
      'step = int(state.get("step", 0)) if state["epoch"] <= args.epochs else 0',
      ['tests/test_stopping.py::test_a_mid_epoch_checkpoint_past_the_epochs_asked_for_has_nothing_left_to_train']),
+    ('train_ddp.py', 'batches = skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[ddp]']),
+    ('train_dp.py', 'batches = skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[dp]']),
+    ('train_fsdp.py', 'batches = skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[fsdp]']),
+    ('train_accelerate.py', 'batches = accelerator.skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = accelerator.skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[accelerate]']),
 ]
 
 

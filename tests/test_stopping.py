@@ -30,6 +30,7 @@ from conftest import (
     outputs,
     read_last_copy,
     run,
+    run_main,
     same_end,
     script_loader,
     script_pass,
@@ -37,6 +38,7 @@ from conftest import (
     weights,
 )
 
+import train_ddp
 import train_dp
 import train_single
 from src.cli import parse_args
@@ -134,34 +136,34 @@ def test_step_checkpoints_hold_the_steps_and_change_nothing(stepped, runs):
     same_end(stepped, mode_run(runs, "single")[0])
 
 
-@pytest.mark.parametrize("mode", ["dp", "fsdp", "accelerate"])
-def test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end(mode, stepped, far, runs, tmp_path, monkeypatch,
-                                                                   capsys):
+@pytest.mark.parametrize("mode", ["dp", "ddp", "fsdp", "accelerate"])
+def test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end(mode, stepped, far, runs, tmp_path):
     """train_single.py's last.pth after step 6 (epoch 2's first), resumed in another mode with the
-    same global batch (accelerate with --accumulate 2), ends where the stepped run does, within the
-    modes' tolerance; so does the step checkpoint it writes after step 9 (FSDP gathers its shards).
-    train_dp.py resumes without --resume, in a requeued SLURM job."""
+    same global batch in micro-batches of half of it (--accumulate 2: the finished step's two
+    micro-batches are skipped), ends where the stepped run does, within the modes' tolerance; so
+    does the step checkpoint it writes after step 9 (FSDP gathers its shards). train_dp.py and
+    train_ddp.py (without a launcher: a world of one) run in this process; train_dp.py resumes
+    without --resume, in a requeued SLURM job."""
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(stepped.parent / "copies" / "last.3.pth", out / "last.pth")
+    one_process = mode in ("dp", "ddp")
+    flags = ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2", "--batch-size",
+             str(B if one_process else B // 2), "--accumulate", "2", "--save-every-steps", "3", *outputs(out)]
+    env = {"COPY_LAST": str(tmp_path / "copies")}
     if mode == "dp":
-        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-        code, stdout, stderr = in_process(train_dp.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs",
-                                                         "2", "--batch-size", str(2 * B), *outputs(out)],
-                                          monkeypatch, capsys)
+        result = run_main(train_dp.main, flags, env={**env, "SLURM_RESTART_COUNT": "1"})
+    elif mode == "ddp":
+        result = run_main(train_ddp.main, [*flags, "--resume"], env=env)
     else:
-        batch = ["--batch-size", str(B // 2), "--accumulate", "2"] if mode == "accelerate" else ["--batch-size", str(B)]
-        result = run([*LAUNCH[mode](), "--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2", *batch,
-                      "--resume", "--save-every-steps", "3", *outputs(out)],
-                     env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HOOKS,
-                          "COPY_LAST": str(tmp_path / "copies")})
-        code, stdout, stderr = result.returncode, result.stdout, result.stderr
-        (first,) = (tmp_path / "copies").glob("last.1.*")  # FSDP's: its last.dcp folder
-        step_9 = read_last_copy(first)
-        assert (step_9["epoch"], step_9["step"]) == (1, 4)
-        assert distance(step_9["model"], weights(stepped.parent / "copies", "last.4.pth")["model"]) < TOLERANCE * far
-    assert code == 0, stderr[-3000:]
-    assert "in epoch 2 of 2 after its step 1: going on" in stdout and "epoch 1/2" not in stdout
+        result = run([*LAUNCH[mode](), *flags, "--resume"],
+                     env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HOOKS, **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "in epoch 2 of 2 after its step 1: going on" in result.stdout and "epoch 1/2" not in result.stdout
+    (first,) = (tmp_path / "copies").glob("last.1.*")  # FSDP's: its last.dcp folder
+    step_9 = read_last_copy(first)
+    assert (step_9["epoch"], step_9["step"]) == (1, 4)
+    assert distance(step_9["model"], weights(stepped.parent / "copies", "last.4.pth")["model"]) < TOLERANCE * far
     assert_same_run(out, stepped, far)
 
 
