@@ -1418,6 +1418,28 @@ MUTATIONS = [
     ('src/tools/export.py', 'return any(entry.key == "format" and entry.value == FORMAT for entry in model.metadata_props)',
      'return any(entry.key == "format" for entry in model.metadata_props)',
      ['tests/test_tool_outputs.py::test_an_onnx_file_whose_format_is_another_tools_is_not_exports']),
+
+    # survivors of a blind audit, 2026-12-05 (training)
+    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1',
+     'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") else 1',
+     ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
+    ('src/stopping.py', 'self.requested = self.requested or signum', 'self.requested = signum',
+     ['tests/test_stopping.py::test_a_second_signal_before_the_stop_is_acted_on_keeps_the_first']),
+    ('src/checkpoint.py', 'step = int(state.get("step", 0)) if state["epoch"] < args.epochs else 0',
+     'step = int(state.get("step", 0)) if state["epoch"] <= args.epochs else 0',
+     ['tests/test_stopping.py::test_a_mid_epoch_checkpoint_past_the_epochs_asked_for_has_nothing_left_to_train']),
+    ('train_ddp.py', 'batches = skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[ddp]']),
+    ('train_dp.py', 'batches = skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[dp]']),
+    ('train_fsdp.py', 'batches = skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[fsdp]']),
+    ('train_accelerate.py', 'batches = accelerator.skip_first_batches(train_loader, state.step * args.accumulate)',
+     'batches = accelerator.skip_first_batches(train_loader, state.step)',
+     ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[accelerate]']),
 ]
 
 

@@ -30,6 +30,7 @@ from conftest import (
     outputs,
     read_last_copy,
     run,
+    run_main,
     same_end,
     script_loader,
     script_pass,
@@ -37,6 +38,7 @@ from conftest import (
     weights,
 )
 
+import train_ddp
 import train_dp
 import train_single
 from src.cli import parse_args
@@ -46,7 +48,7 @@ from src.metrics import COUNT
 from src.ranks import restarted
 from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
-from src.stopping import CHECK_EVERY
+from src.stopping import CHECK_EVERY, StopSignals
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
 # torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
@@ -134,34 +136,34 @@ def test_step_checkpoints_hold_the_steps_and_change_nothing(stepped, runs):
     same_end(stepped, mode_run(runs, "single")[0])
 
 
-@pytest.mark.parametrize("mode", ["dp", "fsdp", "accelerate"])
-def test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end(mode, stepped, far, runs, tmp_path, monkeypatch,
-                                                                   capsys):
+@pytest.mark.parametrize("mode", ["dp", "ddp", "fsdp", "accelerate"])
+def test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end(mode, stepped, far, runs, tmp_path):
     """train_single.py's last.pth after step 6 (epoch 2's first), resumed in another mode with the
-    same global batch (accelerate with --accumulate 2), ends where the stepped run does, within the
-    modes' tolerance; so does the step checkpoint it writes after step 9 (FSDP gathers its shards).
-    train_dp.py resumes without --resume, in a requeued SLURM job."""
+    same global batch in micro-batches of half of it (--accumulate 2: the finished step's two
+    micro-batches are skipped), ends where the stepped run does, within the modes' tolerance; so
+    does the step checkpoint it writes after step 9 (FSDP gathers its shards). train_dp.py and
+    train_ddp.py (without a launcher: a world of one) run in this process; train_dp.py resumes
+    without --resume, in a requeued SLURM job."""
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(stepped.parent / "copies" / "last.3.pth", out / "last.pth")
+    one_process = mode in ("dp", "ddp")
+    flags = ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2", "--batch-size",
+             str(B if one_process else B // 2), "--accumulate", "2", "--save-every-steps", "3", *outputs(out)]
+    env = {"COPY_LAST": str(tmp_path / "copies")}
     if mode == "dp":
-        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-        code, stdout, stderr = in_process(train_dp.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs",
-                                                         "2", "--batch-size", str(2 * B), *outputs(out)],
-                                          monkeypatch, capsys)
+        result = run_main(train_dp.main, flags, env={**env, "SLURM_RESTART_COUNT": "1"})
+    elif mode == "ddp":
+        result = run_main(train_ddp.main, [*flags, "--resume"], env=env)
     else:
-        batch = ["--batch-size", str(B // 2), "--accumulate", "2"] if mode == "accelerate" else ["--batch-size", str(B)]
-        result = run([*LAUNCH[mode](), "--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2", *batch,
-                      "--resume", "--save-every-steps", "3", *outputs(out)],
-                     env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HOOKS,
-                          "COPY_LAST": str(tmp_path / "copies")})
-        code, stdout, stderr = result.returncode, result.stdout, result.stderr
-        (first,) = (tmp_path / "copies").glob("last.1.*")  # FSDP's: its last.dcp folder
-        step_9 = read_last_copy(first)
-        assert (step_9["epoch"], step_9["step"]) == (1, 4)
-        assert distance(step_9["model"], weights(stepped.parent / "copies", "last.4.pth")["model"]) < TOLERANCE * far
-    assert code == 0, stderr[-3000:]
-    assert "in epoch 2 of 2 after its step 1: going on" in stdout and "epoch 1/2" not in stdout
+        result = run([*LAUNCH[mode](), *flags, "--resume"],
+                     env={"ACCELERATE_USE_CPU": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": HOOKS, **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "in epoch 2 of 2 after its step 1: going on" in result.stdout and "epoch 1/2" not in result.stdout
+    (first,) = (tmp_path / "copies").glob("last.1.*")  # FSDP's: its last.dcp folder
+    step_9 = read_last_copy(first)
+    assert (step_9["epoch"], step_9["step"]) == (1, 4)
+    assert distance(step_9["model"], weights(stepped.parent / "copies", "last.4.pth")["model"]) < TOLERANCE * far
     assert_same_run(out, stepped, far)
 
 
@@ -199,10 +201,10 @@ def test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job(monkeypatch):
         assert restarted() is expected, (torchrun, slurm)
 
 
-def _tiny_run(args, saved: list, signal_at: int | None):
+def _tiny_run(args, saved: list, signal_at: int | None, signals: tuple = (signal.SIGTERM,)):
     """train_single.train_epoch over 48 images of a tiny model, inside the training state's stop
     signals, its step checkpoints recorded in `saved` as (epoch, step, the sums) instead of written;
-    SIGTERM to this process as micro-batch `signal_at` (from 0) is handed out."""
+    `signals` to this process, one after the other, as micro-batch `signal_at` (from 0) is handed out."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(48)]
@@ -222,7 +224,8 @@ def _tiny_run(args, saved: list, signal_at: int | None):
         def __iter__(self):
             for i, batch in enumerate(loader):
                 if i == signal_at:
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    for number in signals:
+                        os.kill(os.getpid(), number)
                 yield batch
     with state.stop_signals():
         script_pass(train_single, model, Signalling(), args, optimizer, scaler, schedule, state=state)
@@ -244,6 +247,23 @@ def test_a_signal_between_micro_batches_stops_after_the_optimizer_step(stop_sign
     assert schedule.last_epoch == 12 and [step for _, step, _ in saved] == [5, 10]
 
 
+def test_a_second_signal_before_the_stop_is_acted_on_keeps_the_first(stop_signals, tmp_path, capsys):
+    """Ctrl-C, then SIGTERM before the run stopped: the stop is Ctrl-C's, and its line names it.
+    StopSignals keeps the first signal's number; --accumulate 3, both as the 2nd micro-batch of
+    step 2 starts: the run stops after step 2 (of 48 // 12 = 4), saying SIGINT."""
+    with StopSignals() as signals:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            os.kill(os.getpid(), number)
+        assert signals.requested == signal.SIGINT
+        assert signals.agreed_at(1) and signals.agreed == signal.SIGINT
+    args = parse_args("", ["--batch-size", "4", "--accumulate", "3", *outputs(tmp_path)])
+    saved = []
+    with pytest.raises(Stopped):
+        _tiny_run(args, saved, signal_at=4, signals=(signal.SIGINT, signal.SIGTERM))
+    assert [(epoch, step) for epoch, step, _ in saved] == [(0, 2)]
+    assert stop_line(capsys.readouterr().err).startswith(f"stopped by SIGINT at epoch 1 step 2 of 4: {tmp_path}/last.pth ")
+
+
 @pytest.mark.parametrize("value, message", [
     ("0", "argument --save-every-steps: must be at least 1, got 0"),
     ("-3", "argument --save-every-steps: must be at least 1, got -3"),
@@ -259,6 +279,22 @@ def test_a_mid_epoch_checkpoint_with_another_global_batch_is_refused(stepped, ru
     fails_in_process(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs", "2",
                                          "--batch-size", str(B), "--resume", *outputs(tmp_path)], monkeypatch, capsys,
                      "was trained with --batch-size (x processes x --accumulate) 20, not 10")
+
+
+def test_a_mid_epoch_checkpoint_past_the_epochs_asked_for_has_nothing_left_to_train(stepped, runs, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """The stepped run's last.pth after step 6 (epoch 2's first) resumed with --epochs 1: epoch 1 is
+    done, so the run has nothing left to train; it does not go on inside epoch 2, and writes no file
+    (but its lock, .run.lock)."""
+    shutil.copy(stepped.parent / "copies" / "last.3.pth", tmp_path / "last.pth")
+    before = {"last.pth": (tmp_path / "last.pth").read_bytes()}
+    code, stdout, stderr = in_process(train_single.main, ["--data-dir", str(runs.exact_data), *EXACT, *VAL, "--epochs",
+                                                          "1", "--batch-size", str(2 * B), "--resume", *outputs(tmp_path)],
+                                      monkeypatch, capsys)
+    assert code == 0, stderr[-3000:]
+    assert f"resumed from {tmp_path}/last.pth after epoch 1 of 1: nothing left to train" in stdout, stdout
+    assert "in epoch 2" not in stdout, stdout
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.name != ".run.lock"} == before
 
 
 class _Collective:

@@ -98,8 +98,9 @@ def test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_wo
     ValueError (its last layers see a 1 x 1 map: one value per channel). Refused when parsed,
     naming the layer, where torch itself refuses it (checked on the real model); let through where
     batch norm gets more than one value (a larger image, two images), runs in eval mode (--freeze,
-    --evaluate) or over several processes (--sync-bn under a launcher). DataParallel's replicas
-    get a piece of each batch: one of 1 image is refused too."""
+    --evaluate) or over several processes (--sync-bn under a launcher; without it each process
+    normalises its own image: refused). DataParallel's replicas get a piece of each batch: one of 1
+    image is refused too."""
     import torchvision
 
     from src.data_parallel import check_data_parallel
@@ -124,6 +125,10 @@ def test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_wo
         parse_args("", [*argv, *flags])
     monkeypatch.setenv("WORLD_SIZE", "2")  # two processes of train_ddp.py, batch norm over both
     parse_args("", [*argv, "--batch-size", "1", "--sync-bn"], script="train_ddp.py", distributed=True)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # without --sync-bn each process normalises its own image
+        parse_args("", [*argv, "--batch-size", "1"], script="train_ddp.py", distributed=True)
+    assert refused.value.code == 2 and f"--batch-size 1: {layer}" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # train_single.py is one process, whatever WORLD_SIZE says
         parse_args("", [*argv, "--batch-size", "1", "--sync-bn"], script="train_single.py")
     monkeypatch.delenv("WORLD_SIZE")
