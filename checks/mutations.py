@@ -1440,6 +1440,15 @@ MUTATIONS = [
     ('train_accelerate.py', 'batches = accelerator.skip_first_batches(train_loader, state.step * args.accumulate)',
      'batches = accelerator.skip_first_batches(train_loader, state.step)',
      ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[accelerate]']),
+    # survivors of a second blind audit, 2026-12-05 (C)
+    ('src/tools/checkpoint_cost.py', 'self.now -= size', 'self.now -= 0',
+     ['tests/test_sharded_checkpoint.py::test_held_bytes_forgets_a_tensor_once_it_is_freed']),
+    ('src/dropout.py', 'kept = drawn >= threshold if threshold', 'kept = drawn > threshold if threshold',
+     ['tests/test_dropout.py::test_stochastic_depth_keeps_a_sample_drawn_exactly_at_p']),
+    ('src/loaders.py', 'if len(data.train_idx) < global_batch:', 'if len(data.train_idx) <= global_batch:',
+     ['tests/test_loaders.py::test_a_training_split_of_exactly_one_global_batch_is_accepted_and_one_fewer_refused']),
+    ('src/tools/report.py', 'if not 0 <= p_dog <= 1:', 'if not 0 < p_dog <= 1:',
+     ['tests/test_report_input.py::test_predictions_of_exactly_0_and_1_are_read_and_outside_them_refused']),
 ]
 
 

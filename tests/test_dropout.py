@@ -171,6 +171,27 @@ def test_stochastic_depth_drops_whole_samples_per_key():
         dropout.per_sample(StochasticDepth(0.5, "batch"))
 
 
+def test_stochastic_depth_keeps_a_sample_drawn_exactly_at_p():
+    """The keep test of a stochastic-depth unit is draw >= p x 2^24 too: with p set to one
+    sample's draw / 2^24 (exact in a float), that sample is kept, and dropped at the next draw
+    up. The sample is one whose whole 32-bit hash (element 0 of its unit, computed by hand) is its
+    draw x 2^8 (its low 8 bits 0): the layer compares the 32 bits, and there too it is at equality."""
+    keys = [dropout.sample_key(11, 0, i) for i in range(4096)]
+    hashes = [lowbias32(lowbias32((k & M32) ^ lowbias32((k >> 32) ^ 0)) ^ lowbias32(0x9E3779B9)) for k in keys]
+    at_key = next(i for i, h in enumerate(hashes) if h & 0xFF == 0 and 0.2 < h / 2 ** 32 < 0.8)
+    at = hashes[at_key] >> 8
+    below = next(i for i, h in enumerate(hashes) if h >> 8 < at)
+    above = next(i for i, h in enumerate(hashes) if h >> 8 > at)
+    batch = torch.tensor([keys[at_key], keys[below], keys[above]])
+    for p, expected in [(at / 2 ** 24, [True, False, True]), ((at + 1) / 2 ** 24, [False, False, True])]:
+        layer = dropout.per_sample(StochasticDepth(p, "row"))
+        assert layer.unit == 0 and math.ceil(p * 2 ** 24) == round(p * 2 ** 24)
+        dropout.set_samples(layer, batch)
+        out = layer(torch.ones(3, 2, 2))
+        assert [bool(out[i].ne(0).all()) for i in range(3)] == expected, p
+        assert [kept_by_hand(k, 0, 0, p) for k in batch.tolist()] == expected
+
+
 def test_a_training_forward_without_keys_fails_instead_of_drawing_per_process():
     layer = dropout.per_sample(nn.Dropout(0.5))
     with pytest.raises(RuntimeError, match="set_samples"):

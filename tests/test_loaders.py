@@ -126,6 +126,18 @@ def test_too_large_a_batch_or_too_many_processes():
         check_batches(data, _args(1), 3)
 
 
+def test_a_training_split_of_exactly_one_global_batch_is_accepted_and_one_fewer_refused():
+    """--batch-size 3 x 2 processes x 2 (--accumulate) = 12: a split of 12 images is one optimizer
+    step per epoch (the loaders hand all 12 out in it), 11 images are refused in one line."""
+    args = _args(3, accumulate=2)
+    check_batches(_data(12), args, 2)
+    assert _steps("ddp", 12, 3, 2, 0, accumulate=2) == [list(range(12))]
+    with pytest.raises(UserError) as refused:
+        check_batches(_data(11), args, 2)
+    assert str(refused.value) == ("--batch-size 3 x 2 process(es) x 2 (--accumulate) = 12 is more than the 11 "
+                                  "training images; lower --batch-size")
+
+
 @pytest.mark.parametrize("mode, world_size, accumulate", [("single", 1, 1), ("ddp", 2, 2), ("ddp", 3, 1)])
 def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(mode, world_size, accumulate):
     """skip_first_batches(loader, k x --accumulate): each rank's loader hands out what an

@@ -11,6 +11,7 @@ import shutil
 import pytest
 from conftest import fails_in_process, in_process, mode_run
 
+from src.errors import UserError
 from src.safe_csv import csv_text
 from src.tools import report
 
@@ -102,3 +103,18 @@ def test_predictions_come_back_unguarded_and_images_only_from_the_folders_of_the
     assert shown == {"'quoted.jpg": True, "=1+2.jpg": True, "plain.jpg": True, str(outside / "secret.jpg"): False,
                      "../outside/secret.jpg": False}, shown
     assert text.count("no preview (outside the CSV&#39;s folder") == 2
+
+
+def test_predictions_of_exactly_0_and_1_are_read_and_outside_them_refused(tmp_path):
+    """p_dog in [0, 1], its ends included (a sure cat, a sure dog: what a float32 softmax can
+    give): read back with those values, the most uncertain first; just outside, the line named."""
+    path = tmp_path / "p.csv"
+    path.write_text(csv_text(["path", "p_dog", "label"], [["cat.jpg", 0.0, "cat"], ["dog.jpg", 1.0, "dog"],
+                                                            ["half.jpg", 0.5, "dog"]]))
+    assert [(row["name"], row["p_dog"], row["label"]) for row in report.read_predictions(path)] == [
+        ("half.jpg", 0.5, "dog"), ("cat.jpg", 0.0, "cat"), ("dog.jpg", 1.0, "dog")]
+    for outside in (-1e-9, 1 + 1e-9):
+        path.write_text(csv_text(["path", "p_dog", "label"], [["cat.jpg", 0.0, "cat"], ["x.jpg", outside, "dog"]]))
+        with pytest.raises(UserError, match=rf"^--predictions {re.escape(str(path))}: line 3 is not path,p_dog,label "
+                                            r"with p_dog in \[0, 1\]$"):
+            report.read_predictions(path)

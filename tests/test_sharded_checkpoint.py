@@ -222,6 +222,26 @@ def test_held_bytes_counts_the_tensors_made_inside_not_older_ones_written_in_pla
     assert (held.peak, held.largest) == (new.numel() * new.element_size(),) * 2 == (4000, 4000)
 
 
+def test_held_bytes_forgets_a_tensor_once_it_is_freed():
+    """HeldBytes' peak is the most bytes alive at once, not their sum: a tensor of N bytes made
+    and freed, then another made, peaks at N (each counted while alive: 2N only if the freed one's
+    bytes stayed counted); the control: both alive at once is 2N."""
+    from src.tools.checkpoint_cost import HeldBytes
+    source = torch.ones(1000)
+    size = source.numel() * source.element_size()
+    with HeldBytes([source]) as held:
+        first = source * 2
+        assert held.now == size
+        del first  # its storage's last reference: freed here
+        assert held.now == 0
+        second = source * 3
+    assert (held.peak, held.largest, held.now) == (size, size, size) == (4000, 4000, 4000)
+    assert second.sum() == 3000, "the operations ran"
+    with HeldBytes([source]) as held:
+        both = source * 2, source * 3
+    assert held.peak == 2 * size and sum(t.numel() * t.element_size() for t in both) == 2 * size
+
+
 def test_a_step_checkpoint_is_written_while_training_goes_on_and_holds_its_step(two_ranks):
     """save_step with dcp.async_save returns before any shard is written (the writing thread
     waited for the next training step, which changed every weight); what it wrote is the state at
