@@ -1440,6 +1440,16 @@ MUTATIONS = [
     ('train_accelerate.py', 'batches = accelerator.skip_first_batches(train_loader, state.step * args.accumulate)',
      'batches = accelerator.skip_first_batches(train_loader, state.step)',
      ['tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end[accelerate]']),
+
+    # survivors of a second blind audit, 2026-12-05 (D)
+    ('src/errors.py', 'end_process_group()  # after an error', 'pass  # after an error',
+     ['tests/test_in_process.py::test_a_command_that_fails_on_bad_input_ends_the_process_group_it_started']),
+    ('src/tools/predict.py', 'if k + 1 < len(chunks):', 'if k + 1 < len(chunks) - 1:',
+     ['tests/test_export.py::test_predict_onnx_in_several_batches_predicts_every_image']),
+    ('src/progress.py', 'every = self.args.log_every * accumulate', 'every = self.args.log_every',
+     ['tests/test_watch.py::test_log_every_counts_optimizer_steps_not_micro_batches']),
+    ('src/fsdp.py', 'for param, flag in zip(params, trains):', 'for param, flag in zip(params, flags):',
+     ['tests/test_sharded_checkpoint.py::test_loading_a_last_dcp_leaves_each_parameter_frozen_or_trained_as_it_was']),
 ]
 
 
