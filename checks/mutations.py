@@ -1449,6 +1449,16 @@ MUTATIONS = [
      ['tests/test_loaders.py::test_a_training_split_of_exactly_one_global_batch_is_accepted_and_one_fewer_refused']),
     ('src/tools/report.py', 'if not 0 <= p_dog <= 1:', 'if not 0 < p_dog <= 1:',
      ['tests/test_report_input.py::test_predictions_of_exactly_0_and_1_are_read_and_outside_them_refused']),
+
+    # survivors of a second blind audit, 2026-12-05 (D)
+    ('src/errors.py', 'end_process_group()  # after an error', 'pass  # after an error',
+     ['tests/test_in_process.py::test_a_command_that_fails_on_bad_input_ends_the_process_group_it_started']),
+    ('src/tools/predict.py', 'if k + 1 < len(chunks):', 'if k + 1 < len(chunks) - 1:',
+     ['tests/test_export.py::test_predict_onnx_in_several_batches_predicts_every_image']),
+    ('src/progress.py', 'every = self.args.log_every * accumulate', 'every = self.args.log_every',
+     ['tests/test_watch.py::test_log_every_counts_optimizer_steps_not_micro_batches']),
+    ('src/fsdp.py', 'for param, flag in zip(params, trains):', 'for param, flag in zip(params, flags):',
+     ['tests/test_sharded_checkpoint.py::test_loading_a_last_dcp_leaves_each_parameter_frozen_or_trained_as_it_was']),
 ]
 
 

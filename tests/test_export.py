@@ -142,6 +142,20 @@ def test_predict_onnx_tta_averages_the_mirror_images(exported, mixed, checkpoint
     assert np.all(np.abs(tta - (p + mirrored) / 2) <= (bound + mirrored_bound) / 2 + FORMATTED)
 
 
+def test_predict_onnx_in_several_batches_predicts_every_image(exported, mixed, checkpoint, tmp_path, monkeypatch,
+                                                              capsys):
+    """--batch-size 4 over the mixed folder's 15 files: four batches, each decoded while the one
+    before runs; every image's row, the last batch's too, with torch's p(dog) within the bound."""
+    out = tmp_path / "batches.csv"
+    code, _, err = in_process(predict.main, ["--onnx", str(exported[0]), str(mixed), "--output", str(out),
+                                             "--batch-size", "4"], monkeypatch, capsys)
+    assert code == 0, err
+    rows = read_predictions(out)
+    assert list(rows["path"]) == [str(mixed / name) for name in MIXED_IMAGES]
+    p, bound = validation_pass(checkpoint, [mixed / name for name in MIXED_IMAGES])
+    assert np.all(np.abs(rows["p_dog"].to_numpy() - p) <= bound + FORMATTED)
+
+
 def test_an_onnx_file_of_another_model_is_refused(exported, mixed, runs, tmp_path, monkeypatch, capsys):
     """Another run's best.json (DDP's: other weights), a file that is not ONNX, an ONNX file that
     is not ours: one line, exit 2."""

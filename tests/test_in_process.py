@@ -15,7 +15,7 @@ from conftest import EXACT, VAL, history, outputs, python, stop_line, weights
 import train_accelerate
 import train_ddp
 import train_single
-from src.errors import run_command
+from src.errors import UserError, end_process_group, run_command
 
 FLAGS = [*EXACT, *VAL, "--epochs", "2", "--batch-size", "20", "--ema-decay", "0.9"]
 TIMINGS = {"train_seconds", "data_wait_seconds", "val_seconds", "seconds"}
@@ -117,3 +117,18 @@ def test_a_stopped_run_gives_back_the_signal_handlers(exact_data, tmp_path, caps
     assert stop_line(err).endswith(f"to go on: python {going_on}")
     saved = weights(tmp_path, "last.pth")
     assert (saved["epoch"], saved["step"]) == (0, 3), "the stop at the step after the signal"
+
+
+def test_a_command_that_fails_on_bad_input_ends_the_process_group_it_started(capsys):
+    """run_command(main) of a main that has a process group when it meets bad input: exit code 2,
+    its line on stderr, and the group ended (a next main can start its own in the same process)."""
+    def main(argv):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        raise UserError("--data-dir /nowhere does not exist: give the folder of the images")
+    try:
+        code = run_command(main, [])
+        assert code == 2
+        assert capsys.readouterr().err == "error: --data-dir /nowhere does not exist: give the folder of the images\n"
+        assert not dist.is_initialized(), "the group the failed command started is still there"
+    finally:
+        end_process_group()  # when the assertion failed: the next tests start with no group

@@ -299,6 +299,30 @@ def world_of_one_group():
     end_process_group()
 
 
+def test_loading_a_last_dcp_leaves_each_parameter_frozen_or_trained_as_it_was(tmp_path, world_of_one_group):
+    """A last.dcp written with one layer frozen loaded into a model with another frozen (--freeze
+    changed on --resume): the loading makes the parameters with a state in the file require a
+    gradient for torch's calls, and afterwards every parameter requires one as it did before."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import run_info
+    model = _model()
+    model[4].requires_grad_(False)  # no momentum in the file for the last layer
+    shard_as_train_fsdp(model)
+    state = _state(tmp_path, model)
+    _step(state, 0)
+    state.info = run_info(state.args, 8, "digest")
+    state.save_step(torch.zeros(4), write=dcp.save)
+    again = _model()
+    again[0].requires_grad_(False)  # momentum in the file for the first layer
+    shard_as_train_fsdp(again)
+    resumed = _state(tmp_path, again)
+    before = {name: param.requires_grad for name, param in again.named_parameters()}
+    assert not all(before.values()) and any(before.values())
+    sharded_checkpoint.load_shards(tmp_path / "last.dcp", again, resumed.optimizer, resumed.average, 1)
+    assert {name: param.requires_grad for name, param in again.named_parameters()} == before
+
+
 def test_a_last_dcp_that_diverged_is_refused(tmp_path, world_of_one_group):
     """A step checkpoint whose weights are not finite (a run that diverged inside an epoch): --resume
     refuses it in one line naming the folder and a tensor, as it refuses such a last.pth."""

@@ -6,10 +6,15 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import history, mode_run, recipe_run
+import torch
+import torch.nn as nn
+from conftest import history, mode_run, outputs, recipe_run, script_loader, script_pass
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import train_single
+from src.cli import parse_args
 from src.profiling import CATEGORIES
+from src.recipe import make_optimizer, make_schedule
 
 # The EXACT runs: 100 training images in batches of 20, 5 optimizer steps an epoch, 2 epochs,
 # --log-every 2: step scalars after steps 2, 4 and 5 of each epoch (the last step always reports).
@@ -63,6 +68,34 @@ def test_tensorboard_counts_optimizer_steps_under_accumulate(runs):
     assert [s.step for s in lrs] == [2, 4]
     assert [s.value for s in lrs] == pytest.approx([r["lr"] for r in records], rel=1e-6)
     assert [s.step for s in events.Scalars("epoch/lr")] == [1, 2]
+
+
+def test_log_every_counts_optimizer_steps_not_micro_batches(tmp_path):
+    """--accumulate 2 --log-every 1 over 3 optimizer steps (6 micro-batches) of train_single.py's
+    epoch: one step report after each optimizer step, at steps 1, 2 and 3 (a report after each
+    micro-batch would give 0, 1, 1, 2, 2, 3), as the tracker of --track receives them. The recipe
+    run above logs every 10 steps of an epoch of 2: its only reports are the epochs' last either way."""
+    from src.ema import WeightAverage
+    from src.state import TrainingState
+    args = parse_args("", ["--batch-size", "2", "--accumulate", "2", "--log-every", "1", *outputs(tmp_path)])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    dataset = [(torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8), torch.tensor(i % 2)) for i in range(12)]
+    optimizer = make_optimizer(model, args, torch.device("cpu"))
+    schedule = make_schedule(optimizer, args, 3)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = TrainingState(args, {}, model, optimizer, scaler, schedule, WeightAverage(model, optimizer, None), 3)
+
+    class Recorded:  # the tracker's side of the step metrics
+        def __init__(self):
+            self.steps = []
+
+        def log_step(self, values: dict, step: int) -> None:
+            self.steps.append(step)
+    state.tracker = tracker = Recorded()
+    script_pass(train_single, model, script_loader(train_single, dataset, args), args, optimizer, scaler, schedule,
+                state=state)
+    assert tracker.steps == [1, 2, 3]
 
 
 def _shown(stderr: str, epoch: int) -> dict[int, tuple[float, float | None]]:
