@@ -257,7 +257,7 @@ def _slow_code(function, seen: dict) -> bool:
             return False
         called = (getattr(function, "__globals__", {}).get(name) for name in set(CALLED.findall(source)))
         seen[function] = bool(SLOW_CODE.search(source)) or any(
-            inspect.isfunction(other) and other is not function and _in_tests(other) and _slow_code(other, seen)
+            inspect.isfunction(other) and _in_tests(other) and _slow_code(other, seen)
             for other in called)
     return seen[function]
 
@@ -773,7 +773,7 @@ def fails_in_process(main, argv: list[str], monkeypatch, capsys, message: str) -
 
 @pytest.fixture
 def offline_trackers(monkeypatch):
-    """No user setting of the machine reaches a tracked run (the tracking tests use it) (W&B offline, MLflow's default store)."""
+    """No user setting of the machine reaches the tracking tests' runs: W&B offline, MLflow's default store."""
     for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
                  "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
