@@ -1459,6 +1459,9 @@ MUTATIONS = [
      ['tests/test_watch.py::test_log_every_counts_optimizer_steps_not_micro_batches']),
     ('src/fsdp.py', 'for param, flag in zip(params, trains):', 'for param, flag in zip(params, flags):',
      ['tests/test_sharded_checkpoint.py::test_loading_a_last_dcp_leaves_each_parameter_frozen_or_trained_as_it_was']),
+    # A rank's error: its loader workers ended through their queues before the garbage collection.
+    ('src/errors.py', '        end_loader_workers()\n        gc.collect()', '        gc.collect()',
+     ['tests/test_reliability.py::test_an_error_ends_the_loader_workers_through_their_queues_before_the_process_group']),
 ]
 
 

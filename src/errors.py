@@ -158,8 +158,21 @@ def end_process_group() -> None:
         return
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
+        end_loader_workers()
         gc.collect()
         dist.destroy_process_group()
+
+
+def end_loader_workers() -> None:
+    """End the workers of every loader iterator still alive, as freeing the iterator does. Before a
+    garbage collection: one that frees an iterator held in a reference cycle (an error's traceback
+    holds the training loop's frames) first runs the finalizers that close the iterator's queues,
+    and its __del__ then sends a stop its workers never get and waits for each one twice 5 s
+    (measured: a rank that met an unreadable image took 10 s more to end than one without workers)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    for found in gc.get_objects():
+        if isinstance(found, _MultiProcessingDataLoaderIter):
+            found._shutdown_workers()
 
 
 def exit_on_error(main: Callable[[list[str] | None], None], interrupted: str = INTERRUPTED) -> None:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import weakref
@@ -351,6 +352,13 @@ def module_tmp(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("module")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port of this machine that nothing listens on now (a process group's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):

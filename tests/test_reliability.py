@@ -25,6 +25,7 @@ from conftest import (
     assert_same_best,
     fails,
     fails_in_process,
+    free_port,
     history,
     last_line,
     mode_run,
@@ -315,3 +316,30 @@ def test_the_loader_workers_end_with_a_killed_training_process(exact_data, tmp_p
     # The worker's watch wakes when the process ends (a pidfd; else it looks every second): the
     # pipes close at once, not after the test's timeout. 30 s covers a loaded machine.
     assert start < killed and ended - killed < 30
+
+
+def test_an_error_ends_the_loader_workers_through_their_queues_before_the_process_group(monkeypatch):
+    """A rank's error leaves its loader's iterator in a reference cycle (the traceback holds the
+    training loop's frames). end_process_group ends its workers as the iterator's own end does,
+    through the index queue, so each worker exits 0; the garbage collection alone would first close
+    the queues, then send a stop the worker never gets, wait, and leave it running (it ignores the
+    stop signals: src/datasets.py)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from src.datasets import worker_options
+    from src.errors import end_process_group
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True, **worker_options())
+        cycle = {"iterator": iter(loader)}
+        cycle["cycle"] = cycle
+        assert next(cycle["iterator"]).tolist() == [0, 1]
+        workers = list(cycle["iterator"]._workers)
+        del loader, cycle
+    finally:
+        end_process_group()
+    assert not dist.is_initialized()
+    assert [worker.exitcode for worker in workers] == [0]

@@ -7,7 +7,6 @@ twice the --batch-size; DDP's last.pth resumed by FSDP; ResNet-18 with --sync-bn
 average), ending where the straight run ends within the modes' tolerance."""
 import os
 import shutil
-import socket
 import sys
 import threading
 import traceback
@@ -30,6 +29,7 @@ from conftest import (
     assert_same_run,
     distance,
     fails_in_process,
+    free_port,
     in_process,
     last_model,
     outputs,
@@ -163,17 +163,11 @@ def _rank(rank: int, port: int, folder: str, results: str) -> None:
     torch.save(result, f"{results}.{rank}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(module_tmp):
     folder = module_tmp / "two"
     folder.mkdir()
-    mp.start_processes(_rank, args=(_free_port(), str(folder), str(module_tmp / "result")), nprocs=2,
+    mp.start_processes(_rank, args=(free_port(), str(folder), str(module_tmp / "result")), nprocs=2,
                        start_method="spawn")
     found = []
     for rank in (0, 1):
@@ -416,7 +410,7 @@ def test_resume_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
 def world_of_one(monkeypatch):
     """The environment torchrun gives a world of one, on a free port, for a script's main() here."""
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(name, value)
     yield
     end_process_group()

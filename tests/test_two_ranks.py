@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import socket
 import stat
 import sys
 import threading
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torchvision
-from conftest import HOOKS, TINY, outputs, read_predictions, weights, write_checkpoint
+from conftest import HOOKS, TINY, free_port, outputs, read_predictions, weights, write_checkpoint
 
 from src.errors import end_process_group
 from src.metrics import batch_sums
@@ -253,12 +252,6 @@ def _rank(rank: int, ports: dict, folder: str, data: str) -> None:
         torch.save(result, f"{stem}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launch(tiny_data, module_tmp):
     """The two ranks' run of every scenario; the folder of their files."""
@@ -272,7 +265,7 @@ def launch(tiny_data, module_tmp):
     model = torchvision.models.resnet18(num_classes=2)
     nn.init.normal_(model.fc.weight, std=0.2)
     write_checkpoint(folder / "model", model.state_dict(), arch="resnet18")
-    ports = {scenario.__name__: _free_port() for scenario in SCENARIOS}
+    ports = {scenario.__name__: free_port() for scenario in SCENARIOS}
     agent = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
     ports["agent"] = agent.port
     with pytest.MonkeyPatch.context() as patch:  # the test hooks log each rank's renames onto an output
