@@ -139,3 +139,17 @@ def test_a_kill_in_the_middle_of_a_background_write_keeps_the_previous_file(exac
     assert result.returncode == 0, result.stderr[-2000:]
     assert "after its step 1: going on" in result.stdout and not half[0].exists()
     same_end(tmp_path, resumable_run(runs, "single")[0])
+
+
+def test_a_tensor_saved_again_in_another_dtype_is_written_in_its_new_dtype(tmp_path):
+    """The writer reuses its host copy of a tensor from one save to the next; a tensor of the same
+    shape in another dtype (a weight average kept in float64 after a float32 one, an AMP scale)
+    gets a new copy, not the old one's dtype."""
+    writer = CheckpointWriter()
+    writer.save({"w": torch.full((3,), 0.5, dtype=torch.float32)}, tmp_path / "last.pth")
+    writer.wait()
+    exact = torch.tensor([1 / 3, 2 / 3, 1e-300], dtype=torch.float64)
+    writer.save({"w": exact}, tmp_path / "last.pth")
+    writer.wait()
+    saved = torch.load(tmp_path / "last.pth", weights_only=True)["w"]
+    assert saved.dtype == torch.float64 and torch.equal(saved, exact)

@@ -123,6 +123,9 @@ def test_missing_and_empty_folders(tmp_path):
 def test_natural_order():
     assert sorted(["cat.10.jpg", "cat.2.jpg", "cat.1.jpg"], key=natural_key) == \
         ["cat.1.jpg", "cat.2.jpg", "cat.10.jpg"]
+    # Case does not order: a camera's IMG_2.JPG sits between img_1 and img_10, as a person reads them.
+    assert sorted(["img_10.jpg", "IMG_2.JPG", "img_1.jpg", "Dog.3.jpg", "cat.4.jpg"], key=natural_key) == \
+        ["cat.4.jpg", "Dog.3.jpg", "img_1.jpg", "IMG_2.JPG", "img_10.jpg"]
 
 
 def test_load_labels_prefers_train_csv(tmp_path, small_data):
@@ -133,3 +136,19 @@ def test_load_labels_prefers_train_csv(tmp_path, small_data):
         data / "train.csv", index=False)
     frame = load_labels(data, show_progress=False)
     assert list(frame["filename"]) == ["dog.3.jpg", "cat.4.jpg"]
+
+
+def test_an_upper_case_suffix_is_an_image_like_its_lower_case_one(tmp_path):
+    """Cameras and Windows write DOG.1.JPG and .PNG: such files are labelled and trained on, not
+    left out as files that are not images."""
+    train = tmp_path / "train"
+    train.mkdir()
+    for name in ("dog.1.JPG", "cat.2.Png", "cat.3.jpg", "notes.TXT"):
+        target = train / name
+        if name.endswith("TXT"):
+            target.write_text("not an image")
+        else:
+            Image.new("RGB", (8, 8), (200, 10, 10)).save(target, format="PNG" if name.lower().endswith("png") else "JPEG")
+    table, unreadable = scan_train_dir(train, show_progress=False)
+    assert sorted(zip(table["filename"], table["label"])) == [("cat.2.Png", 0), ("cat.3.jpg", 0), ("dog.1.JPG", 1)]
+    assert unreadable == []

@@ -141,3 +141,42 @@ def test_an_image_unreadable_in_the_middle_of_an_epoch_is_one_line_under_a_launc
     assert set(exit_codes(result.stderr).values()) <= {"2", "-15"}, result.stderr[-3000:]
     assert sorted(path.name for path in out.iterdir()) == [".run.lock"], "no file of the run written"
 
+
+
+def test_the_ranks_that_gave_a_value_are_named_in_spans():
+    from src.process_group import _ranks
+    assert _ranks([1]) == "rank 1"
+    assert _ranks([0, 2]) == "ranks 0, 2"
+    assert _ranks([0, 1, 2, 3, 6]) == "ranks 0-3, 6"
+    assert _ranks([2, 3, 5, 6, 7]) == "ranks 2-3, 5-7"
+
+
+def test_a_rank_that_ends_on_bad_input_leaves_the_note_the_others_end_quietly_on(monkeypatch, capsys):
+    """Rank 1 of two meets bad input: it says the line and leaves its note in the group's store;
+    rank 0, whose collective then fails, finds the note and ends without a traceback of its own
+    (under torchrun the launcher's SIGTERM often ends rank 0 first: the launches above may not
+    reach this)."""
+    import torch.distributed as dist
+
+    import src.errors as errors
+    store = dist.HashStore()
+    monkeypatch.setattr(errors, "PEER_NOTE_WAIT", 0.0)
+    monkeypatch.setattr(errors, "_group_store", lambda: (store, 0, 2))
+    assert not errors.another_rank_said_why(), "no note yet"
+    monkeypatch.setattr(errors, "_group_store", lambda: (store, 1, 2))
+
+    def bad_input(argv):
+        raise UserError("cannot read image x.jpg: it is not an image")
+    assert errors.run_command(bad_input, []) == 2
+    assert capsys.readouterr().err == "error: cannot read image x.jpg: it is not an image\n"
+    assert store.check([f"{errors.PEER_NOTE}1"])
+    monkeypatch.setattr(errors, "_group_store", lambda: (store, 0, 2))
+    monkeypatch.delenv("RANK", raising=False)  # rank 0 of the launcher: it does not wait to be stopped
+
+    def collective_failed(argv):
+        raise RuntimeError("[gloo] Connection closed by peer")
+    assert errors.run_command(collective_failed, []) == 2
+    assert capsys.readouterr().err == "", "rank 0 ends without a word: rank 1 has said why"
+    monkeypatch.setattr(errors, "_group_store", lambda: (dist.HashStore(), 0, 2))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        errors.run_command(collective_failed, [])  # no note: the error is raised as it is

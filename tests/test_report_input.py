@@ -34,6 +34,9 @@ def _edit(path, change):
 EDITS = {
     "val_fraction missing": ("best.json", lambda info: info.pop("val_fraction"),
                              "val_fraction is missing (it must be a number in (0, 1)"),
+    "val_fraction 0": ("best.json", lambda info: info.update(val_fraction=0), "val_fraction 0 must be a number in (0, 1)"),
+    "val_fraction 1": ("best.json", lambda info: info.update(val_fraction=1.0),
+                       "val_fraction 1.0 must be a number in (0, 1)"),
     "seed a string": ("best.json", lambda info: info.update(seed="x"), "seed 'x' must be a whole number"),
     "flags a string": ("best.json", lambda info: info.update(flags="x"), "flags 'x' must be an object of the run's flags"),
     "best_by unknown": ("best.json", lambda info: info.update(best_by="loss"), "best_by 'loss' must be val_acc or val_log_loss"),

@@ -48,7 +48,7 @@ from src.metrics import COUNT
 from src.ranks import restarted
 from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
-from src.stopping import CHECK_EVERY, StopSignals
+from src.stopping import CHECK_EVERY, StopSignals, how_to_go_on
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
 # torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
@@ -341,3 +341,44 @@ def test_the_agreement_is_read_a_check_late_without_waiting_when_it_is_done(monk
     for done in (True, False):
         event = _Collective(done)
         assert signals._read(torch.ones(1), event) == 1 and event.waited == (0 if done else 1)
+
+
+def _bare_state(steps_per_epoch: int, **flags) -> TrainingState:
+    """A TrainingState of a one-weight model, for the verbs that count steps and seconds."""
+    from argparse import Namespace
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return TrainingState(Namespace(**flags), {}, model, optimizer, None, None, WeightAverage(model, optimizer, None),
+                         steps_per_epoch)
+
+
+def test_a_step_checkpoint_is_due_every_n_steps_of_the_run_but_never_at_an_epochs_last_step():
+    """--save-every-steps 2 with 4 steps an epoch: after run steps 2 and 6; run steps 4 and 8 are
+    epochs' last steps, which the epoch's own save writes after validation (a step checkpoint there
+    would be a second save of the same step, and a stop in validation would go back to it)."""
+    state = _bare_state(4, save_every_steps=2)
+    due = []
+    for epoch in range(2):
+        for step in range(1, 5):
+            state.epoch, state.step = epoch, step
+            due.append(state.checkpoint_due())
+    assert [run_step for run_step, saved in enumerate(due, 1) if saved] == [2, 6]
+
+
+def test_a_resumed_epochs_record_counts_the_seconds_trained_before_the_stop():
+    """The epoch's train_seconds: the seconds of its steps before the stop (last.pth's partial
+    record) and those after the resume, as a straight epoch counts them all."""
+    state = _bare_state(4)
+    sums = torch.tensor([2.0, 3.0, 4.0, 1.0])  # loss, correct, count, log loss summed over 4 images
+    state.partial = {"train_seconds": 3.25, "data_wait_seconds": 0.5, "sums": sums}
+    record = state.record(sums, sums, None, train_seconds=2.5, val_seconds=1.0)
+    assert record["train_seconds"] == 3.25 + 2.5 and record["seconds"] == 3.25 + 2.5 + 1.0
+
+
+def test_the_command_to_go_on_has_resume_in_place_of_overwrite(monkeypatch):
+    """A run started with --overwrite and stopped: going on must not replace what it saved."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    said = how_to_go_on(["train_single.py", "--epochs", "3", "--overwrite"])
+    assert said == "to go on: python train_single.py --epochs 3 --resume"
+    assert how_to_go_on(["train_single.py", "--resume"]) == "to go on: python train_single.py --resume"

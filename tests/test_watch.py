@@ -181,3 +181,26 @@ def test_profile_writes_a_trace_and_the_table(runs, mode):
         assert "| - all-reduce | " in table and "gloo collectives were in flight" in table
     else:
         assert seconds["communication"] == 0
+
+
+def test_images_per_second_are_the_images_since_the_last_report_over_its_seconds(tmp_path):
+    """A report after micro-batch 6 of --accumulate 2, the one before after micro-batch 4 at 2.5 s
+    earlier: the images counted in the sums since then (16: two micro-batches of 8 images) over
+    2.5 s, and the loss over those images, at optimizer step 3."""
+    from tqdm import tqdm
+
+    from src.metrics import COUNT, LOSS
+    from src.progress import Progress
+    from src.state import TrainingState
+    args = parse_args("", ["--batch-size", "8", "--accumulate", "2", *outputs(tmp_path)])
+    model = nn.Linear(1, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    state = TrainingState(args, {}, model, optimizer, None, None, None, 5)
+    logged = []
+    progress = Progress(args, state, 8, torch.device("cpu"), log=lambda values, step: logged.append((step, values)))
+    before = torch.tensor([5.0, 20.0, 32.0, 4.0])
+    now = torch.tensor([9.0, 30.0, 48.0, 6.0])
+    progress._report(tqdm(disable=True), now, 6, 12.5, (before, 4, 10.0), 0)
+    images = (now - before)[COUNT].item()
+    assert logged == [(3, {"step/loss": (now - before)[LOSS].item() / images, "step/images_per_s": images / 2.5,
+                           "step/lr": 0.25})]
