@@ -58,6 +58,17 @@ def test_a_mixed_folder_gives_the_validation_pass_p_dog(mixed, checkpoint, one_p
         in printed
 
 
+def test_the_rows_of_files_that_cannot_be_decoded_are_nan(mixed, checkpoint):
+    """predict_files' rows (as predict --onnx's): NaN for each file it cannot decode, which no
+    reader can then take for a probability, in a batch that also holds images; the others numbers."""
+    model, info = inference.load_checkpoint(checkpoint)
+    files = [mixed / name for name in [MIXED_IMAGES[0], *sorted(MIXED_BROKEN), MIXED_IMAGES[1]]]
+    probabilities, broken = inference.predict_files(model, info, files, torch.device("cpu"), batch_size=4)
+    assert sorted(broken) == [1, 2]
+    assert torch.isnan(probabilities[1:3]).all()
+    assert torch.isfinite(probabilities[[0, 3]]).all()
+
+
 def test_the_csv_quotes_odd_names_and_the_table_is_short(mixed, one_process, module_tmp):
     rows, printed = one_process
     text = (module_tmp / "one.csv").read_text()
