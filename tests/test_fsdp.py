@@ -209,6 +209,26 @@ def test_channels_last_is_refused_in_one_line(exact_data, tmp_path, world_of_one
                      "error: --channels-last: FSDP shards contiguous weights only")
 
 
+def test_train_fsdp_gives_each_unit_and_the_root_a_fully_shard_of_its_own(exact_data, tmp_path, world_of_one,
+                                                                         monkeypatch, capsys):
+    """The model as train_fsdp.py hands it to its optimizer: every unit of fsdp_units (several, for
+    SqueezeNet) and the root sharded, each unit gathered on its own in the forward pass (a root
+    alone would gather every parameter at once)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from src.errors import UserError
+    seen = {}
+
+    def optimizer_of(model, args, device):
+        seen["units"] = [isinstance(unit, FSDPModule) for unit in fsdp_units(model)]
+        seen["root"] = isinstance(model, FSDPModule)
+        raise UserError("seen")
+    monkeypatch.setattr(train_fsdp, "make_optimizer", optimizer_of)
+    fails_in_process(train_fsdp.main, ["--data-dir", str(exact_data), *EXACT, *outputs(tmp_path / "out")], monkeypatch,
+                     capsys, "error: seen")
+    assert len(seen["units"]) > 1 and all(seen["units"]) and seen["root"], seen
+
+
 def _vgg16_step(backend: str, world_size: int, wrap) -> tuple[dict, nn.Module]:
     """rank_bytes of rank 0 after an SGD step with momentum of VGG16 (2 images of 32 px), with
     `wrap` applied to the model in a process group of `backend` and `world_size`."""

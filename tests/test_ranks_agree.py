@@ -180,3 +180,18 @@ def test_a_rank_that_ends_on_bad_input_leaves_the_note_the_others_end_quietly_on
     monkeypatch.setattr(errors, "_group_store", lambda: (dist.HashStore(), 0, 2))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         errors.run_command(collective_failed, [])  # no note: the error is raised as it is
+
+
+def test_a_quiet_rank_waits_for_the_launcher_and_rank_0_does_not(monkeypatch):
+    """A rank other than 0 that ends without a word waits (up to a minute) for torchrun to stop it:
+    had it exited first, torchrun could stop rank 0 before rank 0 printed the line. Rank 0, and a
+    process alone, end at once."""
+    import src.errors as errors
+    slept = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    for rank, world_size, waits in (("1", "2", [60]), ("0", "2", []), ("0", "1", [])):
+        slept.clear()
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        errors.before_a_silent_exit()
+        assert slept == waits, (rank, world_size)
