@@ -1468,6 +1468,15 @@ MUTATIONS = [
     # A rank's error: its loader workers ended through their queues before the garbage collection.
     ('src/errors.py', '        end_loader_workers()\n        gc.collect()', '        gc.collect()',
      ['tests/test_reliability.py::test_an_error_ends_the_loader_workers_through_their_queues_before_the_process_group']),
+    # A fourth blind audit's survivors.
+    ('src/outputs.py', 'return [folder / name for name in names if name.startswith(prefix) and name.endswith(".tmp")]',
+     'return [folder / name for name in names if name.startswith(prefix)]',
+     ['tests/test_tool_outputs.py::test_temporary_names_fit_and_are_found_by_name_not_by_pattern']),
+    ('src/process_group.py', 'differ = [key for key in keys if any(flags.get(key) != everyone[0].get(key) for flags in everyone)]',
+     'differ = [key for key in keys if all(flags.get(key) != everyone[0].get(key) for flags in everyone[1:])]',
+     ['tests/test_ranks_agree.py::test_one_rank_of_three_with_another_flag_is_named']),
+    ('src/tools/predict.py', 'workers = default_workers() if args.workers is None else args.workers',
+     'workers = default_workers()', ['tests/test_predict.py::test_tta_amp_and_channels_last_are_applied']),
     # A third blind audit's survivors, each caught now.
     ('src/image_files.py', 'int(part) if part.isdecimal() else part.lower()', 'int(part) if part.isdecimal() else part',
      ['tests/test_datasets.py::test_natural_order']),

@@ -139,7 +139,8 @@ def test_two_processes_under_torchrun_write_the_one_process_csv(mixed, checkpoin
 
 def test_tta_amp_and_channels_last_are_applied(mixed, checkpoint, module_tmp, monkeypatch, capsys):
     """--tta: each p(dog) is the mean of the image's and its mirror's (computed here); --amp bf16
-    and --channels-last: the model runs in bfloat16 on channels-last batches and weights."""
+    and --channels-last: the model runs in bfloat16 on channels-last batches and weights;
+    --workers 0: no default number of loader workers is asked for."""
     seen, load = [], inference.load_checkpoint
 
     def watched(path):
@@ -150,6 +151,8 @@ def test_tta_amp_and_channels_last_are_applied(mixed, checkpoint, module_tmp, mo
              m.weight.is_contiguous(memory_format=torch.channels_last))))
         return model, info
     monkeypatch.setattr(inference, "load_checkpoint", watched)
+    import src.devices
+    monkeypatch.setattr(src.devices, "default_workers", lambda: pytest.fail("--workers 0 took the default"))
     out = module_tmp / "tta.csv"
     code, _, err = in_process(predict.main, [str(mixed), "--checkpoint", str(checkpoint), "--output", str(out),
                                              "--workers", "0", "--tta", "--amp", "bf16", "--channels-last"],

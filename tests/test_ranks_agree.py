@@ -195,3 +195,19 @@ def test_a_quiet_rank_waits_for_the_launcher_and_rank_0_does_not(monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", world_size)
         errors.before_a_silent_exit()
         assert slept == waits, (rank, world_size)
+
+
+def test_one_rank_of_three_with_another_flag_is_named(monkeypatch):
+    """Three ranks, rank 2 alone launched with --lr 0.5: refused, naming it (a check that asked
+    whether every other rank differs from rank 0 would let it train)."""
+    import src.process_group as ranks
+    from src.cli import parse_args
+    base = ["--arch", "squeezenet1_1", "--image-size", "32", "--workers", "0"]
+    same = parse_args("", [*base, "--lr", "0.01"], script="train_ddp.py")
+    other = parse_args("", [*base, "--lr", "0.5"], script="train_ddp.py")
+    monkeypatch.setattr(ranks.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ranks.dist, "get_world_size", lambda: 3)
+    monkeypatch.setattr(ranks.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(ranks, "gather", lambda mine: [mine, ranks.compared_flags(same), ranks.compared_flags(other)])
+    with pytest.raises(UserError, match=r"different flags \(--lr: 0.01 on ranks 0-1, 0.5 on rank 2\)"):
+        check_same_flags(same)

@@ -207,10 +207,14 @@ def test_temporary_names_fit_and_are_found_by_name_not_by_pattern(tmp_path):
     ours, other = tmp_path / ".best[1].pth.k1ll3d.tmp", tmp_path / ".best1.pth.k1ll3d.tmp"
     ours.write_bytes(b"a save of best[1].pth that was killed")
     other.write_bytes(b"another run's save in progress")
+    backup = tmp_path / ".best[1].pth.backup"  # a user's file whose name starts as a temporary one does
+    backup.write_bytes(b"the user's copy")
     with lock_outputs(parse_args("", [*TINY, "--checkpoint", str(tmp_path / "best[1].pth"), "--plot",
                                       str(tmp_path / "c.png"), "--overwrite"])):
         pass
     assert not ours.exists() and other.read_bytes() == b"another run's save in progress"
+    assert backup.read_bytes() == b"the user's copy", "only a temporary file (.tmp) is removed"
+    backup.unlink()
 
     from src.outputs import temp_prefix, temporaries
     for length in (1, 100, 240, 241, 242, 250, 255):
