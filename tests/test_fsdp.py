@@ -568,3 +568,26 @@ def test_the_bytes_of_adamws_state_are_its_two_moments_without_the_step_counts()
     expected = {"parameters": sum(map(nbytes, params)), "gradients": sum(nbytes(p.grad) for p in params),
                 "optimizer": moments}
     assert rank_bytes(optimizer) == expected == rank_bytes(optimizer, whole=True)
+
+
+def test_the_whole_model_is_a_copy_that_the_next_step_leaves_as_it_was():
+    """whole_model in a world of one on the CPU, where torch's gather hands back the live
+    parameters: what it returned (best.pth's weights, the epoch's) stays as it was after the
+    next optimizer step moves the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    from src.fsdp import whole_model
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        fully_shard(model)
+        saved = whole_model(model)
+        before = {key: value.clone() for key, value in saved.items()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        assert not torch.equal(whole_model(model)["0.weight"], before["0.weight"]), "the step moved the weights"
+        assert all(torch.equal(saved[key], before[key]) for key in saved)
+    finally:
+        end_process_group()
