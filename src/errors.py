@@ -171,7 +171,10 @@ def end_loader_workers() -> None:
     (measured: a rank that met an unreadable image took 10 s more to end than one without workers)."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
     for found in gc.get_objects():
-        if isinstance(found, _MultiProcessingDataLoaderIter):
+        # type(), not isinstance(): isinstance asks each object its __class__, and some of torch's
+        # (the deprecated torch.distributed.reduce_op) warn when asked. One that failed to start
+        # has no _shutdown: nothing to end.
+        if issubclass(type(found), _MultiProcessingDataLoaderIter) and not getattr(found, "_shutdown", True):
             found._shutdown_workers()
 
 
