@@ -343,3 +343,20 @@ def test_an_error_ends_the_loader_workers_through_their_queues_before_the_proces
         end_process_group()
     assert not dist.is_initialized()
     assert [worker.exitcode for worker in workers] == [0]
+
+
+def test_ending_the_loader_workers_passes_over_objects_that_cannot_say_their_class():
+    """The search for live loader iterators looks at every object of the process: a weak proxy
+    whose object is gone raises ReferenceError when asked its __class__ (as isinstance asks), and
+    the error's clean-up must not end in a traceback of its own."""
+    import weakref
+
+    from src.errors import end_loader_workers
+
+    class Gone:
+        pass
+    thing = Gone()
+    kept = [weakref.proxy(thing)]
+    del thing
+    end_loader_workers()
+    assert len(kept) == 1
