@@ -5,7 +5,6 @@ rank's bytes of VGG16 against a DDP rank's; the blocks that get their own fully_
 train_accelerate.py refuses accelerate's FSDP, DeepSpeed and Megatron-LM in one line."""
 import json
 import shutil
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +28,7 @@ from conftest import (
     evaluated_record,
     fails_in_process,
     files_and_times,
+    free_port,
     in_process,
     last_model,
     mode_run,
@@ -123,11 +123,8 @@ def test_an_fsdp_last_dcp_resumes_under_train_single(fsdp_run, runs, reference, 
 def world_of_one(monkeypatch):
     """The environment torchrun gives a world of one, on a free port; the process group that
     train_fsdp.main() makes is destroyed after the test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(name, value)
     yield
     end_process_group()
