@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from hooks.sitecustomize import InProcess, in_process_variables, install  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from src.errors import end_process_group  # noqa: E402
 from src.history import AVERAGE  # noqa: E402
 from src.tools.agreement import TOLERANCE, distance  # noqa: E402
 from src.tools.synthetic import write_dataset  # noqa: E402
@@ -359,6 +360,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """The environment torchrun gives a world of one, on a free port; the process group that
+    a script's main() makes here is destroyed after the test."""
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    yield
+    end_process_group()
 
 
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):

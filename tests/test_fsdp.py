@@ -28,7 +28,6 @@ from conftest import (
     evaluated_record,
     fails_in_process,
     files_and_times,
-    free_port,
     in_process,
     last_model,
     mode_run,
@@ -118,17 +117,6 @@ def test_an_fsdp_last_dcp_resumes_under_train_single(fsdp_run, runs, reference, 
 
 
 # In this process, as a world of one (torch is imported already; each launch costs seconds).
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """The environment torchrun gives a world of one, on a free port; the process group that
-    train_fsdp.main() makes is destroyed after the test."""
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(name, value)
-    yield
-    end_process_group()
-
 
 def test_freeze_epochs_resume_into_fsdp_across_the_unfreezing(exact_data, tmp_path, world_of_one,
                                                                monkeypatch, capsys):

@@ -406,16 +406,6 @@ def test_resume_takes_the_newer_of_last_pth_and_last_dcp(tmp_path):
 
 # Stopped on two processes, resumed elsewhere (the real scripts).
 
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """The environment torchrun gives a world of one, on a free port, for a script's main() here."""
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(name, value)
-    yield
-    end_process_group()
-
-
 # SIGTERM to rank 0 in step 1 (as SLURM sends it to each task; torchrun, which would forward it,
 # gives its workers 30 s before it kills them, less than ResNet-18's steps take here): the ranks
 # agree after step 4 and stop after step 8 of epoch 1, exit code 75.
