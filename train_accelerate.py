@@ -110,7 +110,7 @@ def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)  # not prepared (step_scheduler_with_optimizer=False): as in every mode
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     # The optimizer is prepared now, the model per stage below (--freeze-epochs changes what trains):

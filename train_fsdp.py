@@ -129,7 +129,7 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.dcp (any number of processes) or any mode's last.pth into the shards
     state.track(tracker)  # --track: a new tracked run, or last's continued; its ids saved with the run

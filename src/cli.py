@@ -27,6 +27,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each option's default after its text, unless the text says its
+    default in its own words ("default: model/best.pth; with --onnx ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
 def at_least(minimum: int):
     def parse(text: str) -> int:
         value = int(text)
@@ -100,6 +109,14 @@ def _positive(text: str) -> float:
     return value
 
 
+class _Default(float):
+    """A default told apart from the same number given on the command line (by identity)."""
+
+
+# --val-fraction's default: --val-dir refuses the flag when it is given, even as 0.2.
+VAL_FRACTION = _Default(0.2)
+
+
 def build_parser(description: str, amp: bool = True, distributed: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
@@ -122,7 +139,11 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
     add("--dropout", type=_fraction(False, True), default=None,
         help="dropout probability of the classifier (default: torchvision's)")
-    add("--val-fraction", type=_open_fraction, default=0.2, help="share of images held out for validation")
+    add("--val-fraction", type=_open_fraction, default=VAL_FRACTION,
+        help="share of --data-dir's images held out for validation (seeded split; not with --val-dir)")
+    add("--val-dir", metavar="DIR", default=None,
+        help="validate on the labelled images of DIR (laid out as train/, no CSV) instead of a split of "
+             "--data-dir's; every image of train/ trains")
     add("--seed", type=int, default=42,
         help="seeds the split, the data order, the new layers, dropout and augmentation")
     add("--workers", type=at_least(0), default=None,
@@ -234,6 +255,13 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
     check_tracking(parser, args)
+    if args.val_dir is not None:
+        if args.val_fraction is not VAL_FRACTION:
+            parser.error("--val-dir's images are the validation set, --val-fraction splits --data-dir's: "
+                         "pass one of them")
+        args.val_fraction = None  # no split: best.json and last.pth record none
+    else:
+        args.val_fraction = float(args.val_fraction)
     if args.evaluate:
         for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):
             if getattr(args, flag):
