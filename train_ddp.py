@@ -47,8 +47,9 @@ def loaders(dataset, data, args, device, rank: int, world_size: int) -> tuple[Da
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
                               **loader_options(args, device))
     val_set = Subset(dataset, data.val_idx)
+    # guard: each validation image on one rank, once (DistributedSampler would repeat some to even the shares)
     val_loader = DataLoader(val_set, args.batch_size, sampler=ShardSampler(len(val_set), world_size, rank),
-                            **loader_options(args, device))  # each validation image on one rank, once
+                            **loader_options(args, device))
     return train_loader, val_loader
 
 
@@ -157,15 +158,16 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__, distributed=True)
-    device = process_device(args)  # this process's GPU (LOCAL_RANK; checked: one per process), or the CPU
+    device = process_device(args)  # guard: this process's GPU (LOCAL_RANK; checked: one per process), or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the process's CUDA work and NCCL's go to its own GPU
-    # torchrun's rendezvous (a world of one without a launcher), with a key prefix per restart attempt
+    # guard: torchrun's rendezvous store (a world of one without a launcher), a key prefix per restart attempt
     store, rank, world_size = torchrun_store(args)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args))  # a peer that stops answering fails a collective
-    check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
-    # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
+    check_same_flags(args)  # guard: every rank launched with rank 0's flags (paths and --workers aside)
+    # guard: a rank that stops answering named (watch_ranks); every output checked, their folder locked; --track's
+    # stores checked on rank 0
     with watch_ranks(store, args, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
         train(args, device, rank, world_size, heartbeat, tracker)
     dist.destroy_process_group()

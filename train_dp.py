@@ -138,7 +138,7 @@ def train(args, device: torch.device, tracker: Tracker) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__)
-    check_data_parallel(args)
+    check_data_parallel(args)  # guard: --compile or --sync-bn with DataParallel, bf16 where a GPU lacks it
     device = training_device(args.deterministic, args.amp)
     # Every output checked, their folder locked for this run; --track's stores checked, on rank 0
     with lock_outputs(args), rank_0_tracker(args) as tracker:

@@ -2,8 +2,11 @@
 from the syntax tree, so a comment naming them does not count), written as their documentation
 writes them, and none of the other modes' calls; the saving and stopping are in its loop; it is a
 top-to-bottom recipe of at most 200 lines. (`diff train_single.py train_ddp.py` shows DDP: the
-diffs may grow, as long as what they show is the mode.)"""
+diffs may grow, as long as what they show is the mode, and each line there that calls what guards
+the mode, not the mode itself, is marked `# guard:`.)"""
 import ast
+import difflib
+import re
 
 import pytest
 import torch.nn as nn
@@ -35,6 +38,10 @@ MODE_ONLY = {
     "accelerator.prepare": "train_accelerate.py", "accelerator.gather_for_metrics": "train_accelerate.py",
     "accelerator.init_trackers": "train_accelerate.py",
 }
+# What guards a mode, in src/ (the restart attempt's store, the same flags on every rank, the heartbeat,
+# unpadded validation shards, the launch checks): not the mode's own calls, marked where a script makes them.
+GUARDS = ("process_device", "torchrun_store", "check_same_flags", "watch_ranks", "ShardSampler",
+          "check_data_parallel", "check_launch", "check_accelerator")
 # The training state's verbs, which every script calls where the reader sees them (src/state.py).
 STATE_VERBS = {"state.resume", "state.epoch_sums", "state.stop_agreed", "state.checkpoint_due", "state.save_step",
                "state.stop", "state.record", "state.save_epoch", "state.stop_signals", "state.track"}
@@ -163,6 +170,37 @@ def test_each_script_is_a_short_recipe(script):
     assert len(text.splitlines()) <= MOST_LINES, f"{script}: {len(text.splitlines())} lines"
     functions = [node.name for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)]
     assert functions == ["loaders", "train_epoch", "evaluate", "train", "main"], functions
+
+
+def unmarked_guards(script: str, against: str = "train_single.py") -> list[str]:
+    """The lines of `diff against script` (the script's side) that call a guard without a `# guard:`
+    comment on the line or opening the comment lines right above it."""
+    lines, theirs = (ROOT / script).read_text().splitlines(), (ROOT / against).read_text().splitlines()
+    added = [i for tag, _, _, start, end in difflib.SequenceMatcher(None, theirs, lines, autojunk=False).get_opcodes()
+             if tag in ("replace", "insert") for i in range(start, end)]
+    calls_guard = re.compile(r"\b(" + "|".join(GUARDS) + r")\(")
+
+    def comment_above(i: int) -> str:
+        first = i
+        while first and lines[first - 1].strip().startswith("#"):
+            first -= 1
+        return lines[first].strip() if first < i else ""
+
+    return [lines[i].strip() for i in added if calls_guard.search(lines[i].split("#")[0])
+            and "# guard:" not in lines[i] and not comment_above(i).startswith("# guard:")]
+
+
+@pytest.mark.parametrize("script, against", [("train_dp.py", "train_single.py"), ("train_ddp.py", "train_single.py"),
+                                             ("train_fsdp.py", "train_single.py"), ("train_fsdp.py", "train_ddp.py"),
+                                             ("train_accelerate.py", "train_single.py")])
+def test_every_guard_in_a_diff_is_marked_as_one(script, against):
+    """`diff train_single.py train_ddp.py` showed the restart attempt's store, the flag check, the
+    heartbeat and the validation shards among DDP's calls, nothing telling them apart: each call of
+    a guard the diff shows is marked `# guard:` where it stands, and README says what the mark means."""
+    found = calls(script)
+    assert any(guard in found for guard in GUARDS), "the script calls a guard"
+    assert unmarked_guards(script, against) == []
+    assert "`# guard:`" in (ROOT / "README.md").read_text()
 
 
 def test_readmes_table_names_each_modes_calls():
