@@ -3,7 +3,8 @@
 # make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright) and run the test suite in
 #   two workers; tests/test_report.py also needs Debian's chromium (apt-get install chromium; .ci/run installs it)
 # make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
-# make lint: ruff (requirements-lint.txt) with pyproject.toml's rules; installs only ruff into .venv
+# make lint: ruff and mypy (requirements-lint.txt) with pyproject.toml's rules; installs only them and the stubs mypy
+#   reads into .venv (mypy reads torch's annotations too where make install has installed it)
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
 #   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
 PYTHON ?= python3
@@ -41,6 +42,7 @@ $(VENV)/.lint-installed: requirements-lint.txt
 
 lint: $(VENV)/.lint-installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 GPU_FLAGS ?=
 test-gpu: $(VENV)/.installed

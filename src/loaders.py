@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from src.cache import cached
+from src.config import Config
 from src.datasets import DogCatDataset, check_both_classes, load_labels, worker_options
 from src.devices import check_shared_memory
 from src.errors import UserError
@@ -54,7 +55,7 @@ class ShardSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def loader_options(args, device: torch.device) -> dict:
+def loader_options(args: Config, device: torch.device) -> dict:
     """The DataLoader options every loader of a training script shares: --workers, pinned batches
     for a GPU, where the workers start (src.datasets.worker_options).
 
@@ -67,7 +68,7 @@ def loader_options(args, device: torch.device) -> dict:
     return {**options, "persistent_workers": True, **worker_options()} if args.workers else options
 
 
-def check_batches(data: "Data", args, processes: int = 1) -> None:
+def check_batches(data: "Data", args: Config, processes: int = 1) -> None:
     """Refuse, before any work, a global batch larger than the training split, fewer validation
     images than processes, or a /dev/shm too small for the loader workers' batches (each process's
     workers hold micro-batches of --batch-size, also under accelerate, which cuts each loader batch)."""
@@ -127,7 +128,7 @@ class Data(NamedTuple):
     digest: str  # of the label table: --resume refuses other data
 
 
-def labelled_data(args, wait_seconds: float | None = None) -> Data:
+def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
     """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
 
     Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
