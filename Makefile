@@ -1,7 +1,8 @@
 # make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md),
 #   write its report (model/report.html; its last line says how to open it)
 # make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright) and run the test suite in
-#   two workers; tests/test_report.py also needs Debian's chromium (apt-get install chromium; .ci/run installs it)
+#   two workers; tests/test_report.py also needs Debian's chromium: installed here as root (checks/browser.py),
+#   elsewhere one line says what to install and the browser tests are skipped
 # make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
 # make lint: ruff (requirements-lint.txt) with pyproject.toml's rules; installs only ruff into .venv
 # make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
@@ -29,7 +30,8 @@ demo: $(VENV)/.installed $(SYNTHETIC)/train
 	$(PY) -m src.tools.report model
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) checks/browser.py
+	$(PY) -m pytest -q -rs -n 2 tests
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
