@@ -1507,6 +1507,15 @@ MUTATIONS = [
     ('src/progress.py', 'values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)',
      'values["images_per_s"] = (index - before_index) / (at - before_at)',
      ['tests/test_watch.py::test_images_per_second_are_the_images_since_the_last_report_over_its_seconds']),
+
+    # What only a GPU runs, run or read on the CPU, and make test-gpu's checks of this round's
+    # features (issues 55 and 60): our threads on their rank's GPU, the self-test's code on the CPU.
+    ('src/heartbeat.py', '            torch.cuda.set_device(self.device)\n', '',
+     ['tests/test_gpu_on_cpu_threads.py::test_the_heartbeat_thread_sets_its_ranks_gpu_before_it_asks_an_event']),
+    ('src/heartbeat.py', '                self.device = torch.device("cuda", torch.cuda.current_device())', '                pass',
+     ['tests/test_gpu_on_cpu_threads.py::test_a_heartbeat_given_cuda_without_an_index_uses_the_main_threads_gpu']),
+    ('src/checkpoint_writer.py', '                torch.cuda.set_device(device)  # the event', '                pass  #',
+     ['tests/test_gpu_on_cpu_threads.py::test_the_checkpoint_writer_thread_sets_the_gpu_of_its_copies_before_it_waits_for_them']),
 ]
 
 
