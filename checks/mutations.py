@@ -1516,6 +1516,15 @@ MUTATIONS = [
      ['tests/test_loaders.py::test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused']),
     ('src/loaders.py', 'if n_val < 1 or n_val >= n:', 'if n_val < 1 or n_val > n:',
      ['tests/test_loaders.py::test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused']),
+
+    # What only a GPU runs, run or read on the CPU, and make test-gpu's checks of this round's
+    # features (issues 55 and 60): our threads on their rank's GPU, the self-test's code on the CPU.
+    ('src/heartbeat.py', '            torch.cuda.set_device(self.device)\n', '',
+     ['tests/test_gpu_on_cpu_threads.py::test_the_heartbeat_thread_sets_its_ranks_gpu_before_it_asks_an_event']),
+    ('src/heartbeat.py', '                self.device = torch.device("cuda", torch.cuda.current_device())', '                pass',
+     ['tests/test_gpu_on_cpu_threads.py::test_a_heartbeat_given_cuda_without_an_index_uses_the_main_threads_gpu']),
+    ('src/checkpoint_writer.py', '                torch.cuda.set_device(device)  # the event', '                pass  #',
+     ['tests/test_gpu_on_cpu_threads.py::test_the_checkpoint_writer_thread_sets_the_gpu_of_its_copies_before_it_waits_for_them']),
 ]
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -950,6 +951,58 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 0))
     return fake
+
+
+class CudaCalls:
+    """A stand-in for CUDA's current device, which is per thread (a new thread's is 0, as CUDA's
+    runtime has it), and for torch.cuda's calls on it: set_device, current_device, and Event's
+    record, query and synchronize. Each call is recorded as (the thread's name, the call, the
+    device current in that thread then)."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.calls: list[tuple[str, str, int]] = []
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def set_device(self, device) -> None:
+        self.local.device = device.index if isinstance(device, torch.device) else int(device)
+        self.called("set_device")
+
+    def called(self, what: str) -> None:
+        self.calls.append((threading.current_thread().name, what, self.current_device()))
+
+    def of(self, thread: str) -> list[tuple[str, int]]:
+        """(call, device) of each call made in the thread named `thread`, in order."""
+        return [(what, device) for name, what, device in self.calls if name == thread]
+
+
+@pytest.fixture
+def cuda_calls(monkeypatch) -> CudaCalls:
+    """torch.cuda's set_device, current_device and Event replaced by a CudaCalls that records,
+    per thread, on which device each call was made (CUDA runs a thread's calls on its current
+    device, GPU 0 unless the thread set another)."""
+    calls = CudaCalls()
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            calls.called("Event")
+
+        def record(self, stream=None) -> None:
+            calls.called("record")
+
+        def query(self) -> bool:
+            calls.called("query")
+            return True
+
+        def synchronize(self) -> None:
+            calls.called("synchronize")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", calls.current_device)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return calls
 
 
 @pytest.fixture
