@@ -24,7 +24,6 @@ back as it was. Each draw has a stream of its own, so that each is independent o
 of dropout's (src/dropout.py, stream 1), and switching one on changes none of the others.
 Validation, --evaluate and predict never augment.
 """
-import argparse
 import contextlib
 import math
 from typing import Iterator
@@ -34,6 +33,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
+from src.config import Config
 from src.dropout import sample_key
 from src.seeds import derive_seed
 from src.transforms import IMAGENET_MEAN
@@ -103,7 +103,7 @@ def partner(seed: int, epoch: int, index: int, position: int, n: int) -> int:
     return drawn + (drawn >= position)
 
 
-def policy(args: argparse.Namespace) -> v2.Transform | None:
+def policy(args: Config) -> v2.Transform | None:
     """--auto-augment's transform, with the reference's settings; None without it."""
     name = getattr(args, "auto_augment", None)
     if name is None:
@@ -117,13 +117,13 @@ def policy(args: argparse.Namespace) -> v2.Transform | None:
     raise ValueError(f"--auto-augment {name!r}: not a policy (src.cli.POLICIES)")
 
 
-def eraser(args: argparse.Namespace) -> v2.RandomErasing | None:
+def eraser(args: Config) -> v2.RandomErasing | None:
     """--random-erase P's transform (the reference's scale and ratio); None without it."""
     p = getattr(args, "random_erase", 0.0)
     return v2.RandomErasing(p=p, value=list(ERASE_FILL)) if p > 0 else None
 
 
-def mixer(args: argparse.Namespace) -> v2.Transform | None:
+def mixer(args: Config) -> v2.Transform | None:
     """v2.MixUp, v2.CutMix or, with both alphas, the reference's RandomChoice of the two; None
     without either. It takes a batch of two (the sample, its partner) and two labels."""
     mixers = []
@@ -136,7 +136,7 @@ def mixer(args: argparse.Namespace) -> v2.Transform | None:
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
-def augments(args: argparse.Namespace) -> list[str]:
+def augments(args: Config) -> list[str]:
     """The flags on that change a training image from epoch to epoch or mix it with another."""
     on = {"--augment": getattr(args, "augment", False),
           "--auto-augment": getattr(args, "auto_augment", None) is not None,
@@ -161,7 +161,7 @@ def mix(first: torch.Tensor, second: torch.Tensor, labels: tuple[int, int],
     return images[0].round().clamp(0, 255).to(torch.uint8), targets[0].float()
 
 
-class TrainSplit(Dataset):
+class TrainSplit(Dataset[tuple[torch.Tensor, int | torch.Tensor, int]]):
     """The training images: item `position` is (image, target, key) of the data set's sample
     indices[position] in the epoch that set_epoch gave, where
 
@@ -173,7 +173,7 @@ class TrainSplit(Dataset):
     `dataset[index]` is (uint8 image, int label); `args` holds the run's flags.
     """
 
-    def __init__(self, dataset: Dataset, indices: list[int], args: argparse.Namespace):
+    def __init__(self, dataset: Dataset, indices: list[int], args: Config):
         self.dataset, self.indices, self.seed = dataset, list(indices), args.seed
         self.crop = getattr(args, "augment", False)
         self.policy, self.eraser, self.mixer = policy(args), eraser(args), mixer(args)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from src import sharded_checkpoint
+from src.config import Config
 from src.datasets import CLASSES
 from src.devices import hardware
 from src.divergence import check_finite_weights, refuse_non_finite
@@ -52,7 +53,7 @@ def flag_of(key: str) -> str:
     return FLAGS.get(key, "--" + key.replace("_", "-"))
 
 
-def run_info(args, global_batch: int, data: str, val_data: str | None = None) -> dict:
+def run_info(args: Config, global_batch: int, data: str, val_data: str | None = None) -> dict:
     """What identifies this run: best.json's content, and what --resume must find unchanged.
 
     `data` is the digest of the label table (labelled_data), `val_data` that of --val-dir's (None
@@ -65,7 +66,7 @@ def run_info(args, global_batch: int, data: str, val_data: str | None = None) ->
             **{key: getattr(args, key) for key in RECIPE_FLAGS}, **run_context(args)}
 
 
-def run_context(args) -> dict:
+def run_context(args: Config) -> dict:
     """What the report shows and --resume does not compare (a last.pth resumes in another mode):
     the mode (the script's name: train_ddp.py is "ddp"), the processes, when, rank 0's machine
     and every flag."""
@@ -74,10 +75,10 @@ def run_context(args) -> dict:
             "started": datetime.now().isoformat(timespec="seconds"),
             "hardware": hardware() if is_first() else "",  # rank 0 asks for GPU 0's name: its own
             "flags": {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-                      for key, value in vars(args).items() if key not in ("local_rank", "command", "mode")}}
+                      for key, value in args.as_dict().items() if key not in ("local_rank", "command", "mode")}}
 
 
-def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: dict,
+def write_epoch(args: Config, history: list[dict], info: dict, model_state: dict, last: dict,
                 average_state: dict | None = None) -> bool:
     """Write the files of a finished epoch (rank 0): best.pth if it is the best so far, best.json,
     last.pth (`last`, last_state's), history.json and the plot; True if it is the best so far.
@@ -93,7 +94,7 @@ def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: 
     return is_best
 
 
-def write_best(args, history: list[dict], info: dict, model_state: dict, average_state: dict | None) -> bool:
+def write_best(args: Config, history: list[dict], info: dict, model_state: dict, average_state: dict | None) -> bool:
     """best.pth and best.json if the last epoch of `history` is the best so far (write_epoch's
     first files); whether it is."""
     paths = output_paths(args)
@@ -108,7 +109,7 @@ def write_best(args, history: list[dict], info: dict, model_state: dict, average
     return is_best
 
 
-def write_history(args, history: list[dict]) -> None:
+def write_history(args: Config, history: list[dict]) -> None:
     """history.json and the plot (write_epoch's last files)."""
     paths = output_paths(args)
     atomic_write_text(paths["history"], history_text(history))
@@ -231,13 +232,13 @@ def read_last(folder: Path) -> dict | None:
     return _read_folder(Path(found[2]), sharded=False)
 
 
-def _best_files(args) -> tuple[bytes | None, str | None]:
+def _best_files(args: Config) -> tuple[bytes | None, str | None]:
     paths = output_paths(args)
     best, info = paths["best"], paths["info"]
     return (best.read_bytes() if best.exists() else None, info.read_text() if info.exists() else None)
 
 
-def _copy_to_rank_0(args, state: dict, source: int) -> None:
+def _copy_to_rank_0(args: Config, state: dict, source: int) -> None:
     """Rank 0 on another node than the newest last.pth: bring the run's files here, where this
     run writes its next ones, so that this folder holds the whole run (best.pth may be from an
     epoch this node never saw). Every rank takes part in the broadcast."""
@@ -309,7 +310,7 @@ class Resumed(NamedTuple):
     tracked_ids: dict | None = None
 
 
-def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None,
+def load_last(args: Config, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None,
               shards=None) -> Resumed:
     """With --resume (or in a worker that torchrun restarted), load last.pth (or last.dcp) into
     model, optimizer, the weight average, scaler and schedule; returns the history so far and the

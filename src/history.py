@@ -1,6 +1,7 @@
 """The per-epoch history: its records, the best epoch by --best-by, and history.json's text."""
 import json
 
+from src.config import Config
 from src.divergence import check_finite_loss
 from src.metrics import summarize
 
@@ -38,7 +39,7 @@ def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_
     return record
 
 
-def done_line(history: list[dict], args, seconds: float) -> str:
+def done_line(history: list[dict], args: Config, seconds: float) -> str:
     """The line a run ends with: its time and the epoch (and weights) of best.pth."""
     best, weights = best_choice(history, args.best_by)
     which = ", the weight average" if weights == "average" else ""

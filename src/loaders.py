@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from src.cache import cached
+from src.config import Config
 from src.datasets import DogCatDataset, check_both_classes, label_table, load_labels, load_val_labels, worker_options
 from src.devices import check_shared_memory
 from src.errors import UserError
@@ -55,7 +56,7 @@ class ShardSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def loader_options(args, device: torch.device) -> dict:
+def loader_options(args: Config, device: torch.device) -> dict:
     """The DataLoader options every loader of a training script shares: --workers, pinned batches
     for a GPU, where the workers start (src.datasets.worker_options).
 
@@ -68,7 +69,7 @@ def loader_options(args, device: torch.device) -> dict:
     return {**options, "persistent_workers": True, **worker_options()} if args.workers else options
 
 
-def check_batches(data: "Data", args, processes: int = 1) -> None:
+def check_batches(data: "Data", args: Config, processes: int = 1) -> None:
     """Refuse, before any work, a global batch larger than the training split, fewer validation
     images than processes, or a /dev/shm too small for the loader workers' batches (each process's
     workers hold micro-batches of --batch-size, also under accelerate, which cuts each loader batch)."""
@@ -112,16 +113,17 @@ def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
                           "worker_init_fn": loader.worker_init_fn} if loader.num_workers else {}))
 
 
-def labelled_images(data_dir: Path, image_size: int, show_progress: bool = True,
-                    labels: pd.DataFrame | None = None, val_labels: pd.DataFrame | None = None,
-                    val_dir: Path | None = None) -> DogCatDataset:
+def labelled_images(data_dir: Path | str, image_size: int, show_progress: bool = True,
+                    labels: pd.DataFrame | None = None,
+                    val: tuple[Path | str, pd.DataFrame] | None = None) -> DogCatDataset:
     """The labelled JPEGs of data_dir/train (the `labels` table, else train.csv or a scan),
-    decoded and resized to image_size; with `val_labels`, --val-dir's images after them (named
-    by their absolute path, which the table's folder, data_dir/train, leaves as it is)."""
+    decoded and resized to image_size; with `val` (--val-dir and its table), that folder's images
+    after them (named by their absolute path, which the table's folder, data_dir/train, leaves as
+    it is)."""
     if labels is None:
-        labels = load_labels(data_dir, show_progress)
-    if val_labels is not None:
-        root = os.path.abspath(val_dir)  # each process's own: the same folder on every node
+        labels = load_labels(Path(data_dir), show_progress)
+    if val is not None:
+        root, val_labels = os.path.abspath(val[0]), val[1]  # each process's own: the same folder on every node
         labels = label_table([*labels["filename"], *(os.path.join(root, name) for name in val_labels["filename"])],
                              [*labels["label"], *val_labels["label"]])
     return DogCatDataset(labels, Path(data_dir) / "train", image_transform(image_size), draft_size=image_size)
@@ -141,7 +143,7 @@ class Data(NamedTuple):
     val_digest: str | None = None  # of --val-dir's table, as digest
 
 
-def labelled_data(args, wait_seconds: float | None = None) -> Data:
+def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
     """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
 
     Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
@@ -152,23 +154,25 @@ def labelled_data(args, wait_seconds: float | None = None) -> Data:
     other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
-    val_dir = getattr(args, "val_dir", None)  # a Namespace of another command may not have it
+    val_dir: str | None = getattr(args, "val_dir", None)  # a Namespace of another command may not have it
 
-    def tables() -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    def tables() -> tuple[pd.DataFrame, tuple[str, pd.DataFrame] | None]:
         table = load_labels(data_dir, show)
-        return table, None if val_dir is None else load_val_labels(Path(val_dir), data_dir, table, show)
+        return table, None if val_dir is None else (val_dir, load_val_labels(Path(val_dir), data_dir, table, show))
 
-    table, val_table = from_rank_0(tables)
+    table, val = from_rank_0(tables)
     if not getattr(args, "evaluate", False):  # validating on one class is a fair question; training on it is not
         try:
             check_both_classes(table, data_dir)
         except UserError as error:  # every rank has the table: rank 0 says it
             raise UserError(str(error), quiet=not show) from None
-    dataset = labelled_images(data_dir, args.image_size, show, table, val_table, val_dir)
+    images = labelled_images(data_dir, args.image_size, show, table, val)
+    dataset: Dataset = images
     if args.cache:
-        dataset = cached(dataset, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
-    if val_table is None:
-        train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
+        dataset = cached(images, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
+    if val is None:
+        assert args.val_fraction is not None  # None with --val-dir only (src.cli)
+        train_idx, val_idx = split_indices(len(images), args.val_fraction, args.seed)
         return Data(dataset, train_idx, val_idx, table_digest(table))
-    return Data(dataset, list(range(len(table))), list(range(len(table), len(dataset))), table_digest(table),
-                table_digest(val_table))
+    return Data(dataset, list(range(len(table))), list(range(len(table), len(images))), table_digest(table),
+                table_digest(val[1]))

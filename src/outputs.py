@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+from src.config import Config
 from src.errors import UserError, one_line
 
 Named = tuple[str, Path]  # (how the user names it: a flag, or what it is; the path)
@@ -470,14 +471,14 @@ OUTPUT_FLAGS = {"best": "--checkpoint", "info": "--checkpoint (its .json)", "las
                 "history": "--checkpoint (history.json beside it)", "plot": "--plot"}
 
 
-def output_paths(args) -> dict[str, Path]:
+def output_paths(args: Config) -> dict[str, Path]:
     folder = Path(args.checkpoint).parent
     return {"best": Path(args.checkpoint), "info": Path(args.checkpoint).with_suffix(".json"),
             "last": folder / "last.pth", "history": folder / "history.json", "plot": Path(args.plot)}
 
 
 @contextlib.contextmanager
-def lock_outputs(args) -> Iterator[None]:
+def lock_outputs(args: Config) -> Iterator[None]:
     """A training run's outputs, checked before any work, and their folder locked for the run.
 
     Refuses outputs that are not regular files, or that are inputs or other outputs of the run,
@@ -498,7 +499,7 @@ def lock_outputs(args) -> Iterator[None]:
             lock.release()
 
 
-def _try_outputs(args) -> RunLock:
+def _try_outputs(args: Config) -> RunLock:
     paths = output_paths(args)
     data = Path(args.data_dir)
     weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
@@ -600,7 +601,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_overwrite(args, paths: dict[str, Path]) -> None:
+def _check_overwrite(args: Config, paths: dict[str, Path]) -> None:
     """A new run does not replace an earlier run's files without being told: --resume continues
     that run (from its last.pth: a folder of best.pth and history.json alone has nothing to go on
     from, and a new run would replace them), --overwrite replaces it. (torchrun's restarted

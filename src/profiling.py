@@ -42,7 +42,6 @@ nothing but communicate (the all-reduce not hidden behind backward); "idle" is t
 kernel ran (e.g. waiting for data). On a GPU the host columns are mostly launch time: the host runs
 ahead of the GPU, so the GPU columns say where the time went.
 """
-import argparse
 import bisect
 import collections
 import json
@@ -54,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from src.config import Config
 from src.errors import UserError
 
 WAIT, WARMUP, ACTIVE = 2, 2, 6  # steps skipped, warmed up (profiled but discarded), recorded
@@ -326,7 +326,7 @@ def table(result: dict, where: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_folder(args: argparse.Namespace) -> Path:
+def profile_folder(args: Config) -> Path:
     """Where --profile writes: `profile/` in --log-dir, or in the checkpoint's folder."""
     return (Path(args.log_dir) if args.log_dir else Path(args.checkpoint).parent) / "profile"
 
@@ -340,7 +340,7 @@ def is_profile(folder: Path) -> bool:
     return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)
 
 
-def check_profile_folder(args: argparse.Namespace) -> None:
+def check_profile_folder(args: Config) -> None:
     """Refuse, at the start of a run with --profile, a profile folder that is not a folder (the
     profile was written after its steps, and failed there, the epoch's work lost), or one holding
     the files --profile writes that an earlier profile did not write (a user's profile.md would be
@@ -358,7 +358,7 @@ def check_profile_folder(args: argparse.Namespace) -> None:
 class Profiler:
     """Profiles a few training steps of the first training pass; one per run, on rank 0."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device):
+    def __init__(self, args: Config, device: torch.device):
         self.folder = profile_folder(args)
         self.device = device
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -46,13 +46,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
+from src.config import Config
+
 NAME = "last.dcp"
 TRAINING = "training.pt"
 PREVIOUS = f".{NAME}.previous"
 TENSORS = ("model", "optimizer", "average")  # the parts DCP holds; training.pt holds the rest
 
 
-def folder_of(args) -> Path:
+def folder_of(args: Config) -> Path:
     """The last.dcp folder of a run (beside --checkpoint)."""
     return Path(args.checkpoint).parent / NAME
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from src import checkpoint, sharded_checkpoint
 from src.checkpoint_writer import CheckpointWriter
+from src.config import Config
 from src.errors import Stopped
 from src.fsdp import broadcast_buffers, is_sharded, whole_average
 from src.heartbeat import Heartbeat
@@ -38,7 +39,7 @@ from src.stopping import StopSignals, how_to_go_on, signal_name
 class TrainingState:
     """What a run trains and where it is; see the module's docstring."""
 
-    def __init__(self, args, info: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, args: Config, info: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler, schedule, average, steps_per_epoch: int, heartbeat: Heartbeat | None = None):
         self.args, self.info = args, info
         self.model, self.optimizer, self.scaler, self.schedule, self.average = model, optimizer, scaler, schedule, average

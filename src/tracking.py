@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from src.config import Config
 from src.errors import EXIT_STOPPED, UserError, one_line
 
 BACKENDS = ("mlflow", "wandb")
@@ -79,7 +80,7 @@ ADVICE = ("a server's http(s)://HOST:PORT, a database such as sqlite:///PATH/mlf
           "--tracking-uri for the store beside --checkpoint")
 
 
-def requested(args) -> list[str]:
+def requested(args: Config) -> list[str]:
     """The backends that --track names, each once, in the order given."""
     return list(dict.fromkeys(getattr(args, "track", None) or []))
 
@@ -436,7 +437,7 @@ def wandb_logged(folder: Path, run_id: str) -> tuple[set[int], int]:
 class Tracker:
     """The run's trackers (--track), on rank 0 / the main process; without --track it does nothing."""
 
-    def __init__(self, args, folder: Path | None = None):
+    def __init__(self, args: Config, folder: Path | None = None):
         """Checks each store now, before any work: a UserError (one line, exit 2) if one cannot be
         used. `folder`: where the default stores go (by default --checkpoint's folder)."""
         self.folder = Path(folder if folder is not None else Path(args.checkpoint).parent)
@@ -538,7 +539,7 @@ class Tracker:
 
 
 @contextlib.contextmanager
-def rank_0_tracker(args) -> Iterator[Tracker]:
+def rank_0_tracker(args: Config) -> Iterator[Tracker]:
     """with rank_0_tracker(args) as tracker: the run's Tracker on rank 0 / the main process, its
     stores checked now (a UserError on every rank: rank 0's), one that tracks nothing elsewhere.
     When the block ends the tracked runs end with it: FINISHED with best.pth, best.json and the

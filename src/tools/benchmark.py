@@ -218,7 +218,7 @@ def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bo
     labels = torch.randint(0, 2, (batch,), device=device)
     model.train(train)
     set_samples(model, torch.arange(batch, device=device))  # the dropout keys of the batch's samples
-    amp = amp_dtype(args)
+    amp = amp_dtype(args.amp)
 
     def step():
         with torch.set_grad_enabled(train), torch.autocast(device.type, amp, enabled=amp is not None):

@@ -230,7 +230,7 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
     from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
 
-    rank, world_size, device, heartbeat = join_process_group(args)
+    rank, world_size, device, heartbeat = join_process_group(args.dist_timeout, args.amp)
     try:
         with heartbeat:  # under torchrun: names a rank that stops answering
             try:
@@ -243,7 +243,7 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
             workers = default_workers() if args.workers is None else args.workers
             start = time.time()
             result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
-                                   amp_dtype(args), args.channels_last, rank, world_size)
+                                   amp_dtype(args.amp), args.channels_last, rank, world_size)
     finally:
         end_process_group()
     if result is None:

@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         dogs = int(val_table["label"].sum())
         print(f"checked --val-dir {shown(args.val_dir)}: {len(val_table) - dogs} cats, {dogs} dogs")
     if args.cache:
-        dataset = labelled_images(args.data_dir, args.image_size, True, table, val_table, args.val_dir)
+        dataset = labelled_images(args.data_dir, args.image_size, True, table,
+                                  None if val_table is None else (args.val_dir, val_table))
         key = build_cache(dataset, args.image_size, args.cache, default_workers())
         print(f"cached {len(dataset)} images at {args.image_size} px in {cache_paths(args.cache, args.image_size, key)[0]}")
 
