@@ -1534,6 +1534,14 @@ MUTATIONS = [
      ['tests/test_scripts.py::test_every_guard_in_a_diff_is_marked_as_one']),
     ('train_fsdp.py', "    # guard: each validation image on one rank, once", "    # each validation image on one rank, once",
      ['tests/test_scripts.py::test_every_guard_in_a_diff_is_marked_as_one']),
+    # A training-only install (requirements.txt; the trackers in requirements-track.txt).
+    ('src/cli.py', 'TRACKERS_FILE = "requirements-track.txt"', 'TRACKERS_FILE = "requirements.txt"',
+     ['tests/test_tracking.py::test_a_tracker_not_installed_is_refused_when_parsed',
+      'tests/test_repository.py::test_training_predict_and_the_report_need_only_requirements_txt']),
+    ('src/tracking.py', 'import contextlib\n', 'import contextlib\n\nimport mlflow  # noqa: F401\n',
+     ['tests/test_repository.py::test_training_predict_and_the_report_need_only_requirements_txt']),
+    ('Makefile', 'demo: $(VENV)/.train-installed $(SYNTHETIC)/train', 'demo: $(VENV)/.installed $(SYNTHETIC)/train',
+     ['tests/test_repository.py::test_make_demo_installs_training_alone_and_make_test_everything']),
     # docs/flags.md against every script's --help; predict's --help.
     ('src/cli.py', '    if amp:', '    if True:',
      ['tests/test_flags.py::test_the_flag_page_lists_each_scripts_flags_and_defaults']),

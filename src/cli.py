@@ -314,6 +314,9 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     return config
 
 
+# What --track's packages are installed from (a training-only install, requirements.txt, lacks them).
+TRACKERS_FILE = "requirements-track.txt"
+
 # A URI starts with its scheme (RFC 3986): a plain path would be MLflow's file store, which it refuses.
 URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 
@@ -331,7 +334,7 @@ def check_tracking(parser: argparse.ArgumentParser, track: list[str] | None, uri
     for name in dict.fromkeys(track or []):
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "
-                         "pip install -r requirements.txt")
+                         f"pip install -r {TRACKERS_FILE}")
 
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
