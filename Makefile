@@ -26,7 +26,7 @@ $(VENV)/.installed: requirements.txt requirements-track.txt requirements-onnx.tx
 
 # Training alone: what make demo needs (a later make test adds the rest to the same .venv).
 $(VENV)/.train-installed: requirements.txt
-	$(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements.txt
 	touch $@
 

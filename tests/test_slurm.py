@@ -41,15 +41,19 @@ if [ "$1 $2" = "show hostnames" ]; then printf 'gpu07\\ngpu08\\n'; fi
 
 @pytest.fixture
 def fake_slurm(tmp_path):
-    """A PATH with the fake srun and scontrol first, and the log they write."""
+    """A PATH with the fake srun and scontrol first, and the log they write; VENV a folder whose
+    bin/torchrun is there (the project's own .venv may not be: the mutation check's copy)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    for path, text in ((bin_dir / "srun", FAKE_SRUN), (bin_dir / "scontrol", FAKE_SCONTROL),
+                       (tmp_path / "venv" / "bin" / "torchrun", "#!/bin/sh\nexit 1\n")):
+        path.write_text(text)
+        path.chmod(0o755)
     log = tmp_path / "calls.log"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_") and key not in ("CODE", "VENV", "RDZV_PORT")}
-    env = {**env, **SLURM, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_") and key not in ("CODE", "RDZV_PORT")}
+    env = {**env, **SLURM, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "VENV": str(tmp_path / "venv")}
     return env, log
 
 
@@ -83,7 +87,7 @@ def test_one_torchrun_per_node_with_a_rendezvous_on_the_first_node(fake_slurm):
     GPU that Slurm allocated, the rendezvous on the first node at the job's own port."""
     env, log = fake_slurm
     assert _torchrun(env) == (
-        f"srun --kill-on-bad-exit=1 {ROOT}/.venv/bin/torchrun --nnodes=2 --nproc-per-node=4 "
+        f"srun --kill-on-bad-exit=1 {env['VENV']}/bin/torchrun --nnodes=2 --nproc-per-node=4 "
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --rdzv-backend=c10d "
         f"--rdzv-endpoint=gpu07:{10000 + 4242 % 20000} --rdzv-id=4242 --max-restarts=3 {ROOT}/train_ddp.py "
         "--data-dir data --epochs 10")
@@ -136,7 +140,7 @@ def test_the_processes_per_node_are_the_gpus_slurm_allocated(slurm, processes, f
      "nodes (SLURM_GPUS_ON_NODE '', SLURM_GPUS_PER_NODE ''): submit it with --gpus-per-node=N"),
     ({"SLURM_GPUS_ON_NODE": "0", "SLURM_GPUS_PER_NODE": None}, "submit it with --gpus-per-node=N"),
     ({"VENV": "/nowhere/venv"}, f"no {ROOT}/train_ddp.py or no /nowhere/venv/bin/torchrun on "),
-    ({"SLURM_SUBMIT_DIR": "/"}, "no //train_ddp.py or no //.venv/bin/torchrun on "),
+    ({"SLURM_SUBMIT_DIR": "/", "VENV": None}, "no //train_ddp.py or no //.venv/bin/torchrun on "),
 ])
 def test_a_job_without_gpus_or_without_the_code_and_venv_stops_before_srun(change, message, fake_slurm):
     env, log = fake_slurm

@@ -2,7 +2,6 @@
 rule), --val-dir's validation folder (every image of train/ trains, every image of the folder
 validates: no split), what reads it after training (--resume, --evaluate, the report, --cache,
 prepare), and the refusals (--val-fraction beside it, an image on both sides)."""
-import csv
 import json
 import shutil
 from argparse import Namespace
@@ -11,31 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, fails_in_process, history, in_process, outputs, run_main, validation_pass
+from conftest import TINY, fails_in_process, history, in_process, outputs, run_main, val_folder, validation_pass
 
 import train_single
 from src.loaders import labelled_data
 from src.metrics import EPS
 from src.tools import prepare, report
-from src.tools.synthetic import TEST_LABELS
-
-# Where tiny_data's labelled test images go in the validation folder: two depths under each class.
-PLACES = ("cats/2023", "Dogs/trip/day 2")
-
-
-def val_folder(tiny_data: Path, folder: Path) -> tuple[Path, dict[Path, int]]:
-    """tiny_data's 6 labelled test images laid out as class folders, at depths 2 and 3; each
-    file with its label (0 cat, 1 dog)."""
-    with open(tiny_data / TEST_LABELS) as file:
-        labels = {int(row["id"]): int(row["label"]) for row in csv.DictReader(file)}
-    files = {}
-    for image_id, label in labels.items():
-        target = folder / PLACES[label] / f"{image_id}.jpg"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(tiny_data / "test" / f"{image_id}.jpg", target)
-        files[target] = label
-    (folder / "cats" / "2023" / ".notes.txt").write_text("a hidden file, not an image\n")
-    return folder, files
 
 
 @pytest.fixture(scope="module")
