@@ -868,7 +868,7 @@ MUTATIONS = [
      ['tests/test_hung_rank.py::test_the_line_names_the_ranks_that_did_not_arrive_and_the_lowest_other_rank_says_it',
       'tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout',
       'tests/test_hung_rank.py::test_with_a_stop_pending_a_rank_not_heard_from_for_stale_seconds_ends_the_others']),
-    ('src/heartbeat.py', '        if said is None and beat["order"] < mine["order"]:', '        if False:',
+    ('src/heartbeat.py', '        if said is None and beat is not None and beat["order"] < mine["order"]:', '        if False:',
      ['tests/test_hung_rank.py::test_the_line_names_the_ranks_that_did_not_arrive_and_the_lowest_other_rank_says_it']),
     ('train_ddp.py', 'with watch_ranks(store, args.dist_timeout, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:',
      'with Heartbeat() as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:',
