@@ -100,8 +100,10 @@ def write_best(args: Config, history: list[dict], info: dict, model_state: dict,
     is_best = best["epoch"] == history[-1]["epoch"]
     if is_best:
         # best.json holds its digest: predict checks the pair (the only file whose hash is used).
-        digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"],
-                                   hashed=True)
+        if weights == "average" and average_state is None:  # best_choice offers an average only where the records hold one
+            raise ValueError("the history holds --ema-decay's average but the run keeps none")
+        chosen = average_state["model"] if weights == "average" and average_state is not None else model_state
+        digest = atomic_torch_save(chosen, paths["best"], hashed=True)
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
     return is_best
@@ -185,19 +187,36 @@ def _newest_last(path: Path, sharded: bool = False) -> tuple[int, dict | None]:
     for epoch in epochs:
         if isinstance(epoch, UserError):
             raise UserError(str(epoch), quiet=not is_first())
-    held = [(epoch[:2], -rank) for rank, epoch in enumerate(epochs) if epoch is not None]
+    places = [epoch for epoch in epochs if not isinstance(epoch, UserError)]  # all of them: raised above
+    held = [(epoch[:2], -rank, epoch[2]) for rank, epoch in enumerate(places) if epoch is not None]
     if not held:
         return 0, None
     source = -max(held)[1]
-    found = Path(epochs[source][2])
+    found = Path(max(held)[2])
     if found == path:
-        return source, from_rank(source, lambda: {**_read_last(path), "from": _where(path)})
+        return source, from_rank(source, lambda: _read_found(path))
     return source, from_rank(source, lambda: _read_folder(found, sharded))
+
+
+def _read_found(path: Path) -> dict:
+    """The last.pth that _newest_last found, as it sends it."""
+    state = _read_last(path)
+    if state is None:
+        raise _gone(path)
+    return {**state, "from": _where(path)}
+
+
+def _gone(path: Path) -> UserError:
+    """A last that _newest_last found and that is gone when it is read (deleted, or a run of the
+    same folder moved it): one line, not a traceback."""
+    return UserError(f"cannot resume from {_where(path)}: it was removed while this run started; start the run again")
 
 
 def _read_folder(folder: Path, sharded: bool) -> dict:
     """A whole last.dcp as _newest_last sends it."""
     whole = sharded_checkpoint.whole_folder(folder)
+    if whole is None:
+        raise _gone(folder)
     try:
         if sharded:
             return {**sharded_checkpoint.read_training(whole), "from": _where(folder), "shards": str(whole)}

@@ -32,8 +32,8 @@ def normalize(images: torch.Tensor, channels_last: bool = False, mean: tuple = I
     """uint8 batch (already on the device) -> float batch normalised per channel."""
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    mean, std = _statistics(images.device, tuple(mean), tuple(std))
-    return (images.float() / 255 - mean) / std
+    mean_t, std_t = _statistics(images.device, tuple(mean), tuple(std))
+    return (images.float() / 255 - mean_t) / std_t
 
 
 def model_inputs(batch: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:

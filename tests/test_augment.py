@@ -27,6 +27,7 @@ import train_single
 from src import augment as aug
 from src import checkpoint
 from src.augment import ERASE_FILL, TrainSplit, augment, crop_params, partner
+from src.cache import MappedArray
 from src.cli import parse_args
 from src.dropout import sample_key
 from src.errors import UserError
@@ -581,8 +582,8 @@ def test_a_last_pth_older_than_the_flags_resumes_with_their_defaults(tmp_path):
         _resume(tmp_path, "--mixup-alpha", "0.2", drop=added)
 
 
-class _Pixels(Dataset):
-    """A few uint8 images with the pixel cache's `labels`."""
+class _Pixels(MappedArray):
+    """A few uint8 images with the pixel cache's `labels`, in memory."""
 
     def __init__(self):
         self.items = _images(6, 32)
