@@ -844,7 +844,7 @@ MUTATIONS = [
     ('src/state.py', 'earlier = self.partial["train_seconds"] if self.partial else 0.0',
      'earlier = 0.0',
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
-    ('src/state.py', 'return bool(every) and self.run_step % every == 0 and self.step < self.steps_per_epoch',
+    ('src/state.py', 'return every is not None and self.run_step % every == 0 and self.step < self.steps_per_epoch',
      'return False',
      ['tests/test_stopping.py::test_step_checkpoints_hold_the_steps_and_change_nothing']),
     ('src/stopping.py', 'self.handlers = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}',
