@@ -15,7 +15,7 @@ import os
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, outp
 from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+if TYPE_CHECKING:  # src.fsdp loads FSDP's modules, which a run without them does not need
+    from src.fsdp import WholeModel, WholeOptimizer
 
 # Recipe flags younger than some last.pth files, with their defaults: a last.pth without the key was
 # trained with the default, which it then resumes with.
@@ -116,7 +119,7 @@ def write_history(args: Config, history: list[dict]) -> None:
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
 
 
-def last_state(history: list[dict], model_state: dict, optimizer_state: dict, average_state: dict | None,
+def last_state(history: list[dict], model_state: dict | None, optimizer_state: dict | None, average_state: dict | None,
                scaler, schedule, info: dict, step: int = 0, partial: dict | None = None) -> dict:
     """last.pth's content after the epochs in `history` and `step` optimizer steps of the next one;
     `partial` (step > 0): each rank's metric sums of those steps (one row per rank) and their
@@ -286,7 +289,7 @@ def _shown(key: str, value) -> str:
     return str(value)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer(optimizer: "torch.optim.Optimizer | WholeOptimizer", saved: dict) -> None:
     """optimizer.load_state_dict(saved), keeping this device's kernel choice (fused on a GPU, not
     on a CPU), which the fp16 scaler relies on. The choice goes into the saved groups before
     loading: load_state_dict places AdamW's `step` tensors by the saved groups' flags
@@ -325,7 +328,8 @@ class Resumed(NamedTuple):
     tracked_ids: dict | None = None
 
 
-def load_last(args: Config, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None,
+def load_last(args: Config, info: dict, model: "torch.nn.Module | WholeModel",
+              optimizer: "torch.optim.Optimizer | WholeOptimizer", scaler, schedule, average=None,
               shards=None) -> Resumed:
     """With --resume (or in a worker that torchrun restarted), load last.pth (or last.dcp) into
     model, optimizer, the weight average, scaler and schedule; returns the history so far and the

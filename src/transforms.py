@@ -4,8 +4,6 @@ import functools
 import torch
 from torchvision import transforms
 
-from src.config import Config
-
 # torchvision's ImageNet statistics: the pretrained weights expect inputs normalised with these.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -43,6 +41,6 @@ def model_inputs(batch: torch.Tensor, device: torch.device, channels_last: bool 
     return normalize(batch, channels_last) if batch.dtype == torch.uint8 else batch
 
 
-def memory_format(args: Config) -> torch.memory_format:
-    """What --channels-last asks for the model's weights."""
-    return torch.channels_last if args.channels_last else torch.preserve_format
+def memory_format(channels_last: bool) -> torch.memory_format:
+    """What --channels-last (`channels_last`) asks for the model's weights."""
+    return torch.channels_last if channels_last else torch.preserve_format
