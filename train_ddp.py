@@ -108,7 +108,7 @@ def train(args: Config, device: torch.device, rank: int, world_size: int, heartb
     check_batches(data, args, world_size)
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
-    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args.channels_last))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step

@@ -92,7 +92,7 @@ def train(args: Config, device: torch.device, tracker: Tracker) -> None:
     check_batches(data, args)
     global_batch = args.batch_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
-    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args.channels_last))
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)

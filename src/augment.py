@@ -105,7 +105,7 @@ def partner(seed: int, epoch: int, index: int, position: int, n: int) -> int:
 
 def policy(args: Config) -> v2.Transform | None:
     """--auto-augment's transform, with the reference's settings; None without it."""
-    name = getattr(args, "auto_augment", None)
+    name = args.auto_augment
     if name is None:
         return None
     if name == "ta_wide":
@@ -119,7 +119,7 @@ def policy(args: Config) -> v2.Transform | None:
 
 def eraser(args: Config) -> v2.RandomErasing | None:
     """--random-erase P's transform (the reference's scale and ratio); None without it."""
-    p = getattr(args, "random_erase", 0.0)
+    p = args.random_erase
     return v2.RandomErasing(p=p, value=list(ERASE_FILL)) if p > 0 else None
 
 
@@ -127,9 +127,9 @@ def mixer(args: Config) -> v2.Transform | None:
     """v2.MixUp, v2.CutMix or, with both alphas, the reference's RandomChoice of the two; None
     without either. It takes a batch of two (the sample, its partner) and two labels."""
     mixers = []
-    if getattr(args, "mixup_alpha", 0.0) > 0:
+    if args.mixup_alpha > 0:
         mixers.append(v2.MixUp(alpha=args.mixup_alpha, num_classes=2))
-    if getattr(args, "cutmix_alpha", 0.0) > 0:
+    if args.cutmix_alpha > 0:
         mixers.append(v2.CutMix(alpha=args.cutmix_alpha, num_classes=2))
     if not mixers:
         return None
@@ -138,11 +138,11 @@ def mixer(args: Config) -> v2.Transform | None:
 
 def augments(args: Config) -> list[str]:
     """The flags on that change a training image from epoch to epoch or mix it with another."""
-    on = {"--augment": getattr(args, "augment", False),
-          "--auto-augment": getattr(args, "auto_augment", None) is not None,
-          "--random-erase": getattr(args, "random_erase", 0.0) > 0,
-          "--mixup-alpha": getattr(args, "mixup_alpha", 0.0) > 0,
-          "--cutmix-alpha": getattr(args, "cutmix_alpha", 0.0) > 0}
+    on = {"--augment": args.augment,
+          "--auto-augment": args.auto_augment is not None,
+          "--random-erase": args.random_erase > 0,
+          "--mixup-alpha": args.mixup_alpha > 0,
+          "--cutmix-alpha": args.cutmix_alpha > 0}
     return [flag for flag, value in on.items() if value]
 
 
@@ -175,7 +175,7 @@ class TrainSplit(Dataset[tuple[torch.Tensor, int | torch.Tensor, int]]):
 
     def __init__(self, dataset: Dataset, indices: list[int], args: Config):
         self.dataset, self.indices, self.seed = dataset, list(indices), args.seed
-        self.crop = getattr(args, "augment", False)
+        self.crop = args.augment
         self.policy, self.eraser, self.mixer = policy(args), eraser(args), mixer(args)
         # In shared memory: a persistent loader worker keeps the copy of this object it started
         # with (fork or spawn), and reads the epoch that set_epoch writes in the main process.

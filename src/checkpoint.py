@@ -15,7 +15,7 @@ import os
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, outp
 from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+if TYPE_CHECKING:  # src.fsdp loads FSDP's modules, which a run without them does not need
+    from src.fsdp import WholeModel, WholeOptimizer
 
 # Recipe flags younger than some last.pth files, with their defaults: a last.pth without the key was
 # trained with the default, which it then resumes with.
@@ -102,8 +105,10 @@ def write_best(args: Config, history: list[dict], info: dict, model_state: dict,
     is_best = best["epoch"] == history[-1]["epoch"]
     if is_best:
         # best.json holds its digest: predict checks the pair (the only file whose hash is used).
-        digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"],
-                                   hashed=True)
+        if weights == "average" and average_state is None:  # best_choice offers an average only where the records hold one
+            raise ValueError("the history holds --ema-decay's average but the run keeps none")
+        chosen = average_state["model"] if weights == "average" and average_state is not None else model_state
+        digest = atomic_torch_save(chosen, paths["best"], hashed=True)
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
     return is_best
@@ -116,7 +121,7 @@ def write_history(args: Config, history: list[dict]) -> None:
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
 
 
-def last_state(history: list[dict], model_state: dict, optimizer_state: dict, average_state: dict | None,
+def last_state(history: list[dict], model_state: dict | None, optimizer_state: dict | None, average_state: dict | None,
                scaler, schedule, info: dict, step: int = 0, partial: dict | None = None) -> dict:
     """last.pth's content after the epochs in `history` and `step` optimizer steps of the next one;
     `partial` (step > 0): each rank's metric sums of those steps (one row per rank) and their
@@ -187,19 +192,36 @@ def _newest_last(path: Path, sharded: bool = False) -> tuple[int, dict | None]:
     for epoch in epochs:
         if isinstance(epoch, UserError):
             raise UserError(str(epoch), quiet=not is_first())
-    held = [(epoch[:2], -rank) for rank, epoch in enumerate(epochs) if epoch is not None]
+    places = [epoch for epoch in epochs if not isinstance(epoch, UserError)]  # all of them: raised above
+    held = [(epoch[:2], -rank, epoch[2]) for rank, epoch in enumerate(places) if epoch is not None]
     if not held:
         return 0, None
     source = -max(held)[1]
-    found = Path(epochs[source][2])
+    found = Path(max(held)[2])
     if found == path:
-        return source, from_rank(source, lambda: {**_read_last(path), "from": _where(path)})
+        return source, from_rank(source, lambda: _read_found(path))
     return source, from_rank(source, lambda: _read_folder(found, sharded))
+
+
+def _read_found(path: Path) -> dict:
+    """The last.pth that _newest_last found, as it sends it."""
+    state = _read_last(path)
+    if state is None:
+        raise _gone(path)
+    return {**state, "from": _where(path)}
+
+
+def _gone(path: Path) -> UserError:
+    """A last that _newest_last found and that is gone when it is read (deleted, or a run of the
+    same folder moved it): one line, not a traceback."""
+    return UserError(f"cannot resume from {_where(path)}: it was removed while this run started; start the run again")
 
 
 def _read_folder(folder: Path, sharded: bool) -> dict:
     """A whole last.dcp as _newest_last sends it."""
     whole = sharded_checkpoint.whole_folder(folder)
+    if whole is None:
+        raise _gone(folder)
     try:
         if sharded:
             return {**sharded_checkpoint.read_training(whole), "from": _where(folder), "shards": str(whole)}
@@ -271,7 +293,7 @@ def _shown(key: str, value) -> str:
     return str(value)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer(optimizer: "torch.optim.Optimizer | WholeOptimizer", saved: dict) -> None:
     """optimizer.load_state_dict(saved), keeping this device's kernel choice (fused on a GPU, not
     on a CPU), which the fp16 scaler relies on. The choice goes into the saved groups before
     loading: load_state_dict places AdamW's `step` tensors by the saved groups' flags
@@ -310,7 +332,8 @@ class Resumed(NamedTuple):
     tracked_ids: dict | None = None
 
 
-def load_last(args: Config, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None,
+def load_last(args: Config, info: dict, model: "torch.nn.Module | WholeModel",
+              optimizer: "torch.optim.Optimizer | WholeOptimizer", scaler, schedule, average=None,
               shards=None) -> Resumed:
     """With --resume (or in a worker that torchrun restarted), load last.pth (or last.dcp) into
     model, optimizer, the weight average, scaler and schedule; returns the history so far and the

@@ -103,6 +103,8 @@ def backbone_outputs(args: Config, model: nn.Module, dataset: Dataset,
             print(f"--freeze with {' '.join(changing)} trains from the images: the backbone's outputs change "
                   "with every augmented or mixed image, so they are not cached")
         return None
+    if not isinstance(dataset, MappedArray):  # with --cache the run's images are the pixel cache (labelled_data)
+        raise TypeError(f"the feature cache is built from the pixel cache (a MappedArray), not a {type(dataset).__name__}")
     was_training = model.training
     model.eval()
     try:

@@ -82,11 +82,13 @@ def choices(record: dict) -> list[tuple[dict, str]]:
 def best_choice(history: list[dict], best_by: str) -> tuple[dict, str]:
     """The first (epoch, weights or their average) that nothing later beats by --best-by: what
     best.pth holds, as (the record with that choice's validation fields, "weights" or "average")."""
-    best = None
+    best: tuple[dict, str] | None = None
     for record in history:
         for offered in choices(record):
             if is_better(offered[0], best and best[0], best_by):
                 best = offered
+    if best is None:
+        raise ValueError("best_choice: the history holds no epoch")
     return best
 
 

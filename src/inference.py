@@ -181,9 +181,9 @@ def predict_files(model: torch.nn.Module, info: dict, files: list[Path], device:
     share[[i - sampler.start for i in broken]] = float("nan")
     if world_size == 1:
         return share, broken
-    shares = [None] * world_size if rank == 0 else None
-    dist.gather_object((share, broken), shares, dst=0)  # every rank takes part
-    if rank != 0:
+    shares: list[tuple[torch.Tensor, dict[int, str]]] | None = [(share, broken)] * world_size if rank == 0 else None
+    dist.gather_object((share, broken), shares, dst=0)  # every rank takes part; rank 0's list is filled
+    if shares is None:
         return None
     return torch.cat([s for s, _ in shares]), {i: why for _, b in shares for i, why in b.items()}
 

@@ -11,6 +11,7 @@ skipping of a resumed epoch's finished steps.
 """
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ import pandas as pd
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from src.cache import cached
+from src.cache import MappedArray, cached
 from src.config import Config
 from src.datasets import DogCatDataset, check_both_classes, label_table, load_labels, load_val_labels, worker_options
 from src.devices import check_shared_memory
@@ -89,7 +90,7 @@ class _SkipBatches(BatchSampler):
     """A batch sampler that leaves out the first `skip` batches of another: their indices are
     never handed to the workers, so no image of theirs is read."""
 
-    def __init__(self, batches: BatchSampler, skip: int):
+    def __init__(self, batches: Sampler[list[int]] | Iterable[list[int]], skip: int):
         self.batches, self.skip = batches, skip
 
     def __iter__(self):
@@ -98,7 +99,7 @@ class _SkipBatches(BatchSampler):
                 yield batch
 
     def __len__(self) -> int:
-        return max(0, len(self.batches) - self.skip)
+        return max(0, len(self.batches) - self.skip)  # type: ignore[arg-type]  # a DataLoader's batch sampler has a length
 
 
 def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
@@ -107,6 +108,8 @@ def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
     Its sampler stays the same object: set_epoch on it still applies."""
     if not batches:
         return loader
+    if loader.batch_sampler is None:  # a loader of single samples (batch_size=None) has no batches to skip
+        raise ValueError("skip_first_batches: the loader has no batch sampler")
     return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, batches),
                       num_workers=loader.num_workers, pin_memory=loader.pin_memory, generator=loader.generator,
                       **({"multiprocessing_context": loader.multiprocessing_context,
@@ -154,20 +157,20 @@ def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
     other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
-    val_dir: str | None = getattr(args, "val_dir", None)  # a Namespace of another command may not have it
+    val_dir = args.val_dir
 
     def tables() -> tuple[pd.DataFrame, tuple[str, pd.DataFrame] | None]:
         table = load_labels(data_dir, show)
         return table, None if val_dir is None else (val_dir, load_val_labels(Path(val_dir), data_dir, table, show))
 
     table, val = from_rank_0(tables)
-    if not getattr(args, "evaluate", False):  # validating on one class is a fair question; training on it is not
+    if not args.evaluate:  # validating on one class is a fair question; training on it is not
         try:
             check_both_classes(table, data_dir)
         except UserError as error:  # every rank has the table: rank 0 says it
             raise UserError(str(error), quiet=not show) from None
     images = labelled_images(data_dir, args.image_size, show, table, val)
-    dataset: Dataset = images
+    dataset: DogCatDataset | MappedArray = images
     if args.cache:
         dataset = cached(images, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
     if val is None:

@@ -191,7 +191,7 @@ def _by_value(everyone: list[dict], key: str) -> list[tuple]:
 def _ranks(ranks: list[int]) -> str:
     """"rank 1", "ranks 0-3, 6" """
     spans, start = [], ranks[0]
-    for before, rank in zip(ranks, ranks[1:] + [None]):
+    for before, rank in zip(ranks, [*ranks[1:], -1]):  # -1: past the last (a rank is never before + 1 = -1)
         if rank != before + 1:
             spans.append(f"{start}-{before}" if before > start else f"{start}")
             start = rank

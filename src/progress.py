@@ -114,7 +114,7 @@ class Progress:
         accumulate = self.args.accumulate if training else 1
         every = self.args.log_every * accumulate  # micro-batches between reports
         phase = "training" if training else "validating the average" if desc.endswith("average") else "validating"
-        pending = collections.deque()  # copies of sums in flight: (host copy, event, micro-batch, time)
+        pending: collections.deque[tuple] = collections.deque()  # copies of sums in flight: (host copy, event, micro-batch, time)
         # the last copy that arrived: (sums, micro-batch, time); a resumed epoch's finished steps' sums
         last = (state.partial["sums"], first, None) if training and first and state.partial else None
         bar = tqdm(total=total, initial=first, desc=desc, leave=False, disable=not self.show)

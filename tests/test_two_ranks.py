@@ -450,12 +450,10 @@ def test_each_rank_validates_its_share_of_the_val_dir_and_together_the_whole_onc
     """--val-dir under two ranks: rank 1 holds rank 0's tables (it scans nothing), so the shares of
     train_ddp.py's validation loader are the folder's 6 images, 3 a rank, each once, in the order
     one process validates them (labelled_data in this process)."""
-    from argparse import Namespace
-
+    from src.cli import defaults
     from src.loaders import labelled_data
     shares = [result(launch, "val_dir", rank) for rank in (0, 1)]
-    one = labelled_data(Namespace(data_dir=str(tiny_data), val_dir=str(launch / "val"), image_size=32, cache=None,
-                                  val_fraction=None, seed=42, workers=0, evaluate=False))
+    one = labelled_data(defaults(["--data-dir", str(tiny_data), "--val-dir", str(launch / "val"), "--image-size", "32"]))
     whole = [one.dataset.frame["filename"][i] for i in one.val_idx]
     assert [len(share) for share in shares] == [3, 3] and shares[0] + shares[1] == whole
     assert sorted(whole) == sorted(str(path) for path in (launch / "val").rglob("*.jpg"))

@@ -2,9 +2,9 @@
 rule), --val-dir's validation folder (every image of train/ trains, every image of the folder
 validates: no split), what reads it after training (--resume, --evaluate, the report, --cache,
 prepare), and the refusals (--val-fraction beside it, an image on both sides)."""
+import dataclasses
 import json
 import shutil
-from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +13,7 @@ import torch
 from conftest import TINY, fails_in_process, history, in_process, outputs, run_main, val_folder, validation_pass
 
 import train_single
+from src.cli import defaults
 from src.loaders import labelled_data
 from src.metrics import EPS
 from src.tools import prepare, report
@@ -54,8 +55,7 @@ def test_every_rank_and_the_cache_see_the_same_validation_images(val_run, tmp_pa
     in natural order, after the 40 of train/); the pixel cache that prepare --val-dir builds ahead
     is the one a run with that --val-dir reads, holding the same pixels."""
     _, val, files, _, _ = val_run
-    args = Namespace(data_dir=str(tiny_data), val_dir=str(val), image_size=32, cache=None, val_fraction=None,
-                     seed=0, workers=0, evaluate=False)
+    args = defaults(["--data-dir", str(tiny_data), "--val-dir", str(val), "--image-size", "32", "--seed", "0"])
     plain = labelled_data(args)
     assert plain.train_idx == list(range(40)) and plain.val_idx == list(range(40, 46))
     names = [plain.dataset.frame["filename"][i] for i in plain.val_idx]
@@ -66,7 +66,7 @@ def test_every_rank_and_the_cache_see_the_same_validation_images(val_run, tmp_pa
     code, out, err = in_process(prepare.main, [str(data), "--val-dir", str(val), "--cache", str(cache),
                                                "--image-size", "32"], monkeypatch, capsys)
     assert code == 0 and f"checked --val-dir {val}: 1 cats, 5 dogs" in out.splitlines(), (out, err)
-    cached = labelled_data(Namespace(**{**vars(args), "data_dir": str(data), "cache": str(cache)}))
+    cached = labelled_data(dataclasses.replace(args, data_dir=str(data), cache=str(cache)))
     assert "reading images from the cache" in capsys.readouterr().out
     for i in (*cached.val_idx, 0):
         assert torch.equal(cached.dataset[i][0], plain.dataset[i][0])

@@ -239,7 +239,7 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
                 model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
             except UserError as error:  # every rank finds it: the first says it
                 raise UserError(str(error), quiet=error.quiet or not is_first()) from None
-            model.to(device, memory_format=memory_format(args))
+            model.to(device).to(memory_format=memory_format(args.channels_last))
             workers = default_workers() if args.workers is None else args.workers
             start = time.time()
             result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
