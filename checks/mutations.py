@@ -1518,6 +1518,24 @@ MUTATIONS = [
     ('src/progress.py', 'values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)',
      'values["images_per_s"] = (index - before_index) / (at - before_at)',
      ['tests/test_watch.py::test_images_per_second_are_the_images_since_the_last_report_over_its_seconds']),
+    # Both sides of the boundaries of check_batches and its neighbours (a blind audit's survivor: the first).
+    ('src/loaders.py', 'if len(data.val_idx) < processes:', 'if len(data.val_idx) <= processes:',
+     ['tests/test_loaders.py::test_as_many_validation_images_as_processes_are_accepted_and_one_fewer_refused']),
+    ('src/devices.py', '    if free < need:\n', '    if free <= need:\n',
+     ['tests/test_loaders.py::test_a_dev_shm_with_exactly_what_the_workers_need_is_accepted_and_a_byte_less_refused']),
+    ('src/loaders.py', 'if n_val < 1 or n_val >= n:', 'if n_val <= 1 or n_val >= n:',
+     ['tests/test_loaders.py::test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused']),
+    ('src/loaders.py', 'if n_val < 1 or n_val >= n:', 'if n_val < 1 or n_val > n:',
+     ['tests/test_loaders.py::test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused']),
+
+    # What only a GPU runs, run or read on the CPU, and make test-gpu's checks of this round's
+    # features (issues 55 and 60): our threads on their rank's GPU, the self-test's code on the CPU.
+    ('src/heartbeat.py', '            torch.cuda.set_device(self.device)\n', '',
+     ['tests/test_gpu_on_cpu_threads.py::test_the_heartbeat_thread_sets_its_ranks_gpu_before_it_asks_an_event']),
+    ('src/heartbeat.py', '                self.device = torch.device("cuda", torch.cuda.current_device())', '                pass',
+     ['tests/test_gpu_on_cpu_threads.py::test_a_heartbeat_given_cuda_without_an_index_uses_the_main_threads_gpu']),
+    ('src/checkpoint_writer.py', '                torch.cuda.set_device(device)  # the event', '                pass  #',
+     ['tests/test_gpu_on_cpu_threads.py::test_the_checkpoint_writer_thread_sets_the_gpu_of_its_copies_before_it_waits_for_them']),
 ]
 
 

@@ -10,7 +10,10 @@ and at least every BEAT seconds: a rank that is stopped or dead stops writing, a
 main thread keeps writing the same place. On a GPU the host runs ahead of the device (NCCL's
 collectives do not make it wait), so the place written is the device's: at() also records a CUDA
 event, and the thread writes the place of the last event the GPU has reached (query(), no wait),
-or the host's where the GPU has done everything queued. When this rank's place has not changed for
+or the host's where the GPU has done everything queued. The thread makes this rank's GPU its own
+before it asks any event (torch.cuda.set_device, as torch's pin-memory thread does): a new thread's
+CUDA calls go to GPU 0, where every rank would otherwise open a CUDA context of its own (hundreds of
+MB each on GPU 0). When this rank's place has not changed for
 nearly --dist-timeout (it waits in a collective), the thread reads every rank's beat: the ranks
 whose beat is stale, or whose place is behind this rank's, did not arrive. The lowest rank among
 the others says so in one line, and they end with exit code 1 before the collective's own timeout
@@ -71,6 +74,7 @@ class Heartbeat:
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
         self.cuda = getattr(device, "type", None) == "cuda"
+        self.device = device  # this rank's GPU: the thread's CUDA calls go there
         self.recording = False  # CUDA events are recorded while the thread reads them
         # (place, its event), oldest first: places the GPU has not reached
         self.recorded: collections.deque[tuple[tuple, torch.cuda.Event]] = collections.deque()
@@ -99,6 +103,9 @@ class Heartbeat:
             self.at("starting")
             self.done.clear()
             self.recording = self.cuda
+            if self.cuda and self.device.index is None:  # "cuda": the GPU this (main) thread uses
+                import torch
+                self.device = torch.device("cuda", torch.cuda.current_device())
             self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
             self.thread.start()
         return self
@@ -124,6 +131,9 @@ class Heartbeat:
     def _run(self) -> None:
         store, rank, timeout_s = self.store, self.rank, self.timeout_s
         written, when, moved, looked = None, 0.0, time.monotonic(), 0.0
+        if self.cuda:  # before the first event is asked: this thread's CUDA calls on this rank's GPU
+            import torch
+            torch.cuda.set_device(self.device)
         try:
             while not self.done.is_set():
                 place, now = self.where(), time.monotonic()
