@@ -1214,6 +1214,12 @@ MUTATIONS = [
      ['tests/test_resume_rules.py::test_a_last_pth_removed_between_its_scan_and_its_read_is_one_line']),
     ('src/checkpoint.py', '    if whole is None:\n        raise _gone(folder)', '    if False:\n        raise _gone(folder)',
      ['tests/test_resume_rules.py::test_a_last_dcp_removed_between_its_scan_and_its_read_is_one_line']),
+    ('src/config.py', '        kept = {*self.flags, "command", "mode"}', '        kept = {field.name for field in dataclasses.fields(self)}',
+     ['tests/test_types.py::test_parse_args_records_the_flags_its_parser_has_as_the_namespace_did']),
+    ('src/config.py', '    ema_decay: float | None\n', '',
+     ['tests/test_types.py::test_every_flag_of_every_script_is_a_field_in_the_parsers_order']),
+    ('src/freeze.py', 'def frozen_until(args: Config) -> int:', 'def frozen_until(args) -> int:',
+     ['tests/test_types.py::test_every_function_that_takes_the_flags_annotates_them']),
     # Escaped quotes: the text this entry quotes would otherwise occur twice in this file, here too.
     ('checks/mutations.py', "return captured.decode(errors=\"replace\") if isinstance(captured, bytes) else captured or \"\"",
      "return str(captured or \"\")",

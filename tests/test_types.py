@@ -107,3 +107,24 @@ def test_make_lints_type_checker_finds_a_misspelt_flag_a_wrong_call_in_a_cuda_br
            f'"check_gpus"  [call-arg]' in said
     assert f'checks/gpu_selftest.py:{missing}: error: Module "src.loaders" has no attribute "run_every_loader"  ' \
            f'[attr-defined]' in said
+
+
+# A forward hook, whose `args` are the module's inputs; the step hooks and __torch_dispatch__,
+# whose (args, kwargs) are a call's, are told by their `kwargs`.
+HOOKS = {("src/tools/rounding.py", "magnitude")}
+
+
+def test_every_function_that_takes_the_flags_annotates_them():
+    """A parameter without an annotation is Any to mypy, and nothing read from it is checked:
+    every `args` of the scripts and the library is annotated (a Config, or a tool's Options)."""
+    import ast
+    bare = []
+    for path in sorted([*ROOT.glob("train_*.py"), *(ROOT / "src").rglob("*.py")]):
+        name = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (name, node.name) not in HOOKS:
+                params = node.args.args + node.args.kwonlyargs
+                if "kwargs" not in {arg.arg for arg in params}:
+                    bare += [f"{name}:{node.lineno} {node.name}" for arg in params
+                             if arg.arg == "args" and arg.annotation is None]
+    assert bare == []
