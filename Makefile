@@ -2,7 +2,8 @@
 #   tqdm, matplotlib, jinja2 for the report, tensorboard), make the synthetic dataset, train VGG16 on it (its time:
 #   docs/measurements.md), write its report (model/report.html; its last line says how to open it)
 # make test: everything into .venv (requirements-test.txt: training, the trackers of requirements-track.txt, the
-#   ONNX export of requirements-onnx.txt, pytest, pytest-xdist, playwright) and run the test suite in two workers; tests/test_report.py also needs Debian's chromium: installed here as root (checks/browser.py),
+#   ONNX export of requirements-onnx.txt, ruff and mypy, pytest, pytest-xdist, playwright) and run the test suite in
+#   two workers; tests/test_report.py also needs Debian's chromium: installed here as root (checks/browser.py),
 #   elsewhere one line says what to install and the browser tests are skipped
 # make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
 # make lint: ruff and mypy (requirements-lint.txt) with pyproject.toml's rules, in the same install as make test
@@ -19,7 +20,7 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-fast lint test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-track.txt requirements-onnx.txt requirements-test.txt
+$(VENV)/.installed: requirements.txt requirements-track.txt requirements-onnx.txt requirements-lint.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@ $(VENV)/.train-installed

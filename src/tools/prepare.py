@@ -16,6 +16,7 @@ train.csv is written as src/safe_csv.py writes every CSV (names quoted where a c
 line break would split them; its names start with cat., dog. or the class folder's name, so none
 is taken for a spreadsheet formula).
 """
+import dataclasses
 from pathlib import Path
 
 from src.cache import build_cache, cache_paths
@@ -44,6 +45,16 @@ def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[
     return len(frame) - dogs, dogs, rejected, not_used_line(data_dir, [*frame["filename"], *rejected])
 
 
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """prepare's flags, as main parses them."""
+
+    data_dir: Path
+    val_dir: Path | None
+    cache: Path | None
+    image_size: int
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("data_dir", type=Path, help="folder holding train/")
@@ -51,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also check the images of a training run's --val-dir (the cache is then that run's)")
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
     parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
-    args = parser.parse_args(argv)
+    args = Options(**vars(parser.parse_args(argv)))
     cats, dogs, rejected, not_used = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")
@@ -59,15 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         print(not_used)
     print(f"wrote {shown(args.data_dir / 'train.csv')}: {cats} cats, {dogs} dogs, "
           f"{len(rejected)} left out as unreadable")
-    table = val_table = None
+    table, val = None, None
     if args.val_dir is not None:
         table = load_labels(args.data_dir, show_progress=False)  # the train.csv written above
-        val_table = load_val_labels(args.val_dir, args.data_dir, table)
-        dogs = int(val_table["label"].sum())
-        print(f"checked --val-dir {shown(args.val_dir)}: {len(val_table) - dogs} cats, {dogs} dogs")
+        val = (args.val_dir, load_val_labels(args.val_dir, args.data_dir, table))
+        dogs = int(val[1]["label"].sum())
+        print(f"checked --val-dir {shown(args.val_dir)}: {len(val[1]) - dogs} cats, {dogs} dogs")
     if args.cache:
-        dataset = labelled_images(args.data_dir, args.image_size, True, table,
-                                  None if val_table is None else (args.val_dir, val_table))
+        dataset = labelled_images(args.data_dir, args.image_size, True, table, val)
         key = build_cache(dataset, args.image_size, args.cache, default_workers())
         print(f"cached {len(dataset)} images at {args.image_size} px in {cache_paths(args.cache, args.image_size, key)[0]}")
 
