@@ -194,16 +194,26 @@ def _newest_last(path: Path, sharded: bool = False) -> tuple[int, dict | None]:
     return source, from_rank(source, lambda: _read_folder(found, sharded))
 
 
-def _read_folder(folder: Path, sharded: bool) -> dict:
-    """A whole last.dcp as _newest_last sends it."""
+def _read_folder(folder: Path, sharded: bool, resuming: bool = True) -> dict:
+    """A whole last.dcp as _newest_last sends it (`resuming`: its error says so)."""
     whole = sharded_checkpoint.whole_folder(folder)
     try:
         if sharded:
             return {**sharded_checkpoint.read_training(whole), "from": _where(folder), "shards": str(whole)}
         return {**sharded_checkpoint.read_whole(whole), "from": _where(folder)}
     except (Exception, CheckpointException) as error:  # a torn or foreign folder: many exception types
-        raise UserError(f"cannot resume from {_where(folder)} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over") from None
+        if not resuming:
+            raise UserError(f"cannot read {_where(folder)} ({_why(error)})") from None
+        raise UserError(f"cannot resume from {_where(folder)} ({_why(error)}); delete it to start over") from None
+
+
+def _why(error: BaseException) -> str:
+    """What is wrong with a last that cannot be read, on one line: a last.dcp's part that is not of
+    its save says so itself (sharded_checkpoint.Unreadable); other errors with their type."""
+    error = sharded_checkpoint.unwrapped(error)
+    if isinstance(error, sharded_checkpoint.Unreadable):
+        return one_line(error)
+    return f"{type(error).__name__}: {one_line(error)}"
 
 
 def last_position(folder: Path) -> tuple[int, int] | None:
@@ -226,7 +236,7 @@ def read_last(folder: Path) -> dict | None:
         return None
     if Path(found[2]) == path:
         return _read_last(path)
-    return _read_folder(Path(found[2]), sharded=False)
+    return _read_folder(Path(found[2]), sharded=False, resuming=False)
 
 
 def _best_files(args) -> tuple[bytes | None, str | None]:
@@ -362,8 +372,8 @@ def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, sched
         tracked_ids = _tracked_ids(saved)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, CheckpointException) as error:
         # an older or foreign last, or a last.dcp that lacks a piece
-        raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over", quiet=not is_first()) from None
+        raise UserError(f"cannot resume from {state['from']} ({_why(error)}); delete it to start over",
+                        quiet=not is_first()) from None
     if source != 0 and "shards" not in state:  # a last.dcp is where every node sees it already
         _copy_to_rank_0(args, state, source)
     if announce:
