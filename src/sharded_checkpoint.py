@@ -53,7 +53,7 @@ import shutil
 import stat
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -71,9 +72,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
+from torch.futures import Future as TorchFuture
 
-from src.checkpoint_writer import HostCopies
+from src.checkpoint_writer import Copied, HostCopies
+from src.config import Config
 from src.errors import UserError, one_line
 from src.outputs import cannot_write
 from src.ranks import is_first
@@ -94,7 +98,7 @@ class Unreadable(ValueError):
     """A last.dcp that is not one whole save: its message names the file and what is wrong with it."""
 
 
-def folder_of(args) -> Path:
+def folder_of(args: Config) -> Path:
     """The last.dcp folder of a run (beside --checkpoint)."""
     return Path(args.checkpoint).parent / NAME
 
@@ -215,7 +219,7 @@ def shards_of(model: nn.Module, optimizer: torch.optim.Optimizer, average) -> di
     """What each rank writes: its pieces (DTensors' local shards) of the weights and buffers, of the
     optimizer state (keyed by parameter name, as torch's get_optimizer_state_dict gives it) and of
     the weight average (by parameter name; its buffers are the model's). No collective, no copy."""
-    shards = {"model": get_model_state_dict(model)}
+    shards: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer.state:
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer)
     else:  # a stateless optimizer (SGD without momentum): torch's call would step it once to make one
@@ -266,7 +270,7 @@ def commit(new: Path, folder: Path, replaces: Path | None = None) -> None:
 def _behind(error: BaseException) -> BaseException:
     """The OSError behind an error (torch.save on a full disk raises "unexpected pos ...", with
     the OSError, "No space left on device", as its context), else the error."""
-    seen = error
+    seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError):
             return seen
@@ -286,7 +290,8 @@ class _Writer(FileSystemWriter):
                  copies: HostCopies):
         super().__init__(new)
         self.new, self.folder, self.marked, self.training, self.replaces = new, folder, save_id, training, replaces
-        self.copies, self.copied = copies, None
+        self.copies = copies  # the staging's buffers
+        self.copied: Copied | None = None  # the end of the staging's copies, where they go on a GPU
         self.save_id = save_id  # DCP's metadata holds it (storage_meta): the metadata of this save
 
     def reset(self, checkpoint_id=None) -> None:
@@ -298,10 +303,10 @@ class _Writer(FileSystemWriter):
         staged, self.copied = self.copies.copy(state_dict)
         return staged
 
-    def write_data(self, plan, planner) -> Future:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         try:
             if self.copied is not None:
-                self.copied.synchronize()  # DCP's writing thread waits for the copies; training goes on
+                self.copied.wait()  # DCP's writing thread waits for the copies (on their GPU); training goes on
             return super().write_data(plan, planner)
         except Exception as error:  # sent to rank 0 as it is (pickled): the OSError, not torch.save's RuntimeError
             raise _behind(error) from None
@@ -356,7 +361,7 @@ class ShardWriter:
         if self.group is None:
             self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
             token = [secrets.token_hex(8)]
-            if self.group is not None:  # every rank's saves carry rank 0's token
+            if isinstance(self.group, dist.ProcessGroup):  # every rank's saves carry rank 0's token
                 dist.broadcast_object_list(token, src=0, group=self.group)
             self.token = token[0]
         self.saves += 1
@@ -497,7 +502,8 @@ class _Reader(FileSystemReader):
         super().__init__(folder)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        self.metadata.storage_meta.load_id = self.load_id  # as torch's does
+        if self.metadata.storage_meta is not None:  # checked: it names the save
+            self.metadata.storage_meta.load_id = self.load_id  # as torch's does
         return self.metadata
 
 
@@ -566,11 +572,13 @@ def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     names = _names(model)
     params = [param for group in optimizer.param_groups for param in group["params"]]
     with requiring_grad(params, [f"optimizer.state.{names[id(param)]}" in held for param in params]):
-        shards = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        shards: dict[str, Any] = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
         dcp.load(shards, storage_reader=reader, planner=_Planner())
         set_model_state_dict(model, shards["model"])
         set_optimizer_state_dict(model, optimizer, shards["optimizer"])
     if average is not None and average.on:
+        if updates is None:  # --ema-decay is compared on --resume: a run with an average resumes one that had it
+            raise UserError(f"{folder} holds no weight average (--ema-decay): resume it without --ema-decay")
         # After the optimizer: loading one may step it (a stateless one), which updates the average.
         dcp.load({"average": average_shards(model, average)}, storage_reader=reader, planner=_Planner())
         average.updates, average.skipped = int(updates), None

@@ -365,37 +365,41 @@ def test_a_step_checkpoint_is_staged_on_the_host_in_buffers_kept_between_saves(t
     assert buffers[0] and buffers[1] == buffers[0]
 
 
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: the staging takes its GPU path (pinned copies, an event)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]  # a property of torch.Tensor's, faked
+        return True
+
+
 def test_a_shard_on_a_gpu_is_staged_in_pinned_memory_and_written_after_its_copies(tmp_path, world_of_one_group,
-                                                                                   monkeypatch):
-    """Where the shards are on a GPU (the check faked on the CPU, with torch's pinned allocation
-    and CUDA event recorded in their place): each host buffer is asked for in pinned memory, the
-    copies are queued behind one CUDA event that the training thread does not wait for, and the
-    writing thread waits for it before it writes anything."""
+                                                                                   cuda_calls, monkeypatch):
+    """Shards on GPU 1 (faked on the CPU: tensors that say they are on a GPU, torch.cuda's calls
+    recorded per thread by conftest's cuda_calls, pinning noted): each host buffer is asked for in
+    pinned memory, and the copies are queued behind one CUDA event that the training thread records
+    and does not wait for; DCP's writing thread makes GPU 1 its own, then waits for that event,
+    then writes."""
     from torch.distributed.checkpoint import FileSystemWriter
+    pinned, written, empty_strided = [], [], torch.empty_strided
 
-    import src.checkpoint_writer as checkpoint_writer
-    calls = []
-
-    class Event:
-        def record(self):
-            calls.append("copies queued")
-
-        def synchronize(self):
-            calls.append("copies waited for")
-
-    def buffer(shape, stride, dtype, pinned):
-        calls.append(("buffer", pinned))
-        return torch.empty_strided(shape, stride, dtype=dtype)
-    monkeypatch.setattr(checkpoint_writer, "on_gpu", lambda tensor: True)
-    monkeypatch.setattr(checkpoint_writer, "host_buffer", buffer)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(FileSystemWriter, "write_data", lambda self, plan, planner: calls.append("written"))
-    writer = sharded_checkpoint._Writer(tmp_path / "new", tmp_path / "last.dcp", "id", None, None,
-                                        checkpoint_writer.HostCopies())
-    writer.stage({"model": {"w": _on_a_gpus_mesh(torch.ones(3, 4)), "b": torch.ones(3)}})
-    assert calls == [("buffer", True), ("buffer", True), "copies queued"]
-    writer.write_data(None, None)
-    assert calls[3:] == ["copies waited for", "written"]
+    def no_pinning(*args, pin_memory=False, **kwargs):  # the CPU cannot pin: noted, and a plain buffer
+        pinned.append(pin_memory)
+        return empty_strided(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty_strided", no_pinning)
+    monkeypatch.setattr(FileSystemWriter, "write_data",
+                        lambda self, plan, planner: written.append(cuda_calls.of("AsyncCheckpointExecutor")))
+    cuda_calls.set_device(torch.device("cuda", 1))  # the script's, in the training thread
+    from src.checkpoint_writer import HostCopies
+    writer = sharded_checkpoint._Writer(tmp_path / "new", tmp_path / "last.dcp", "id", None, None, HostCopies())
+    writer.stage({"model": {"w": _on_a_gpus_mesh(torch.ones(3, 4).as_subclass(_OnGpu)),
+                            "b": torch.ones(3).as_subclass(_OnGpu)}})
+    assert pinned == [True, True]
+    assert [what for what, _ in cuda_calls.of("MainThread")] == ["set_device", "Event", "record"]
+    thread = threading.Thread(target=writer.write_data, args=(None, None), name="AsyncCheckpointExecutor")
+    thread.start()
+    thread.join()
+    assert written == [[("set_device", 1), ("synchronize", 1)]]
 
 
 def test_every_rank_must_see_the_folder(two_ranks):
@@ -615,15 +619,14 @@ def test_a_last_dcp_without_metadata_is_one_line_and_no_library_traceback(tmp_pa
 def test_a_folder_holding_a_last_dcp_holds_an_earlier_run(fsdp_stopped, tmp_path, monkeypatch, capsys, world_of_one):
     """Without --resume a new run there is refused, as over a last.pth; --overwrite removes it (and
     what a save left beside it) before any training."""
-    from types import SimpleNamespace
-
+    from src.cli import defaults
     from src.outputs import _check_overwrite, output_paths
     shutil.copytree(fsdp_stopped[0], tmp_path / "out")
     fails_in_process(train_fsdp.main, ["--data-dir", str(tmp_path / "nowhere"), *outputs(tmp_path / "out")],
                      monkeypatch, capsys, f"{tmp_path / 'out'} holds the files of an earlier run (last.dcp): pass --resume")
     _folder(tmp_path / "out" / ".last.dcp.12-4.tmp", "half")
-    args = SimpleNamespace(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
-                           overwrite=True, resume=False)
+    args = defaults(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
+                    overwrite=True, resume=False)
     _check_overwrite(args, output_paths(args))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock"]  # the lock file stays, meaning nothing
 
