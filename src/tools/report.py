@@ -26,6 +26,7 @@ files nor a file in the folder of a run in progress (src.outputs.check_tool_outp
 """
 import base64
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -74,7 +75,20 @@ GENERATOR = "src.tools.report"
 INTERRUPTED = "interrupted: no report written (an earlier --output file is as it was); run the command again"
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """report's flags, as parse_args returns them (--output's and --workers's defaults filled in)."""
+
+    runs: list[Path]
+    output: Path
+    overwrite: bool
+    predictions: Path | None
+    data_dir: Path | None
+    batch_size: int
+    workers: int
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding a run's best.pth")
@@ -95,7 +109,7 @@ def parse_args(argv: list[str] | None = None):
         args.output = args.runs[0] / "report.html"
     if args.workers is None:
         args.workers = default_workers(1)
-    return args
+    return Options(**vars(args))
 
 
 class Run(NamedTuple):
@@ -539,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(run_section(run, validation))
     speeds = [speed(run) for run in runs]
     shown = None
-    if predictions is not None:
+    if predictions is not None and args.predictions is not None:  # the one read from the other
         folders = [args.predictions.parent, Path.cwd(), *{data_folder(run, args.data_dir) for run in runs}]
         shown = prediction_thumbnails(predictions[:PREDICTED], args.predictions, folders)
     html = render({
