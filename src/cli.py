@@ -100,7 +100,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True, distributed: bool = False,
+def build_parser(description: str, amp: bool = True, distributed: bool = False, ray: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -209,6 +209,8 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
     if distributed:
         add_dist_timeout(parser, "in a collective, or for its node's --cache build")
+    if ray:
+        add_ray_flags(parser.add_argument_group("Ray Train (train_ray.py)").add_argument)
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -234,6 +236,9 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
     check_tracking(parser, args)
+    if args.evaluate and options.get("ray"):
+        parser.error("--evaluate validates without a cluster: run it with train_ddp.py or train_single.py, which "
+                     "read train_ray.py's checkpoints")
     if args.evaluate:
         for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):
             if getattr(args, flag):
@@ -250,10 +255,13 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
         # over several processes (--sync-bn under a launcher).
         together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1
+        together = args.num_workers if options.get("ray") and args.sync_bn else together
         if not (args.freeze or args.evaluate):
             check_batch_norm(args.arch, args.image_size, args.batch_size * together, f"--batch-size {args.batch_size}")
     except UserError as error:
         parser.error(str(error))
+    if options.get("ray"):  # --workers: counted on each worker's node (src.ray_worker.on_this_worker)
+        return args
     from src.devices import available_cpus
     if args.workers is None:
         from src.devices import default_workers
@@ -281,6 +289,21 @@ def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "
                          "pip install -r requirements.txt")
+
+
+def add_ray_flags(add) -> None:
+    """train_ray.py's own flags: its workers, its cluster, where Ray Train keeps the checkpoints."""
+    add("--num-workers", type=at_least(1), default=1,
+        help="training processes that Ray Train starts, one CPU each, or one GPU each where the cluster has GPUs")
+    add("--address", default=None,
+        help="a running Ray cluster: HOST:PORT of its head (ray start --head), ray://HOST:PORT or auto "
+             "(default: RAY_ADDRESS, else a Ray instance started on this machine for the run)")
+    add("--storage-path", metavar="PATH", default=None,
+        help="where Ray Train keeps the reported checkpoints: a folder every node sees, or a URI such as "
+             "s3://BUCKET/PATH (default: the folder ray/ beside --checkpoint)")
+    add("--max-failures", type=at_least(-1), default=3,
+        help="times Ray Train restarts the workers after one is lost (each time from the last checkpoint; "
+             "-1: no limit)")
 
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
