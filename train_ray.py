@@ -167,7 +167,7 @@ def train_loop_per_worker(config: dict) -> dict:
         context = ray.train.get_context()  # this worker's place in the group
         rank, world_size = context.get_world_rank(), context.get_world_size()
         checkpoint = ray.train.get_checkpoint()  # after a lost worker, the last one reported (None at the start)
-        args = on_this_worker(config["args"], restarted=checkpoint is not None)  # a restart resumes
+        args = on_this_worker(config["args"], config["control"], checkpoint)  # a restart resumes
         device = process_device(args)  # this worker's GPU (LOCAL_RANK of the node's GPUs), or the CPU
         # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
         with watch_ranks(joined_store(), args, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:

@@ -89,10 +89,17 @@ def storage_path(args) -> str:
 # The driver's side of a stop.
 
 class RunControl:
-    """A Ray actor between the driver and rank 0: the stop signal the driver got (0: none)."""
+    """A Ray actor between the driver and the workers: the stop signal the driver got (0: none),
+    and the worker groups Ray Train started (a group after the first is a restart)."""
 
     def __init__(self):
         self.signal = 0
+        self.groups = 0
+
+    def group_started(self) -> int:
+        """Called once by each group's rank 0: the number of groups that started before it."""
+        self.groups += 1
+        return self.groups - 1
 
     def stop(self, number: int) -> None:
         self.signal = self.signal or number

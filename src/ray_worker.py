@@ -25,17 +25,21 @@ from typing import Iterator
 from src.errors import EXIT_STOPPED, Stopped, UserError, another_rank_said_why, end_process_group, one_line, tell_the_other_ranks
 
 POLL = 0.5  # seconds between rank 0's reads of the driver's stop request
-def on_this_worker(args, restarted: bool):
+def on_this_worker(args, control, checkpoint):
     """The driver's flags as this worker runs them: --workers counted on this worker's node (the
-    driver's node may have other CPUs). `restarted`: Ray Train restarted the workers (it hands back
-    a reported checkpoint), and the run resumes as after a torchrun restart (src.ranks.restarted:
-    from last.pth, which --overwrite does not remove again, with or without --resume)."""
+    driver's node may have other CPUs). When Ray Train restarted the workers (the driver's
+    RunControl counts the groups; or Ray hands back a checkpoint, `checkpoint`) the run resumes
+    as after a torchrun restart (src.ranks.restarted: from the newest last.pth, which --overwrite
+    does not remove again, with or without --resume). A checkpoint that rank 0 reported just
+    before it died may not have reached Ray Train: the count says it all the same. Every rank calls it."""
+    import ray
+
     from src.cli import cap_workers
     from src.devices import available_cpus, default_workers
-    from src.ranks import mark_restarted_by_ray
+    from src.ranks import from_rank_0, mark_restarted_by_ray
     args = copy.copy(args)
     args.workers = cap_workers(default_workers() if args.workers is None else args.workers, available_cpus())
-    if restarted:
+    if from_rank_0(lambda: ray.get(control.group_started.remote())) or checkpoint is not None:
         mark_restarted_by_ray()
     return args
 

@@ -41,7 +41,9 @@ RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver, RAY_RANK=r, RAY_LOG=path): in a
 (train_ray.py) of rank r (default 0), read when the step comes (Ray Train sets RANK after its
 workers start), at its n-th optimizer step, once in the run (RAY_LOG, written first, marks it
 done: a worker that Ray restarted finds it and does nothing): `kill`, the process SIGKILLs itself,
-after removing the file RAY_REMOVE if given (a node replaced with an empty disk); `term-driver`,
+once Ray Train has taken in a checkpoint reported if RAY_REPORTED (a storage_path) is given (at
+most 120 s: the controller collects a report a second or two after it is made), after removing the
+file RAY_REMOVE if given (a node replaced with an empty disk); `term-driver`,
 it sends SIGTERM to the driver whose pid the file RAY_DRIVER_PID_FILE holds, then waits (at most
 120 s) until the stop has come back to it (its StopSignals' flag, which the driver's request
 raises): the stop then begins in that step.
@@ -105,6 +107,7 @@ accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler 
 (accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
 """
 import atexit
+import glob
 import importlib
 import importlib.abc
 import importlib.util
@@ -371,6 +374,11 @@ def _ray_at_step(settings, patcher):
         with open(log, "w") as file:
             file.write(f"{os.getpid()} {time.time()}\n")
         if settings.get("RAY_ACTION", "kill") == "kill":
+            waited = 0.0  # until Ray Train has taken in a checkpoint reported (RAY_REPORTED, a storage_path)
+            while (settings.get("RAY_REPORTED") and not glob.glob(f"{settings['RAY_REPORTED']}/*/checkpoint_manager_snapshot.json")
+                   and waited < 120):
+                time.sleep(0.01)
+                waited += 0.01
             if settings.get("RAY_REMOVE"):
                 os.remove(settings["RAY_REMOVE"])
             os.kill(os.getpid(), signal.SIGKILL)
