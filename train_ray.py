@@ -4,24 +4,26 @@ Ray Train starts the workers and their process group, here or on a Ray cluster: 
 """
 import contextlib
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from src.augment import TrainSplit
 from src.batch_norm import sync_batch_norm
 from src.checkpoint import run_info
-from src.cli import amp_dtype, dist_timeout, parse_args
+from src.cli import Config, amp_dtype, dist_timeout, parse_args
 from src.dropout import set_samples
 from src.ema import WeightAverage
 from src.errors import exit_on_error
 from src.freeze import epoch_stages
 from src.heartbeat import Heartbeat
 from src.history import done_line, format_record
-from src.loaders import ShardSampler, check_batches, labelled_data, loader_options, skip_first_batches
+from src.loaders import Data, ShardSampler, check_batches, labelled_data, loader_options, skip_first_batches
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
@@ -41,14 +43,14 @@ except ImportError:
     ray = None  # type: ignore[assignment]  # require_ray says it in one line
 
 
-def loaders(dataset, data, args, device, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
     """This rank's training and validation loaders over `dataset` (the images, or a frozen stage's
     backbone outputs)."""
     train_set = TrainSplit(dataset, data.train_idx, args)  # augmented, with each sample's dropout key
     # Each epoch's permutation of the training split (seed + epoch: set_epoch in the loop), every
     # world_size-th sample of it from the rank-th: together the ranks take train_single.py's batches.
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                       seed=args.seed, drop_last=True)
+    train_sampler: DistributedSampler[int] = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                                                shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
                               **loader_options(args, device))
     val_set = Subset(dataset, data.val_idx)
@@ -57,8 +59,8 @@ def loaders(dataset, data, args, device, rank: int, world_size: int) -> tuple[Da
     return train_loader, val_loader
 
 
-def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState, args,
-                device, frozen: bool = False) -> torch.Tensor:
+def train_epoch(model: DDP, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState,
+                args: Config, device: torch.device, frozen: bool = False) -> torch.Tensor:
     """One pass over the epoch's training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = state.epoch_sums(device)  # a resumed epoch's finished steps are in them already
@@ -69,7 +71,7 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         last = (micro + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
         # The gradients of all but a step's last micro-batch stay on each rank: one all-reduce a step.
         with contextlib.nullcontext() if last else model.no_sync():
-            with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+            with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):
                 logits = model(inputs)
                 loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
             state.scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
@@ -91,29 +93,29 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
+def evaluate(model: nn.Module, loader: DataLoader, what: str, progress: Progress, args: Config, device: torch.device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     sums = torch.zeros(4, device=device)  # summed loss, correct, samples, log loss (src.metrics.batch_sums)
     for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+        with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 
 
-def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat, tracker: Tracker,
-          checkpoint, control) -> None:
+def train(args: Config, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat, tracker: Tracker,
+          checkpoint: "ray.train.Checkpoint | None", control: "ray.actor.ActorHandle") -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)
-    data = labelled_data(args, dist_timeout(args).total_seconds())
+    data = labelled_data(args, dist_timeout(args.dist_timeout).total_seconds())
     check_batches(data, args, world_size)
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
-    model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args.channels_last))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
@@ -130,19 +132,18 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
     if rank == 0:
         print(run_header(args, data, device, world_size))
     since = time.time()
-    # From here a stop signal to the driver (and the agreement of the ranks) stops the run after an optimizer step
-    with state.stop_signals() as signals, stops_from_driver(control, signals):
+    with state.stop_signals() as signals, stops_from_driver(control, signals):  # and a stop signal to the driver
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             # DDP all-reduces the gradients of the parameters that train in this stage, no others.
             net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
-            net = torch.compile(net) if args.compile else net
+            net = cast(DDP, torch.compile(net)) if args.compile else net
             train_loader, val_loader = loaders(stage.data, data, args, device, rank, world_size)
             for epoch in stage.epochs:
                 if state.stop_agreed(now=True):  # a signal since the last epoch's saves
                     state.stop()
                 seed_epoch(args.seed, epoch)
-                train_loader.sampler.set_epoch(epoch)
-                train_loader.dataset.set_epoch(epoch)  # augmentation and dropout draw from (seed, epoch, sample)
+                train_loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # its DistributedSampler
+                train_loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]  # TrainSplit's: augmentation and dropout draw from (seed, epoch, sample)
                 start = time.time()
                 batches = skip_first_batches(train_loader, state.step * args.accumulate)  # a resumed epoch's done
                 train_sums = train_epoch(net, batches, epoch, progress, state, args, device, stage.frozen)
@@ -168,9 +169,9 @@ def train_loop_per_worker(config: dict) -> dict:
         rank, world_size = context.get_world_rank(), context.get_world_size()
         checkpoint = ray.train.get_checkpoint()  # after a lost worker, the last one reported (None at the start)
         args = on_this_worker(config["args"], config["control"], checkpoint)  # a restart resumes
-        device = process_device(args)  # this worker's GPU (LOCAL_RANK of the node's GPUs), or the CPU
+        device = process_device(args.deterministic, args.amp)  # this worker's GPU (LOCAL_RANK of the node's), or the CPU
         # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
-        with watch_ranks(joined_store(), args, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
+        with watch_ranks(joined_store(), args.dist_timeout, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
             train(args, device, rank, world_size, heartbeat, tracker, checkpoint, config["control"])
     return outcome
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         train_loop_per_worker, train_loop_config={"args": args, "control": control},
         scaling_config=ray.train.ScalingConfig(num_workers=args.num_workers, use_gpu=use_gpu),
         # gloo or NCCL, as torchrun's scripts; a peer that stops answering fails a collective after --dist-timeout
-        torch_config=ray.train.torch.TorchConfig(timeout_s=int(dist_timeout(args).total_seconds())),
+        torch_config=ray.train.torch.TorchConfig(timeout_s=int(dist_timeout(args.dist_timeout).total_seconds())),
         run_config=ray.train.RunConfig(
             storage_path=storage_path(args),  # the reported checkpoints, where every node sees them
             failure_config=ray.train.FailureConfig(max_failures=args.max_failures),  # a lost worker: a restart from there
@@ -194,7 +195,6 @@ def main(argv: list[str] | None = None) -> None:
         result = trainer.fit()
     ray.shutdown()
     end_as_told(result.return_value)  # rank 0's: finished, stopped (exit 75) or bad input (exit 2)
-
 
 if __name__ == "__main__":
     exit_on_error(main)

@@ -4,7 +4,8 @@
 A save takes a host copy of every tensor of the checkpoint, queued behind the step that made them,
 and returns; a thread then writes the copy to disk (src.outputs.atomic_torch_save: a temporary
 file, flushed, renamed onto last.pth) while the next steps train. On a GPU the copies go into
-pinned host memory without making the host wait (the thread waits for them, on a CUDA event),
+pinned host memory without making the host wait (the thread waits for them, on a CUDA event, after
+making the training thread's GPU its own: a new thread's CUDA calls would go to GPU 0),
 and the optimizer's next in-place update is queued after them on the same stream, so the file
 holds the state at the save's step. On a CPU the copy is a memory copy in the training thread:
 the next step would change the tensors in place while the thread reads them. The host buffers
@@ -39,11 +40,11 @@ class CheckpointWriter:
         self.wait()
         self.pinned = False
         copy = self._host_copy(state, ())
-        done = None
+        done, device = None, None
         if self.pinned:
-            done = torch.cuda.Event()
+            done, device = torch.cuda.Event(), torch.cuda.current_device()
             done.record()  # after the copies, before the next step's kernels
-        self.thread = threading.Thread(target=self._write, args=(copy, done, Path(path)),
+        self.thread = threading.Thread(target=self._write, args=(copy, done, device, Path(path)),
                                        name="checkpoint writer")  # not a daemon: an exit waits for it
         self.thread.start()
 
@@ -60,9 +61,10 @@ class CheckpointWriter:
         """Whether a write is in progress."""
         return self.thread is not None and self.thread.is_alive()
 
-    def _write(self, state: dict, done, path: Path) -> None:
+    def _write(self, state: dict, done, device: int | None, path: Path) -> None:
         try:
             if done is not None:
+                torch.cuda.set_device(device)  # the event's GPU, before this thread's first CUDA call
                 done.synchronize()  # this thread waits for the copies; training goes on
             atomic_torch_save(state, path)
         except BaseException as error:  # raised in the training thread by wait()

@@ -18,8 +18,10 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Iterator
+from types import FrameType
+from typing import Any, Iterator
 
+from src.config import Config
 from src.errors import EXIT_STOPPED, Stopped, UserError
 
 INSTALL = "pip install -r requirements-ray.txt"
@@ -78,7 +80,7 @@ def check_workers(num_workers: int, resources: dict) -> bool:
     return use_gpu
 
 
-def storage_path(args) -> str:
+def storage_path(args: Config) -> str:
     """RunConfig's storage_path: --storage-path (a folder every node sees, or a URI such as
     s3://BUCKET/PATH), else the folder ray/ beside --checkpoint (absolute, as Ray Train wants it)."""
     if args.storage_path:
@@ -92,7 +94,7 @@ class RunControl:
     """A Ray actor between the driver and the workers: the stop signal the driver got (0: none),
     and the worker groups Ray Train started (a group after the first is a restart)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal = 0
         self.groups = 0
 
@@ -109,11 +111,11 @@ class RunControl:
 
 
 @contextlib.contextmanager
-def stops_to_workers(control) -> Iterator[None]:
+def stops_to_workers(control: Any) -> Iterator[None]:
     """Within the block, SIGTERM, SIGUSR1 and SIGHUP to the driver ask the workers to stop at an
     optimizer step (through `control`, a RunControl actor) instead of ending the driver, which
     would take the workers with it; the handlers before come back when it ends."""
-    def note(number, frame):
+    def note(number: int, frame: FrameType | None) -> None:
         control.stop.remote(number)
     before = {number: signal.signal(number, note) for number in DRIVER_SIGNALS}
     try:

@@ -14,31 +14,41 @@ Ray made (the driver's side is src/ray_driver.py).
   has an empty disk), and every rank resumes from it as after a torchrun restart.
 """
 import contextlib
-import copy
+import dataclasses
 import os
 import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
+from src.config import Config
 from src.errors import EXIT_STOPPED, Stopped, UserError, another_rank_said_why, end_process_group, one_line, tell_the_other_ranks
 
+if TYPE_CHECKING:
+    from src.state import TrainingState
+    from src.stopping import StopSignals
+
 POLL = 0.5  # seconds between rank 0's reads of the driver's stop request
-def on_this_worker(args, control, checkpoint):
+def on_this_worker(args: Config, control: Any, checkpoint: Any) -> Config:
     """The driver's flags as this worker runs them: --workers counted on this worker's node (the
-    driver's node may have other CPUs). When Ray Train restarted the workers (the driver's
+    driver's node may have other CPUs), torch's threads those Ray gives it. When Ray Train restarted the workers (the driver's
     RunControl counts the groups; or Ray hands back a checkpoint, `checkpoint`) the run resumes
     as after a torchrun restart (src.ranks.restarted: from the newest last.pth, which --overwrite
     does not remove again, with or without --resume). A checkpoint that rank 0 reported just
     before it died may not have reached Ray Train: the count says it all the same. Every rank calls it."""
     import ray
+    import torch
 
     from src.cli import cap_workers
     from src.devices import available_cpus, default_workers
     from src.ranks import from_rank_0, mark_restarted_by_ray
-    args = copy.copy(args)
-    args.workers = cap_workers(default_workers() if args.workers is None else args.workers, available_cpus())
+    # The threads Ray gives the worker (OMP_NUM_THREADS: its CPUs, 1 by default, as torchrun's
+    # processes have): a worker process that started before Ray set it (one Ray reuses after a
+    # restart) would keep torch's default, the node's CPUs, and sum in another order.
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    given = any(word == "--workers" or word.startswith("--workers=") for word in args.command)
+    args = dataclasses.replace(args, workers=cap_workers(args.workers if given else default_workers(), available_cpus()))
     if from_rank_0(lambda: ray.get(control.group_started.remote())) or checkpoint is not None:
         mark_restarted_by_ray()
     return args
@@ -71,14 +81,14 @@ def worker_outcome() -> Iterator[dict]:
 
 
 @contextlib.contextmanager
-def stops_from_driver(control, signals) -> Iterator[None]:
+def stops_from_driver(control: Any, signals: StopSignals) -> Iterator[None]:
     """Within the block, rank 0 reads the driver's stop request (RunControl) every POLL seconds in a
     thread and raises its own stop flag (`signals`, the run's src.stopping.StopSignals): the ranks'
     agreement carries it to every rank at an optimizer step."""
     import ray
     done = threading.Event()
 
-    def listen():
+    def listen() -> None:
         while not done.wait(POLL):
             try:
                 number = ray.get(control.requested.remote(), timeout=60)
@@ -102,7 +112,7 @@ def stops_from_driver(control, signals) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def saved_last(state) -> Iterator[str | None]:
+def saved_last(state: TrainingState) -> Iterator[str | None]:
     """On rank 0, a folder holding the last.pth just saved (once its background write is on disk:
     a hard link where the file system allows it, else a copy), for ray.train.report's checkpoint,
     which Ray copies into storage_path; None on the other ranks, which report no checkpoint."""
@@ -121,7 +131,7 @@ def saved_last(state) -> Iterator[str | None]:
         yield folder
 
 
-def restore_last(args, folder: str) -> None:
+def restore_last(args: Config, folder: str) -> None:
     """Rank 0: Ray Train's last reported last.pth (in `folder`) beside --checkpoint, where it is
     newer than the last there (or there is none: a new node, an emptied disk)."""
     from src.checkpoint import last_position
