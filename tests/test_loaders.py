@@ -222,8 +222,8 @@ def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(m
 STRESS = """
 import ctypes, threading, sys
 import torch
-from types import SimpleNamespace
 from torch.utils.data import DataLoader
+from src.cli import defaults
 from src.heartbeat import Heartbeat
 from src.loaders import loader_options
 
@@ -286,9 +286,9 @@ def test_loader_workers_started_many_times_beside_running_threads_never_hang(tmp
 MAIN_SCRIPT = """
 import sys
 import torch
-from types import SimpleNamespace
 from torch.utils.data import DataLoader
 import imported_once  # noqa: F401  (its import writes a line)
+from src.cli import defaults
 from src.loaders import loader_options
 
 if __name__ == "__main__":
