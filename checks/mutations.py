@@ -1549,7 +1549,7 @@ MUTATIONS = [
      ['tests/test_ray.py::test_without_ray_installed_one_line_says_what_to_install']),
     ('src/progress.py', 'disable=not (self.show and self.bars))', 'disable=not self.show)',
      ['tests/test_ray.py::test_ray_trains_what_torchrun_trains_and_rank_0_alone_writes']),
-    ('src/cli.py', '    if args.evaluate and options.get("ray"):', '    if False:',
+    ('src/cli.py', '    if args.evaluate and ray:', '    if False:',
      ['tests/test_ray.py::test_evaluate_is_left_to_the_scripts_without_a_cluster']),
     # Both sides of the boundaries of check_batches and its neighbours (a blind audit's survivor: the first).
     ('src/loaders.py', 'if len(data.val_idx) < processes:', 'if len(data.val_idx) <= processes:',

@@ -81,7 +81,7 @@ def worker_outcome() -> Iterator[dict]:
 
 
 @contextlib.contextmanager
-def stops_from_driver(control: Any, signals: StopSignals) -> Iterator[None]:
+def stops_from_driver(control: Any, signals: "StopSignals") -> Iterator[None]:
     """Within the block, rank 0 reads the driver's stop request (RunControl) every POLL seconds in a
     thread and raises its own stop flag (`signals`, the run's src.stopping.StopSignals): the ranks'
     agreement carries it to every rank at an optimizer step."""
@@ -112,7 +112,7 @@ def stops_from_driver(control: Any, signals: StopSignals) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def saved_last(state: TrainingState) -> Iterator[str | None]:
+def saved_last(state: "TrainingState") -> Iterator[str | None]:
     """On rank 0, a folder holding the last.pth just saved (once its background write is on disk:
     a hard link where the file system allows it, else a copy), for ray.train.report's checkpoint,
     which Ray copies into storage_path; None on the other ranks, which report no checkpoint."""
