@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -30,10 +31,13 @@ if TYPE_CHECKING:
     from src.stopping import StopSignals
 
 POLL = 0.5  # seconds between rank 0's reads of the driver's stop request
+
+
 def on_this_worker(args: Config, control: Any, checkpoint: Any) -> Config:
     """The driver's flags as this worker runs them: --workers counted on this worker's node (the
-    driver's node may have other CPUs), torch's threads those Ray gives it. When Ray Train restarted the workers (the driver's
-    RunControl counts the groups; or Ray hands back a checkpoint, `checkpoint`) the run resumes
+    driver's node may have other CPUs), torch's threads those Ray gives it. When Ray Train
+    restarted the workers (the driver's RunControl counts the groups; or Ray hands back a
+    checkpoint, `checkpoint`) the run resumes
     as after a torchrun restart (src.ranks.restarted: from the newest last.pth, which --overwrite
     does not remove again, with or without --resume). A checkpoint that rank 0 reported just
     before it died may not have reached Ray Train: the count says it all the same. Every rank calls it."""
@@ -71,7 +75,7 @@ def worker_outcome() -> Iterator[dict]:
             tell_the_other_ranks()
             outcome["error"] = one_line(error)
             if os.environ.get("RANK", "0") != "0":
-                print(f"error: {outcome['error']}", flush=True)
+                print(f"error: {outcome['error']}", file=sys.stderr, flush=True)
         end_process_group()  # the others, waiting in a collective, fail now and find the note
     except Exception:
         if not another_rank_said_why():

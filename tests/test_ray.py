@@ -57,9 +57,11 @@ def cluster():
     after it (`ray start --block` ends the processes it started when it is stopped). Its session
     folder is short: Ray's sockets live there, and a socket's path has at most 107 bytes."""
     port, folder = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    # Without token authentication (ray start turns it on; the runs' drivers have no token)
+    # Without token authentication (ray start turns it on; the runs' drivers have no token), and
+    # without Ray's memory monitor, which kills workers when the machine's memory is 95% used: the
+    # machines the suite runs on are shared, and other processes' memory is not the runs' doing.
     env = {**os.environ, "PYTHONPATH": HOOKS, "CUDA_VISIBLE_DEVICES": "", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "disabled"}
+           "RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0"}
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
                              "--num-gpus=0", "--include-dashboard=false", f"--temp-dir={folder}",
                              f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"],
