@@ -20,7 +20,7 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-fast lint test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-track.txt requirements-onnx.txt requirements-lint.txt requirements-test.txt
+$(VENV)/.installed: requirements.txt requirements-track.txt requirements-onnx.txt requirements-lint.txt requirements-ray.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@ $(VENV)/.train-installed

@@ -49,9 +49,8 @@ def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, ra
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
                               **loader_options(args, device))
     val_set = Subset(dataset, data.val_idx)
-    # guard: each validation image on one rank, once (DistributedSampler would repeat some to even the shares)
     val_loader = DataLoader(val_set, args.batch_size, sampler=ShardSampler(len(val_set), world_size, rank),
-                            **loader_options(args, device))
+                            **loader_options(args, device))  # guard: each validation image on one rank, once
     return train_loader, val_loader
 
 

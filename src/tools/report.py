@@ -50,7 +50,7 @@ from src.checkpoint import RESUME_KEYS, flag_of, read_last
 from src.cli import OneLineParser, at_least, defaults
 from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
-from src.errors import UserError, exit_on_error
+from src.errors import UserError, exit_on_error, one_line
 from src.history import AVERAGE, best_record
 from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
@@ -412,8 +412,10 @@ def final_weights(run: Run) -> dict[str, torch.Tensor]:
         if last.exists():
             return torch.load(last, map_location="cpu", weights_only=True, mmap=True)["model"]
         return torch.load(best, map_location="cpu", weights_only=True, mmap=True)
+    except UserError as error:  # a last that cannot be read says why (src.checkpoint.read_last)
+        raise UserError(f"cannot read the weights of {run.folder}: {one_line(error)}") from None
     except Exception as error:  # a truncated or foreign file: many exception types
-        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__})") from None
+        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__}: {one_line(error)})") from None
 
 
 class Agreement(NamedTuple):
