@@ -18,6 +18,7 @@ The run
     profiling.py      --profile: torch.profiler's trace and its table
     errors.py         how a command ends: one-line errors (exit 2), a stop (75), the group after an error
     cli.py            the flags of every training script
+    config.py         the run's flags as one typed object (Config), which every module reading a flag takes
 Data
     datasets.py       the images, their labels, and the processes of the loader workers
     loaders.py        the split, the validation shards, the loader options, skipping finished steps

@@ -111,8 +111,8 @@ def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = Non
     not in `listed`): no label rule covers them, or (csv_file) train.csv does not list them, as
     when images were added after `prepare` wrote it. None when every file is used."""
     train_dir = Path(data_dir) / "train"
-    listed = {Path(name).as_posix() for name in listed}
-    unused = sorted((name for name in train_files(train_dir) if name not in listed), key=natural_key)
+    known = {Path(name).as_posix() for name in listed}
+    unused = sorted((name for name in train_files(train_dir) if name not in known), key=natural_key)
     if not unused:
         return None
     if csv_file is not None:
@@ -216,7 +216,7 @@ class DogCatDataset(Dataset):
     def __len__(self) -> int:
         return len(self.frame)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:  # a PIL image without a transform
         row = self.frame.iloc[index]
         image = open_rgb(self.root_dir / row["filename"], self.draft_size)
         if self.transform is not None:
@@ -232,7 +232,8 @@ class DogCatTestDataset(Dataset):
         self.root_dir = Path(root_dir)
         if not self.root_dir.is_dir():
             raise UserError(f"test folder {self.root_dir} not found: put Kaggle's test/ images there")
-        self.files, self.others = {}, []  # id -> its file's name; what is not an N.jpg image
+        self.files: dict[int, str] = {}  # id -> its file's name
+        self.others: list[str] = []  # what is not an N.jpg image
         for path in sorted(self.root_dir.iterdir(), key=lambda p: natural_key(p.name)):
             if not (path.suffix.lower() in IMAGE_SUFFIXES and path.stem.isdigit() and path.stem.isascii()):
                 self.others.append(path.name + ("/" if path.is_dir() else ""))
@@ -251,7 +252,7 @@ class DogCatTestDataset(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:  # a PIL image without a transform
         image_id = self.ids[index]
         image = open_rgb(self.root_dir / self.files[image_id], self.draft_size)
         if self.transform is not None:

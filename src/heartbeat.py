@@ -32,7 +32,10 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # torch is imported where a GPU is watched: the heartbeat of a CPU run does without it
+    import torch
 
 BEAT = 2.0  # seconds between two writes of a rank's place, at most
 LOOK = 0.25  # seconds: the thread looks at the place this often, and writes it when it changed
@@ -73,7 +76,8 @@ class Heartbeat:
         self.cuda = getattr(device, "type", None) == "cuda"
         self.device = device  # this rank's GPU: the thread's CUDA calls go there
         self.recording = False  # CUDA events are recorded while the thread reads them
-        self.recorded = collections.deque()  # (place, its event), oldest first: places the GPU has not reached
+        # (place, its event), oldest first: places the GPU has not reached
+        self.recorded: collections.deque[tuple[tuple, torch.cuda.Event]] = collections.deque()
         self.reached = self.place  # the last place the GPU has reached
         # When a stop signal came (time.monotonic()), None before: StopSignals.pending_since.
         self.stop_pending: Callable[[], float | None] | None = None
@@ -82,7 +86,7 @@ class Heartbeat:
         """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step`
         of `epoch`, counted from 0; `loading`: waiting for that batch's data; index END: the pass is
         over). Two assignments: cheap enough for every micro-batch."""
-        if phase == "training":
+        if phase == "training" and epoch is not None:
             self.epoch = epoch
         self.place = place = (phase, self.epoch if epoch is None else epoch, index, step, loading)
         self.changed = time.monotonic()
@@ -184,12 +188,14 @@ def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> 
     """(the line naming the ranks that did not arrive, whether this rank prints it), or (None, False)
     when every rank is where this one is and answering (then the wait is not theirs to explain)."""
     mine = beats[rank]
+    if mine is None:
+        raise ValueError(f"judge: rank {rank}'s own beat is missing")  # every rank writes its own before judging
     missing = {}  # rank: what is known of it
     for other, beat in enumerate(beats):
         if other == rank:
             continue
         said = _silent(other, beat, now)
-        if said is None and beat["order"] < mine["order"]:
+        if said is None and beat is not None and beat["order"] < mine["order"]:
             said = f"rank {other} did not arrive: it is still at {beat['where']}, last heard {now - beat['time']:.0f} s ago"
         if said is not None:
             missing[other] = said
@@ -208,9 +214,9 @@ def judge_stop(beats: list[dict | None], rank: int, now: float) -> tuple[str | N
                if other != rank and (said := _silent(other, beat, now)) is not None}
     if not missing:
         return None, False
-    printer = min(r for r in range(len(beats)) if r not in missing)
+    printer, mine = min(r for r in range(len(beats)) if r not in missing), beats[rank]
     line = (f"stop: {'; '.join(missing.values())}: no step can be agreed without it, so the others end now, "
-            f"last.pth as last saved (the others were at {beats[rank]['where'] if beats[rank] else 'their start'})")
+            f"last.pth as last saved (the others were at {mine['where'] if mine else 'their start'})")
     return line, printer == rank
 
 

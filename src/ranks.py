@@ -6,7 +6,7 @@ takes part in every collective. Without a process group (one device, DataParalle
 one) the one process is the first.
 """
 import os
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -30,7 +30,7 @@ def gather(value: T) -> list[T]:
     """Every rank's value, in rank order, on every rank ([value] without a process group)."""
     if not dist.is_initialized():
         return [value]
-    values = [None] * dist.get_world_size()
+    values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
 
@@ -50,7 +50,7 @@ def from_rank(source: int, make: Callable[[], T]) -> T:
     source showing the traceback). Without a process group it is just make()."""
     if not dist.is_initialized():
         return make()
-    box = [None]
+    box: list[Any] = [None]
     if dist.get_rank() == source:
         try:
             box = [make()]

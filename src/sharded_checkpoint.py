@@ -30,7 +30,7 @@ import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,13 +46,16 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
+from src.config import Config
+from src.errors import UserError
+
 NAME = "last.dcp"
 TRAINING = "training.pt"
 PREVIOUS = f".{NAME}.previous"
 TENSORS = ("model", "optimizer", "average")  # the parts DCP holds; training.pt holds the rest
 
 
-def folder_of(args) -> Path:
+def folder_of(args: Config) -> Path:
     """The last.dcp folder of a run (beside --checkpoint)."""
     return Path(args.checkpoint).parent / NAME
 
@@ -125,7 +128,7 @@ def shards_of(model: nn.Module, optimizer: torch.optim.Optimizer, average) -> di
     """What each rank writes: its pieces (DTensors' local shards) of the weights and buffers, of the
     optimizer state (keyed by parameter name, as torch's get_optimizer_state_dict gives it) and of
     the weight average (by parameter name; its buffers are the model's). No collective, no copy."""
-    shards = {"model": get_model_state_dict(model)}
+    shards: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer.state:
         shards["optimizer"] = get_optimizer_state_dict(model, optimizer)
     else:  # a stateless optimizer (SGD without momentum): torch's call would step it once to make one
@@ -300,11 +303,13 @@ def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     names = _names(model)
     params = [param for group in optimizer.param_groups for param in group["params"]]
     with requiring_grad(params, [f"optimizer.state.{names[id(param)]}" in held for param in params]):
-        shards = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        shards: dict[str, Any] = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
         dcp.load(shards, checkpoint_id=folder)
         set_model_state_dict(model, shards["model"])
         set_optimizer_state_dict(model, optimizer, shards["optimizer"])
     if average is not None and average.on:
+        if updates is None:  # --ema-decay is compared on --resume: a run with an average resumes one that had it
+            raise UserError(f"{folder} holds no weight average (--ema-decay): resume it without --ema-decay")
         # After the optimizer: loading one may step it (a stateless one), which updates the average.
         dcp.load({"average": average_shards(model, average)}, checkpoint_id=folder)
         average.updates, average.skipped = int(updates), None

@@ -60,7 +60,8 @@ class StopSignals:
         # Host copies for the agreements in flight, made once: allocating pinned memory in a step could wait.
         self.hosts = [torch.zeros(1, pin_memory=True) for _ in range(2)] if self.on_gpu else []
         self.checks = 0
-        self.pending = collections.deque()  # agreements in flight, oldest first: (tensor, what to wait for)
+        # Agreements in flight, oldest first: (tensor, what to wait for: the copy's event or the all-reduce).
+        self.pending: collections.deque[tuple[torch.Tensor, torch.cuda.Event | dist.Work]] = collections.deque()
         self.agreed = 0  # the signal every rank agreed to stop on
         self.terminals: list[int] = []  # the descriptors of the output that went to a terminal
         self.waits = 0  # agreements read before they were done (waited for)

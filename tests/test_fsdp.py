@@ -43,7 +43,7 @@ import train_accelerate
 import train_fsdp
 import train_single
 from src.accelerate_checks import check_accelerator
-from src.cli import parse_args
+from src.cli import defaults, parse_args
 from src.errors import end_process_group
 from src.fsdp import fsdp_units, rank_bytes
 from src.loaders import Data
@@ -315,7 +315,7 @@ def test_every_rank_runs_as_many_validation_forwards(images, batch):
     dataset = [(torch.zeros(1), 0) for _ in range(images)]
     for world_size in (2, 3):
         data = Data(dataset, [0] * batch * world_size, list(range(images)), "")
-        args = SimpleNamespace(batch_size=batch, seed=0, workers=0, augment=False)
+        args = defaults(batch_size=batch, seed=0, workers=0, augment=False)
         loaders = [train_fsdp.loaders(dataset, data, args, torch.device("cpu"), rank, world_size)[1]
                    for rank in range(world_size)]
         forwards = []

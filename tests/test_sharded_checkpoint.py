@@ -343,15 +343,14 @@ def test_a_last_dcp_that_diverged_is_refused(tmp_path, world_of_one_group):
 def test_a_folder_holding_a_last_dcp_holds_an_earlier_run(fsdp_stopped, tmp_path, monkeypatch, capsys, world_of_one):
     """Without --resume a new run there is refused, as over a last.pth; --overwrite removes it (and
     what a save left beside it) before any training."""
-    from types import SimpleNamespace
-
+    from src.cli import defaults
     from src.outputs import _check_overwrite, output_paths
     shutil.copytree(fsdp_stopped[0], tmp_path / "out")
     fails_in_process(train_fsdp.main, ["--data-dir", str(tmp_path / "nowhere"), *outputs(tmp_path / "out")],
                      monkeypatch, capsys, f"{tmp_path / 'out'} holds the files of an earlier run (last.dcp): pass --resume")
     _folder(tmp_path / "out" / ".last.dcp.12-4.tmp", "half")
-    args = SimpleNamespace(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
-                           overwrite=True, resume=False)
+    args = defaults(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
+                    overwrite=True, resume=False)
     _check_overwrite(args, output_paths(args))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock"]  # the lock file stays, meaning nothing
 

@@ -56,7 +56,6 @@ OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there o
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
 """
-import argparse
 import csv
 import io
 import json
@@ -79,7 +78,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from src.cache import cached  # noqa: E402
-from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
+from src.cli import OneLineParser, amp_dtype, at_least, defaults  # noqa: E402
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.devices import (
@@ -207,7 +206,7 @@ def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bo
     """One step of the model alone (normalise, forward, and in training backward and SGD);
     torch_dropout: with torch's own dropout instead of the runs' per-sample draws."""
     torch.manual_seed(0)
-    model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights).to(device).to(memory_format=memory_format(args.channels_last))
     if torch_dropout:
         for layer in units(model):
             layer.__class__ = layer.__class__.__mro__[1]  # nn.Dropout, torchvision's StochasticDepth
@@ -218,7 +217,7 @@ def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bo
     labels = torch.randint(0, 2, (batch,), device=device)
     model.train(train)
     set_samples(model, torch.arange(batch, device=device))  # the dropout keys of the batch's samples
-    amp = amp_dtype(args)
+    amp = amp_dtype(args.amp)
 
     def step():
         with torch.set_grad_enabled(train), torch.autocast(device.type, amp, enabled=amp is not None):
@@ -350,11 +349,10 @@ def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batc
     images = cached(labelled_images(data_dir, args.image_size, show_progress=False), args.image_size,
                     cache_dir, workers, show_progress=False)  # the benchmark's cache, already built
     torch.manual_seed(42)
-    model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights).to(device).to(memory_format=memory_format(args.channels_last))
     set_frozen(model, True)
-    options = argparse.Namespace(cache=str(feature_dir), augment=False, arch=args.arch,
-                                 image_size=args.image_size, batch_size=batch,
-                                 channels_last=args.channels_last)
+    options = defaults(cache=str(feature_dir), augment=False, arch=args.arch, image_size=args.image_size,
+                       batch_size=batch, channels_last=args.channels_last)
     shutil.rmtree(feature_dir, ignore_errors=True)
     start = time.perf_counter()
     features = backbone_outputs(options, model, images, device, workers, show=False)
@@ -373,8 +371,8 @@ def training_loader(dataset, batch: int, workers: int, flags: tuple[str, ...] = 
     args.workers = workers  # as asked: the script's parser would cap them to the CPUs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loader = loaders(dataset, Data(dataset, train_idx, val_idx, ""), args, device)[0]
-    loader.sampler.generator.manual_seed(42)
-    loader.dataset.set_epoch(0)
+    loader.sampler.generator.manual_seed(42)  # type: ignore[attr-defined]  # its RandomSampler's
+    loader.dataset.set_epoch(0)  # type: ignore[attr-defined]  # TrainSplit's
     return loader
 
 
@@ -438,7 +436,7 @@ def augment_rates(size: int, batch: int, batches: int, rounds: int = AUGMENT_ROU
     that alternate the rows (so that other work on the machine slows each alike)."""
     depth = 2  # the one worker's prefetch_factor: batches taken before the clock starts (loader_alone)
     dataset = InMemory(math.ceil((depth + batches + 1) * batch / 0.8) + batch, size)  # 80% is the training split
-    best = {}
+    best: dict[tuple[str, ...], float] = {}
     for _ in range(rounds):
         for flags in AUGMENT_ROWS:
             rate = loader_alone(dataset, batch, workers=1, flags=flags, max_batches=batches)
@@ -457,7 +455,7 @@ def augment_cpu_ms(size: int, images: int, rounds: int = AUGMENT_ROUNDS,
     try:
         dataset = InMemory(math.ceil(images / 0.8) + 1, size)  # 80% is the training split
         splits = {flags: training_loader(dataset, 1, 0, flags).dataset for flags in AUGMENT_ROWS}
-        best = {}
+        best: dict[tuple[str, ...], float] = {}
         for _ in range(rounds):
             for flags, split in splits.items():
                 start = clock()

@@ -33,7 +33,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -171,7 +171,7 @@ def _rank(rank: int, world_size: int, port: int, arch: str, ema_decay: float, re
         state = TrainingState(args, {}, model, optimizer, scaler, schedule, average, steps_per_epoch=100)
         state.step = 1
         sums = torch.zeros(4)
-        figures = {way: {"blocks": [], "written": [], "held": 0, "largest": 0, "resident": None} for way in WAYS}
+        figures: dict[str, dict[str, Any]] = {way: {"blocks": [], "written": [], "held": 0, "largest": 0, "resident": None} for way in WAYS}
         for _ in range(repeats):
             for way in WAYS:
                 dist.barrier()

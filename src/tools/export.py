@@ -44,6 +44,9 @@ class Deployable(nn.Module):
     """uint8 images (N, 3, S, S) -> class probabilities (N, classes), float32: src.transforms.normalize,
     the model and a softmax, the same operations as predict runs in torch."""
 
+    mean: torch.Tensor  # buffers (register_buffer): what nn.Module's __getattr__ hands back
+    std: torch.Tensor
+
     def __init__(self, model: nn.Module, mean: list[float], std: list[float]):
         super().__init__()
         self.model = model
@@ -78,6 +81,8 @@ def export_program(wrapper: Deployable, example: torch.Tensor, info: dict):
         wrapper, (example[:2],), dynamo=True, opset_version=OPSET, verbose=False,
         input_names=["images"], output_names=["probabilities"],
         dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
+    if program is None:  # dynamo=True returns the program
+        raise RuntimeError("torch.onnx.export returned no ONNXProgram")
     program.model.metadata_props.update(metadata(info))
     return program
 

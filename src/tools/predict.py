@@ -229,7 +229,7 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
     from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
 
-    rank, world_size, device, heartbeat = join_process_group(args)
+    rank, world_size, device, heartbeat = join_process_group(args.dist_timeout, args.amp)
     try:
         with heartbeat:  # under torchrun: names a rank that stops answering
             try:
@@ -238,11 +238,11 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
                 model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
             except UserError as error:  # every rank finds it: the first says it
                 raise UserError(str(error), quiet=error.quiet or not is_first()) from None
-            model.to(device, memory_format=memory_format(args))
+            model.to(device).to(memory_format=memory_format(args.channels_last))
             workers = default_workers() if args.workers is None else args.workers
             start = time.time()
             result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
-                                   amp_dtype(args), args.channels_last, rank, world_size)
+                                   amp_dtype(args.amp), args.channels_last, rank, world_size)
     finally:
         end_process_group()
     if result is None:

@@ -33,21 +33,21 @@ import os
 import shlex
 import sys
 import time
-from argparse import Namespace
 from datetime import datetime
 from itertools import combinations
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jinja2
 import matplotlib
 import torch
 from matplotlib.ticker import MaxNLocator
+from matplotlib.typing import RcKeyType
 from PIL import Image
 
 from src.checkpoint import RESUME_KEYS, flag_of, read_last
-from src.cli import OneLineParser, at_least
-from src.datasets import CLASSES
+from src.cli import OneLineParser, at_least, defaults
+from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
 from src.errors import UserError, exit_on_error
 from src.history import AVERAGE, best_record
@@ -219,17 +219,21 @@ def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: 
     (src.loaders.labelled_data), each image decoded as training decodes it (src.inference)."""
     info, folder = run.info, data_folder(run, data_dir)
     start = time.perf_counter()
-    data = labelled_data(Namespace(data_dir=folder, image_size=info["image_size"], cache=None,
-                                   val_fraction=info["val_fraction"], seed=info["seed"], workers=workers))
+    data = labelled_data(defaults(data_dir=str(folder), image_size=info["image_size"], cache=None,
+                                  val_fraction=info["val_fraction"], seed=info["seed"], workers=workers))
     if data.digest != info["data"]:
         raise UserError(f"the labelled images of {folder} are not those {run.folder / 'best.pth'} was "
                         f"trained on (best.json's digest of them differs): pass its {flag_of('data')}")
+    if not isinstance(data.dataset, DogCatDataset):  # without --cache: the images themselves
+        raise TypeError(f"validate: labelled_data without a cache gave a {type(data.dataset).__name__}")
     frame, train, split = data.dataset.frame, data.dataset.root_dir, data.val_idx
     names = [frame["filename"].iloc[i] for i in split]
     labels = torch.tensor([int(frame["label"].iloc[i]) for i in split])
     model, _ = load_checkpoint(run.folder / "best.pth")
-    probabilities, broken = predict_files(model.to(device), info, [train / name for name in names], device,
-                                          batch_size, workers)
+    found = predict_files(model.to(device), info, [train / name for name in names], device, batch_size, workers)
+    if found is None:  # None on the ranks but 0 of a launched job: the report runs alone
+        raise RuntimeError("validate: predict_files ran as a rank other than 0")
+    probabilities, broken = found
     if broken:
         first = min(broken)
         raise UserError(f"cannot read validation image {train / names[first]} ({broken[first]}; "
@@ -275,10 +279,10 @@ def thumbnail(path: Path) -> str | None:
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
-            image = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
-            image.thumbnail((THUMBNAIL, THUMBNAIL))
+            rgb = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
+            rgb.thumbnail((THUMBNAIL, THUMBNAIL))
             buffer = io.BytesIO()
-            image.save(buffer, "JPEG", quality=85)
+            rgb.save(buffer, "JPEG", quality=85)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return None
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -301,11 +305,11 @@ def read_predictions(path: Path) -> list[dict]:
         raise UserError(f"--predictions {path}: cannot read it ({error})") from None
     if not rows or rows[0] != ["path", "p_dog", "label"]:
         raise UserError(f"--predictions {path}: expected predict's CSV, with columns path,p_dog,label")
-    images = []
+    images: list[dict[str, Any]] = []
     for number, row in enumerate(rows[1:], start=2):
         try:
-            name, p_dog, label = row
-            p_dog = float(p_dog)
+            name, p_text, label = row
+            p_dog = float(p_text)
             if not 0 <= p_dog <= 1:
                 raise ValueError
         except ValueError:
@@ -372,8 +376,9 @@ def final_weights(run: Run) -> dict[str, torch.Tensor]:
     """
     last, best = run.folder / "last.pth", run.folder / "best.pth"
     try:
-        if whole_folder(run.folder / NAME) is not None:
-            return read_last(run.folder)["model"]
+        found = read_last(run.folder) if whole_folder(run.folder / NAME) is not None else None
+        if found is not None:
+            return found["model"]
         if last.exists():
             return torch.load(last, map_location="cpu", weights_only=True, mmap=True)["model"]
         return torch.load(best, map_location="cpu", weights_only=True, mmap=True)
@@ -423,7 +428,7 @@ def agreements(runs: list[Run]) -> list[Agreement]:
 
 # Plots: SVG, text kept as text, names never read as mathtext.
 
-STYLE = {"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": GENERATOR}
+STYLE: dict[RcKeyType, Any] = {"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": GENERATOR}
 
 
 def svg_uri(figure: plt.Figure) -> str:
