@@ -1553,7 +1553,9 @@ MUTATIONS = [
     # The self-test's own logic and hooks.
     ('tests/hooks/sitecustomize.py', '        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]) if _trained() else None)',
      '        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]))',
-     ['tests/test_gpu_selftest_logic.py::test_a_launcher_writes_no_record_under_rank_0s_name']),
+     ['tests/test_gpu_selftest_logic.py::test_a_launcher_or_a_fork_server_writes_no_record_under_a_ranks_name']),
+    ('tests/hooks/sitecustomize.py', '            _TRAINING["ran"] = True', '            pass',
+     ['tests/test_gpu_selftest_logic.py::test_a_launcher_or_a_fork_server_writes_no_record_under_a_ranks_name']),
     ('tests/hooks/sitecustomize.py', '        kind = "soft" if target.is_floating_point() else "hard"', '        kind = "hard"',
      ['tests/test_gpu_selftest_logic.py::test_the_targets_hook_logs_each_kind_of_target_once']),
     ('checks/gpu_selftest.py', '        off = lerp_off(averages[0], params, averages[1], 1 - decay_at(counts[0], 0.9))',

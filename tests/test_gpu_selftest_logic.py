@@ -334,15 +334,20 @@ def test_the_targets_hook_logs_each_kind_of_target_once(tmp_path):
     assert selftest.targets_seen(tmp_path) == {"1": {"hard", "soft"}}
 
 
-def test_a_launcher_writes_no_record_under_rank_0s_name(tmp_path):
+def test_a_launcher_or_a_fork_server_writes_no_record_under_a_ranks_name(tmp_path):
     """torchrun and accelerate launch start with the workers' environment, the hooks' variables
-    included, and end after them: a process that trained nothing writes no record at its exit
-    (it once overwrote rank 0's, and every two-rank run's rank 0 read as having run no window)."""
-    env = {"PYTHONPATH": conftest.HOOKS, "SYNC_CHECK_STEPS": "1:2", "SYNC_LOG": str(tmp_path / "syncs.json")}
-    assert conftest.run([sys.executable, "-c", "pass"], env=env).returncode == 0
-    assert not list(tmp_path.glob("syncs.json*"))
-    assert conftest.run([sys.executable, "-c", "import src.progress"], env=env).returncode == 0
-    assert json.loads((tmp_path / "syncs.json.0").read_text())["passes"] == 0  # the control: one that trained writes
+    included, and end after them; so does each rank's loader fork server (its RANK too), which
+    imports the script's modules: a process that trained nothing writes no record at its exit (a
+    launcher's once replaced rank 0's, and every two-rank run's rank 0 read as having run no
+    window). The control: a process that starts a run (makes its Progress) writes one."""
+    env = {"PYTHONPATH": conftest.HOOKS, "SYNC_CHECK_STEPS": "1:2", "SYNC_LOG": str(tmp_path / "syncs.json"),
+           "RANK": "1"}
+    for code in ("pass", "import src.progress"):
+        assert conftest.run([sys.executable, "-c", code], env=env).returncode == 0
+        assert not list(tmp_path.glob("syncs.json*")), code
+    starts = "import contextlib, src.progress\nwith contextlib.suppress(Exception): src.progress.Progress(None, None, 1, None)"
+    assert conftest.run([sys.executable, "-c", starts], env=env).returncode == 0
+    assert json.loads((tmp_path / "syncs.json.1").read_text())["passes"] == 0
 
 
 def test_tiny_sets_the_cpus_size_and_workers_and_the_runs_own_flags():

@@ -228,11 +228,31 @@ def _rank(settings) -> str:
     return settings.get("RANK", "0")
 
 
+_TRAINING = {"watched": False, "ran": False}
+
+
+def _watch_training(patcher) -> None:
+    """Note when this process starts a training run (makes its src.progress.Progress), for
+    _trained(); once per process."""
+    if _TRAINING["watched"]:
+        return
+    _TRAINING["watched"] = True
+
+    def make(init):
+        def noted(self, *args, **kwargs):
+            _TRAINING["ran"] = True
+            return init(self, *args, **kwargs)
+        return noted
+    patcher.wrap("src.progress", "Progress.__init__", make)
+
+
 def _trained() -> bool:
-    """Whether this process ran a training script (its progress module loaded): a launcher
-    (torchrun, accelerate launch) starts with the same environment, and must not write its empty
-    record under its RANK-less name, rank 0's, after rank 0 has written its own."""
-    return "src.progress" in sys.modules
+    """Whether this process trained (it made a Progress: _watch_training). Other processes start
+    with the same environment and write their records at exit too, under the rank of their
+    environment: a launcher (torchrun, accelerate launch: no RANK, rank 0's name) ends after the
+    workers, and so does each rank's loader fork server (its own RANK), which imports the script's
+    modules but trains nothing: an empty record of theirs would replace the rank's."""
+    return _TRAINING["ran"]
 
 
 # The hooks.
@@ -512,6 +532,7 @@ def _compiled_graphs() -> int:
 
 @hook("COMPILE_LOG")
 def _log_compiled(settings, patcher):
+    _watch_training(patcher)
     before = _compiled_graphs() if "torch._dynamo" in sys.modules else 0  # an in-process run's own
 
     def write():
@@ -572,6 +593,7 @@ def _control_sync():
 
 @hook("SYNC_CHECK_STEPS", in_process=False)
 def _check_syncs(settings, patcher):
+    _watch_training(patcher)
     import warnings
     syncs = SyncRecord(_rank(settings), warnings.showwarning)
     warnings.showwarning = syncs.showwarning
@@ -643,6 +665,7 @@ def counting_backend(backend, counts: dict):
 
 @hook("COMPILE_OPS_LOG", in_process=False)
 def _count_compiled_ops(settings, patcher):
+    _watch_training(patcher)
     import json
 
     import torch
@@ -733,6 +756,7 @@ def _nvidia_smi_mib_on_gpu0(torch) -> float | None:
 
 @hook("MEMORY_LOG", in_process=False)
 def _log_memory(settings, patcher):
+    _watch_training(patcher)
     import json
 
     import torch
