@@ -1569,6 +1569,8 @@ MUTATIONS = [
     # This round's features, each caught by its make test-gpu check (and on the CPU where the CPU can show it).
     ('src/sharded_checkpoint.py', 'DTensor.from_local(value.to_local().to("cpu", copy=True), value.device_mesh',
      'DTensor.from_local(value.to_local().clone(), value.device_mesh', ['gpu:steps']),
+    ('src/sharded_checkpoint.py', '        shards["average"] = average_shards(model, average)', '        pass',
+     ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:steps']),
     ('src/checkpoint_writer.py', "            done.record()  # after the copies, before the next step's kernels",
      '            pass  #', ['gpu:gpu']),
     ('src/ema.py', '            weight = (1 - decay_at(t, self.decay)) * (1 - skip)',
