@@ -130,7 +130,7 @@ START_UP, COMPILED, IN_PROCESS, DATA = 20, 40, 20, 5
 PARALLEL = 4  # launches at once
 # Minutes a rank waits in a collective (--dist-timeout), and the seconds after which a launch is
 # stopped: a hung collective fails first, with its own error, and torchrun has time to end the others.
-DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 1, 3, 90
+DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, CPU_DIST_TIMEOUT, TEARDOWN = 1, 3, 10, 90
 SHM = 64 * 2**20  # Docker's default /dev/shm
 IMAGES, SIZE, WORKERS, SKIPPED = 640, 64, 2, "1,3"
 # --device cpu: tiny, on the CPU's cores: 100 images (80 train: 5 optimizer steps an epoch at a
@@ -258,16 +258,18 @@ class Run:
     def per_process(self, gpus: int) -> int:
         return micro_batch(gpus) // (2 if self.half_batch else 1) // self.processes(gpus)
 
-    def dist_timeout(self) -> int:
-        return COMPILED_DIST_TIMEOUT if self.compiled else DIST_TIMEOUT
+    def dist_timeout(self, cpu: bool = False) -> int:
+        """--dist-timeout's minutes; on the CPU (--device cpu) CPU_DIST_TIMEOUT: there the check is
+        of the code, not of its speed, and a busy machine may starve a rank for a minute."""
+        return CPU_DIST_TIMEOUT if cpu else COMPILED_DIST_TIMEOUT if self.compiled else DIST_TIMEOUT
 
     def planned(self) -> int:
         """Its seconds in the plan, one at a time."""
         return COMPILED if self.compiled or self.heavy else START_UP
 
-    def limit(self) -> int:
+    def limit(self, cpu: bool = False) -> int:
         """Seconds after which the launch is stopped: its collectives time out well before."""
-        return 60 * self.dist_timeout() + TEARDOWN + self.planned()
+        return 60 * self.dist_timeout(cpu) + TEARDOWN + self.planned()
 
 
 def _unagreed_stop(launch: subprocess.Popen, out: Path, stderr: Path, limit: float) -> None:
@@ -505,7 +507,7 @@ def command_of(name: str, work: Path, data: Path, gpus: int, cpu: bool = False) 
         flags = tiny(flags, run.cpu_flags)
     flags += ["--batch-size", str(run.per_process(gpus))]
     if mode.script != "train_single.py" and mode.script != "train_dp.py":
-        flags += ["--dist-timeout", str(run.dist_timeout())]
+        flags += ["--dist-timeout", str(run.dist_timeout(cpu))]
     processes = run.processes(gpus)
     # A world of one needs no launcher (the script makes it, as torchrun --nproc_per_node=1 would).
     launcher_of = _python if cpu and mode.launcher is _torchrun and processes == 1 else mode.launcher
@@ -581,7 +583,7 @@ class Launches:
                 return RuntimeError(f"{name} did not start: {error}")
         command, env = command_of(name, self.work, self.data, self.gpus, self.cpu)
         log = out / f"log-{name}.txt"
-        limit = min(run.limit(), self.deadline - time.time())
+        limit = min(run.limit(self.cpu), self.deadline - time.time())
         if limit < run.planned():
             return RuntimeError(f"{name} not run: {max(limit, 0):.0f} s left before the --deadline")
         try:

@@ -489,7 +489,7 @@ MUTATIONS = [
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run', 'gpu:resume']),
     ('checks/gpu_selftest.py', '                groups.add(os.getpgid(pid))', '                groups.add(launch.pid)',
      ['tests/test_gpu_selftest_logic.py::test_stop_ends_the_workers_that_torchrun_puts_in_sessions_of_their_own']),
-    ('checks/gpu_selftest.py', '        flags += ["--dist-timeout", str(run.dist_timeout())]', '        pass',
+    ('checks/gpu_selftest.py', '        flags += ["--dist-timeout", str(run.dist_timeout(cpu))]', '        pass',
      ['tests/test_gpu_selftest_logic.py::test_every_distributed_launch_times_out_its_collectives_well_before_its_limit']),
     ('checks/gpu_selftest.py', 'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 1, 3, 90',
      'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 5, 5, 0',

@@ -88,6 +88,9 @@ def test_every_distributed_launch_times_out_its_collectives_well_before_its_limi
                 continue
             minutes = int(command[command.index("--dist-timeout") + 1])
             assert minutes == run.dist_timeout() and 60 * minutes + 60 < run.limit() <= 360, name
+            on_cpu = selftest.command_of(name, tmp_path, tmp_path / "data", gpus, cpu=True)[0]
+            minutes = int(on_cpu[on_cpu.index("--dist-timeout") + 1])  # a busy CPU is no hang
+            assert minutes == selftest.CPU_DIST_TIMEOUT and 60 * minutes + 60 < run.limit(cpu=True), name
             assert all(value.count("{out}") == 0 for value in env.values())
 
 
