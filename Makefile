@@ -1,6 +1,6 @@
 # make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md),
 #   write its report (model/report.html; its last line says how to open it)
-# make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright) and run the test suite in
+# make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright, ruff, mypy) and run the test suite in
 #   two workers; tests/test_report.py also needs Debian's chromium: installed here as root (checks/browser.py),
 #   elsewhere one line says what to install and the browser tests are skipped
 # make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
@@ -19,7 +19,7 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-fast lint test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt
+$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt requirements-lint.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@

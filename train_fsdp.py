@@ -165,8 +165,10 @@ def train(args: Config, device: torch.device, rank: int, world_size: int, heartb
                 val_sums = evaluate(net, val_loader, "val", progress, args, device)
                 average_sums = ema.validate(lambda: evaluate(net, val_loader, "average", progress, args, device))
                 record = state.record(train_sums, val_sums, average_sums, middle - start, time.time() - middle)
-                # best.pth holds whole tensors: every rank sends its shards, rank 0 keeps them.
-                whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                # best.pth holds whole tensors: every rank sends its shards, rank 0 keeps them; only for a new
+                # best of the weights (new_best is the same on every rank: the gather is a collective)
+                whole = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                         if state.new_best(record) == "weights" else None)
                 # best.pth if better and history.json (rank 0); last.dcp, each rank writing its own shards
                 is_best = state.save_epoch(record, whole, write=dcp.save)
                 if rank == 0:

@@ -1282,11 +1282,11 @@ def _nan_empty_like():
     def poisoned(*args, **kwargs):
         tensor = empty_like(*args, **kwargs)
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-    torch.empty_like = poisoned  # type: ignore[assignment]  # the poisoned one takes its arguments
+    torch.empty_like = poisoned
     try:
         yield
     finally:
-        torch.empty_like = empty_like  # type: ignore[assignment]  # torch's own back
+        torch.empty_like = empty_like
 
 
 def _three_steps(optimizer, model, device) -> torch.Tensor:
@@ -1470,7 +1470,7 @@ def _pinned(device, work: Path, result: Result) -> None:
         weights.add_(1.0)  # the next step's update: queued after the copy, it must not reach the file
         writer.wait()
         held = torch.load(Path(folder) / "last.pth", weights_only=True)["model"]["w"]
-    buffers_pinned = all(buffer.is_pinned() for buffer in writer.buffers.values())
+    buffers_pinned = all(buffer.is_pinned() for buffer in writer.copies.buffers.values())
     saved = bool(held.eq(1).all())
     result.judge(f"training batches pinned: {batch_pinned}; the progress bar's host sums: {sums_pinned}; "
                  f"the feature cache's host copies: {copy_pinned}; the step checkpoint writer's buffers: {buffers_pinned}",

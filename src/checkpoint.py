@@ -95,9 +95,11 @@ def write_epoch(args: Config, history: list[dict], info: dict, model_state: dict
     return is_best
 
 
-def write_best(args: Config, history: list[dict], info: dict, model_state: dict, average_state: dict | None) -> bool:
+def write_best(args: Config, history: list[dict], info: dict, model_state: dict | None,
+               average_state: dict | None) -> bool:
     """best.pth and best.json if the last epoch of `history` is the best so far (write_epoch's
-    first files); whether it is."""
+    first files); whether it is. `model_state` may be None where best.pth is not to hold the
+    weights (FSDP gathers them for a new best only)."""
     paths = output_paths(args)
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
@@ -105,6 +107,8 @@ def write_best(args: Config, history: list[dict], info: dict, model_state: dict,
         # best.json holds its digest: predict checks the pair (the only file whose hash is used).
         if weights == "average" and average_state is None:  # best_choice offers an average only where the records hold one
             raise ValueError("the history holds --ema-decay's average but the run keeps none")
+        if weights == "weights" and model_state is None:
+            raise ValueError("a new best of the weights without their whole state_dict")
         chosen = average_state["model"] if weights == "average" and average_state is not None else model_state
         digest = atomic_torch_save(chosen, paths["best"], hashed=True)
         atomic_write_text(paths["info"], json.dumps(
@@ -215,8 +219,8 @@ def _gone(path: Path) -> UserError:
     return UserError(f"cannot resume from {_where(path)}: it was removed while this run started; start the run again")
 
 
-def _read_folder(folder: Path, sharded: bool) -> dict:
-    """A whole last.dcp as _newest_last sends it."""
+def _read_folder(folder: Path, sharded: bool, resuming: bool = True) -> dict:
+    """A whole last.dcp as _newest_last sends it (`resuming`: its error says so)."""
     whole = sharded_checkpoint.whole_folder(folder)
     if whole is None:
         raise _gone(folder)
@@ -225,8 +229,18 @@ def _read_folder(folder: Path, sharded: bool) -> dict:
             return {**sharded_checkpoint.read_training(whole), "from": _where(folder), "shards": str(whole)}
         return {**sharded_checkpoint.read_whole(whole), "from": _where(folder)}
     except (Exception, CheckpointException) as error:  # a torn or foreign folder: many exception types
-        raise UserError(f"cannot resume from {_where(folder)} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over") from None
+        if not resuming:
+            raise UserError(f"cannot read {_where(folder)} ({_why(error)})") from None
+        raise UserError(f"cannot resume from {_where(folder)} ({_why(error)}); delete it to start over") from None
+
+
+def _why(error: BaseException) -> str:
+    """What is wrong with a last that cannot be read, on one line: a last.dcp's part that is not of
+    its save says so itself (sharded_checkpoint.Unreadable); other errors with their type."""
+    error = sharded_checkpoint.unwrapped(error)
+    if isinstance(error, sharded_checkpoint.Unreadable):
+        return one_line(error)
+    return f"{type(error).__name__}: {one_line(error)}"
 
 
 def last_position(folder: Path) -> tuple[int, int] | None:
@@ -249,7 +263,7 @@ def read_last(folder: Path) -> dict | None:
         return None
     if Path(found[2]) == path:
         return _read_last(path)
-    return _read_folder(Path(found[2]), sharded=False)
+    return _read_folder(Path(found[2]), sharded=False, resuming=False)
 
 
 def _best_files(args: Config) -> tuple[bytes | None, str | None]:
@@ -386,8 +400,8 @@ def load_last(args: Config, info: dict, model: "torch.nn.Module | WholeModel",
         tracked_ids = _tracked_ids(saved)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, CheckpointException) as error:
         # an older or foreign last, or a last.dcp that lacks a piece
-        raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over", quiet=not is_first()) from None
+        raise UserError(f"cannot resume from {state['from']} ({_why(error)}); delete it to start over",
+                        quiet=not is_first()) from None
     if source != 0 and "shards" not in state:  # a last.dcp is where every node sees it already
         _copy_to_rank_0(args, state, source)
     if announce:

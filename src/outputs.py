@@ -512,6 +512,8 @@ def _try_outputs(args: Config) -> RunLock:
                   input_folders=[("--data-dir's train/", data / "train")]
                   + ([("--cache", Path(args.cache))] if args.cache else []))
     check_run_outputs(paths)  # before anything is made: a refusal leaves every folder as it was
+    from src import sharded_checkpoint  # here: it loads torch
+    sharded_checkpoint.check_ours(sharded_checkpoint.folder_of(args))  # FSDP's folders: a user's is never replaced
     if args.profile:
         from src.profiling import check_profile_folder  # here: it loads torch
         check_profile_folder(args)
@@ -536,7 +538,6 @@ def _try_outputs(args: Config) -> RunLock:
     for path in paths.values():
         for stale in temporaries(path):  # from a run killed while saving
             stale.unlink(missing_ok=True)
-    from src import sharded_checkpoint  # here: it loads torch
     sharded_checkpoint.repair(sharded_checkpoint.folder_of(args))  # FSDP's last.dcp, after a crash in a save
     return lock
 

@@ -119,10 +119,10 @@ class TrainingState:
         if is_sharded(self.optimizer):
             self._save_shards(write, step=self.step, partial=partial)
             return
-        last = self._last_state(step=self.step, partial=partial)
-        if is_first():
-            self.heartbeat.at("saving")
-            self.writer.save(last, output_paths(self.args)["last"])
+        if not is_first():  # the one collective the save needs is behind: rank 0 alone builds and writes last.pth
+            return
+        self.heartbeat.at("saving")
+        self.writer.save(self._last_state(step=self.step, partial=partial), output_paths(self.args)["last"])
 
     def record(self, train_sums: torch.Tensor, val_sums: torch.Tensor, average_sums: torch.Tensor | None,
                train_seconds: float, val_seconds: float) -> dict:
@@ -132,6 +132,14 @@ class TrainingState:
         return epoch_record(epoch=self.epoch, train_sums=train_sums, val_sums=val_sums, average_sums=average_sums,
                             train_seconds=earlier + train_seconds, val_seconds=val_seconds,
                             data_wait_seconds=self.data_wait, lr=self.optimizer.param_groups[0]["lr"])
+
+    def new_best(self, record: dict) -> str | None:
+        """What best.pth will hold once the finished epoch's `record` joins the history: "weights" or
+        "average" where the epoch is the best so far (by --best-by), None where best.pth stays as it
+        is. The same on every rank (the records' validation sums are every rank's, all-reduced): a
+        gather for best.pth, a collective, is made on every rank or on none."""
+        best, weights = best_choice([*self.history, record], self.args.best_by)
+        return weights if best["epoch"] == record["epoch"] else None
 
     def save_epoch(self, record: dict, model_state: dict | None = None, write: Callable | None = None) -> bool:
         """The epoch is finished: its record joins the history, and rank 0 writes best.pth if it
@@ -145,9 +153,9 @@ class TrainingState:
         if is_sharded(self.optimizer):
             is_best = self._save_epoch_shards(model_state, write)
         else:
-            last = self._last_state(model_state=model_state)
-            if not is_first():
+            if not is_first():  # rank 0 alone builds and writes last.pth: no collective in it
                 return False
+            last = self._last_state(model_state=model_state)
             self.heartbeat.at("saving")
             self.writer.wait()  # a step's last.pth still being written must not land after this one
             is_best = checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
@@ -156,14 +164,17 @@ class TrainingState:
         return is_best
 
     def _save_epoch_shards(self, model_state: dict | None, write: Callable | None) -> bool:
-        """save_epoch under FSDP: best.pth and best.json first (rank 0; the whole weight average
-        gathered only where best.pth is to hold it), then last.dcp, then history.json and the
-        plot: a last that has the epoch comes after the best.pth that weighed it."""
-        if model_state is None:  # each rank holds pieces: only the script's gathered state_dict is whole
-            raise ValueError("save_epoch of a sharded model needs its whole state_dict (get_model_state_dict)")
+        """save_epoch under FSDP: best.pth and best.json first (rank 0; the whole weights or their
+        average gathered only where best.pth is to hold them: the script gathers the weights, see
+        new_best), then last.dcp, then history.json and the plot: a last that has the epoch comes
+        after the best.pth that weighed it."""
         model = getattr(self.model, "_orig_mod", self.model)
         best, weights = best_choice(self.history, self.args.best_by)
-        average = whole_average(model, self.average) if weights == "average" and best["epoch"] == self.epoch else None
+        new_best = best["epoch"] == self.epoch
+        if new_best and weights == "weights" and model_state is None:  # each rank holds pieces: only the script's
+            raise ValueError("save_epoch of a new best of a sharded model needs its whole state_dict "
+                             "(get_model_state_dict)")
+        average = whole_average(model, self.average) if new_best and weights == "average" else None  # every rank
         is_best = False
         if is_first():
             self.heartbeat.at("saving")

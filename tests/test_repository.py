@@ -63,6 +63,7 @@ def test_the_python_version_is_stated_where_tools_and_people_read_it():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["requires-python"] == ">=3.11"
     assert project["tool"]["ruff"]["target-version"] == "py311"
+    assert project["tool"]["mypy"]["python_version"] == "3.11"
     assert "(Python 3.11," in (ROOT / "README.md").read_text()
     assert sys.version_info >= (3, 11)
 

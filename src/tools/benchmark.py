@@ -57,6 +57,7 @@ a folder holding data/, runs/, cache/ or the tables without the mark is refused,
 where a run is in progress (src.outputs.claim_folder).
 """
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -106,7 +107,30 @@ INTERRUPTED = "interrupted: the tables were not written; run the command again (
 MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """benchmark's flags, as parse_args returns them."""
+
+    data_dir: Path | None
+    images: int
+    out_dir: Path
+    processes: int
+    arch: str
+    weights: str
+    image_size: int
+    batch_size: int
+    epochs: int
+    amp: str
+    channels_last: bool
+    modes: str  # comma-separated names of MODES
+    steps: int
+    dropout_cost: bool
+    augment_cost: bool
+    save_cost: bool
+    worker_start: bool
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path, help="a Kaggle-layout folder (default: a synthetic set in OUT/data)")
@@ -138,7 +162,7 @@ def parse_args(argv: list[str] | None = None):
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
         parser.error(f"argument --modes: unknown run {unknown[0]!r} (choose from {', '.join(MODES)})")
-    return args
+    return Options(**vars(args))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -164,7 +188,7 @@ def fresh_process() -> ProcessPoolExecutor:
     return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_as_a_run)
 
 
-def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
+def bare_step(args: Options, device: torch.device, batch: int, train: bool) -> float:
     """Images/s of the model alone on uint8 batches already on the device."""
     step = _step(args, device, batch, train)
     steps = args.steps if train else 2 * args.steps
@@ -172,7 +196,7 @@ def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
     return _rate(step, steps, batch, device)
 
 
-def bare_steps_with_either_dropout(args, device: torch.device, batch: int, rounds: int = 3) -> tuple[float, float]:
+def bare_steps_with_either_dropout(args: Options, device: torch.device, batch: int, rounds: int = 3) -> tuple[float, float]:
     """(images/s of the training step with the runs' per-sample dropout, with torch's own): the two
     timed in alternating rounds of --steps steps, the best round of each, so that a machine whose
     speed drifts (other work on it) moves both alike. VGG16's classifier draws two masks of 4096
@@ -202,7 +226,7 @@ def _rate(step, steps: int, batch: int, device: torch.device) -> float:
     return steps * batch / (time.perf_counter() - start)
 
 
-def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bool = False):
+def _step(args: Options, device: torch.device, batch: int, train: bool, torch_dropout: bool = False):
     """One step of the model alone (normalise, forward, and in training backward and SGD);
     torch_dropout: with torch's own dropout instead of the runs' per-sample draws."""
     torch.manual_seed(0)
@@ -338,7 +362,7 @@ def dropout_report(rounds: int) -> tuple[str, list[tuple[str, bool]]]:
     return "\n".join(lines) + "\n", results
 
 
-def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batch: int,
+def feature_build(args: Options, data_dir: Path, cache_dir: Path, feature_dir: Path, batch: int,
                   workers: int) -> tuple[int, float] | None:
     """(images, seconds) that src.freeze.backbone_outputs takes to build the --freeze feature cache
     from the image cache, as the first `train_single.py --freeze --cache` run does before its first
@@ -510,7 +534,7 @@ def save_seconds(state: dict, path: Path, rounds: int, clock=time.perf_counter) 
     return {**best, "bytes": path.stat().st_size}
 
 
-def save_cost_report(args, out: Path) -> str:
+def save_cost_report(args: Options, out: Path) -> str:
     """--save-cost's Markdown (see the module's docstring)."""
     from src.ema import WeightAverage
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -620,7 +644,7 @@ def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
     return best[None], best[size]
 
 
-def _commands(args) -> dict:
+def _commands(args: Options) -> dict:
     """Each run's launcher command, processes and per-process batch."""
     p = args.processes
     accelerate = ["accelerate", "launch", "--num_processes", str(p), "--mixed_precision", args.amp]
@@ -641,7 +665,7 @@ def _commands(args) -> dict:
     }
 
 
-def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
+def run_mode(name: str, args: Options, data_dir: Path, cache_dir: Path) -> dict:
     command, processes, batch = _commands(args)[name]
     out = args.out_dir / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
@@ -691,7 +715,7 @@ def communication_share(figures: Path) -> float | None:
     return view["seconds"]["communication"] / profile["wall_seconds"] if profile["wall_seconds"] else None
 
 
-def checks(rows: dict, args) -> list[tuple[str, bool]]:
+def checks(rows: dict, args: Options) -> list[tuple[str, bool]]:
     """The issue's targets, each as (statement with the figures, met)."""
     result = []
     if "single" in rows:
@@ -732,7 +756,7 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
     return result
 
 
-def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
+def write_outputs(rows: dict, notes: list[str], results: list, args: Options) -> str:
     out = args.out_dir
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=FIELDS, extrasaction="ignore")

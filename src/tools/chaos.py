@@ -41,6 +41,7 @@ the two uninterrupted runs (weights and average), and its history's figures diff
 no more relatively than theirs from each other, or 1e-4; the exit code is 1 otherwise.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -117,7 +118,25 @@ if RANK >= 0:  # a worker, not torchrun itself
 '''
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """chaos's flags, as parse_args returns them."""
+
+    stops: int
+    seed: int
+    epochs: int | None
+    batch_size: int
+    save_every_steps: int
+    data_dir: str | None
+    reference: str | None
+    work_dir: str | None
+    launch_timeout: float
+    change_world: bool
+    far: str | None
+    alone: str | None
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--stops", type=int, default=3, help="how many times to stop the run")
@@ -144,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("stops", "epochs", "batch_size", "save_every_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return Options(**vars(args))
 
 
 def plan(rng: random.Random, stops: int, total: int) -> list[list[dict]]:
@@ -346,7 +365,7 @@ def _steps_done(steps_log: Path, total: int) -> list[int]:
     return done
 
 
-def _one_world(args, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
+def _one_world(args: Options, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
                reference: Path, began: float) -> None:
     """Two DDP processes in every launch, resumed by torchrun after a kill: bit for bit."""
     events = plan(random.Random(args.seed), args.stops, total)
@@ -366,7 +385,7 @@ def _one_world(args, work: Path, out: Path, common: list[str], env: dict, total:
         sys.exit(1)
 
 
-def _changing_worlds(args, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
+def _changing_worlds(args: Options, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
                      straight: tuple[Path, Path, Path], began: float) -> None:
     """Each launch in a world drawn anew, each stop ending its launch; the verdict against the float floor."""
     rng, counts = random.Random(args.seed), dict.fromkeys(MEANS, 0)

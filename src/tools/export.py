@@ -15,6 +15,7 @@ OUTPUT replaces an ONNX file of this tool's (its metadata says so), any other fi
 folder of a training run in progress (src.outputs.check_tool_output).
 Needs `pip install -r requirements-onnx.txt` (onnx, onnxscript, onnx-ir, onnxruntime).
 """
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -183,6 +184,17 @@ def export(checkpoint: Path, output: Path, image_paths: list[Path], count: int, 
     print(line)
 
 
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """export's flags, as main parses them."""
+
+    checkpoint: Path
+    output: Path | None
+    images: list[Path]
+    check: int
+    overwrite: bool
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("model/best.pth"),
@@ -193,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", type=at_least(1), default=16, help="how many images to check it on")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an OUTPUT that this tool did not write (never a training run's files)")
-    args = parser.parse_args(argv)
+    args = Options(**vars(parser.parse_args(argv)))
     try:
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401

@@ -26,6 +26,7 @@ files nor a file in the folder of a run in progress (src.outputs.check_tool_outp
 """
 import base64
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -49,7 +50,7 @@ from src.checkpoint import RESUME_KEYS, flag_of, read_last
 from src.cli import OneLineParser, at_least, defaults
 from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
-from src.errors import UserError, exit_on_error
+from src.errors import UserError, exit_on_error, one_line
 from src.history import AVERAGE, best_record
 from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
@@ -74,7 +75,20 @@ GENERATOR = "src.tools.report"
 INTERRUPTED = "interrupted: no report written (an earlier --output file is as it was); run the command again"
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """report's flags, as parse_args returns them (--output's and --workers's defaults filled in)."""
+
+    runs: list[Path]
+    output: Path
+    overwrite: bool
+    predictions: Path | None
+    data_dir: Path | None
+    batch_size: int
+    workers: int
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding a run's best.pth")
@@ -95,7 +109,7 @@ def parse_args(argv: list[str] | None = None):
         args.output = args.runs[0] / "report.html"
     if args.workers is None:
         args.workers = default_workers(1)
-    return args
+    return Options(**vars(args))
 
 
 class Run(NamedTuple):
@@ -382,8 +396,10 @@ def final_weights(run: Run) -> dict[str, torch.Tensor]:
         if last.exists():
             return torch.load(last, map_location="cpu", weights_only=True, mmap=True)["model"]
         return torch.load(best, map_location="cpu", weights_only=True, mmap=True)
+    except UserError as error:  # a last that cannot be read says why (src.checkpoint.read_last)
+        raise UserError(f"cannot read the weights of {run.folder}: {one_line(error)}") from None
     except Exception as error:  # a truncated or foreign file: many exception types
-        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__})") from None
+        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__}: {one_line(error)})") from None
 
 
 class Agreement(NamedTuple):
@@ -537,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(run_section(run, validation))
     speeds = [speed(run) for run in runs]
     shown = None
-    if predictions is not None:
+    if predictions is not None and args.predictions is not None:  # the one read from the other
         folders = [args.predictions.parent, Path.cwd(), *{data_folder(run, args.data_dir) for run in runs}]
         shown = prediction_thumbnails(predictions[:PREDICTED], args.predictions, folders)
     html = render({
