@@ -19,7 +19,7 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-fast lint test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt requirements-lint.txt
+$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt requirements-lint.txt requirements-ray.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@

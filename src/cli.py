@@ -1,4 +1,4 @@
-"""The command-line flags shared by all five training scripts."""
+"""The command-line flags shared by all six training scripts."""
 import argparse
 import dataclasses
 import math
@@ -107,7 +107,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True, distributed: bool = False,
+def build_parser(description: str, amp: bool = True, distributed: bool = False, ray: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -216,6 +216,8 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
     if distributed:
         add_dist_timeout(parser, "in a collective, or for its node's --cache build")
+    if ray:
+        add_ray_flags(parser.add_argument_group("Ray Train (train_ray.py)").add_argument)
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -239,13 +241,13 @@ def defaults(argv: list[str] | None = None, amp: bool = True, distributed: bool 
 
 
 def parse_args(description: str, argv: list[str] | None = None, script: str | None = None,
-               amp: bool = True, distributed: bool = False) -> Config:
+               amp: bool = True, distributed: bool = False, ray: bool = False) -> Config:
     """The flags of a training script: argv (sys.argv[1:] when None), `script` its file (for the
     messages, the mode it records and the command that goes on after a stop). `.command` is the
     command line as typed (the script and argv); `.mode` the script's name without "train_" ("ddp")."""
     argv = sys.argv[1:] if argv is None else list(argv)
     name = Path(script).name if script else Path(sys.argv[0]).name
-    parser = build_parser(description, amp=amp, distributed=distributed, prog=name)
+    parser = build_parser(description, amp=amp, distributed=distributed, ray=ray, prog=name)
     args = parser.parse_args(argv)
     if args.freeze and args.freeze_epochs:
         parser.error("--freeze trains the last layer only in every epoch; --freeze-epochs K only "
@@ -256,6 +258,9 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
     check_tracking(parser, args.track, args.tracking_uri)
+    if args.evaluate and ray:
+        parser.error("--evaluate validates without a cluster: run it with train_ddp.py or train_single.py, which "
+                     "read train_ray.py's checkpoints")
     evaluate_file = None
     if args.evaluate:
         for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):
@@ -273,6 +278,7 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
         # over several processes (--sync-bn under a launcher).
         together = int(os.environ.get("WORLD_SIZE", "1")) if distributed and args.sync_bn else 1
+        together = args.num_workers if ray and args.sync_bn else together
         if not (args.freeze or args.evaluate):
             check_batch_norm(args.arch, args.image_size, args.batch_size * together, f"--batch-size {args.batch_size}")
     except UserError as error:
@@ -306,6 +312,21 @@ def check_tracking(parser: argparse.ArgumentParser, track: list[str] | None, uri
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "
                          "pip install -r requirements.txt")
+
+
+def add_ray_flags(add: Callable[..., argparse.Action]) -> None:
+    """train_ray.py's own flags: its workers, its cluster, where Ray Train keeps the checkpoints."""
+    add("--num-workers", type=at_least(1), default=1,
+        help="training processes that Ray Train starts, one CPU each, or one GPU each where the cluster has GPUs")
+    add("--address", default=None,
+        help="a running Ray cluster: HOST:PORT of its head (ray start --head), ray://HOST:PORT or auto "
+             "(default: RAY_ADDRESS, else a Ray instance started on this machine for the run)")
+    add("--storage-path", metavar="PATH", default=None,
+        help="where Ray Train keeps the reported checkpoints: a folder every node sees, or a URI such as "
+             "s3://BUCKET/PATH (default: the folder ray/ beside --checkpoint)")
+    add("--max-failures", type=at_least(-1), default=3,
+        help="times Ray Train restarts the workers after one is lost (each time from the last checkpoint; "
+             "-1: no limit)")
 
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:

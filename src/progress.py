@@ -70,12 +70,13 @@ class Progress:
     over a loader's batches, timing the waits for data and showing the running loss and images/s."""
 
     def __init__(self, args: Config, state, batch_images: int, device: torch.device,
-                 log: Log | None = None):
+                 log: Log | None = None, bars: bool = True):
         """`state`: the run's src.state.TrainingState (the optimizer, the steps of an epoch, where a
         resumed epoch goes on, the heartbeat, the epoch's data-wait clock); `batch_images`: the
         images of one micro-batch over all processes; `log`: where TensorBoard's step and epoch
         scalars go (accelerate's TensorBoard tracker's log; by default TensorBoard in --log-dir);
-        the step metrics go to the state's tracker too (--track)."""
+        the step metrics go to the state's tracker too (--track). `bars`: draw progress bars (rank
+        0's; not where the output is forwarded line by line, as Ray forwards its workers')."""
         self.args, self.state, self.batch_images, self.device, self.show = args, state, batch_images, device, is_first()
         self.tensorboard = TensorBoard(args.log_dir) if log is None else None
         self.log = log or self.tensorboard
@@ -87,6 +88,7 @@ class Progress:
         self.buffers = [torch.zeros(4, pin_memory=pinned) for _ in range(4)]
         self.copies = 0  # copies started: the next one goes into buffers[copies % 4]
         self.title = ""
+        self.bars = bars
 
     def training(self, loader: DataLoader, epoch: int, sums: torch.Tensor) -> Iterator[tuple[int, tuple]]:
         """(micro-batch index in the epoch, batch) for the epoch's training micro-batches from the
@@ -117,7 +119,7 @@ class Progress:
         pending: collections.deque[tuple] = collections.deque()  # copies of sums in flight: (host copy, event, micro-batch, time)
         # the last copy that arrived: (sums, micro-batch, time); a resumed epoch's finished steps' sums
         last = (state.partial["sums"], first, None) if training and first and state.partial else None
-        bar = tqdm(total=total, initial=first, desc=desc, leave=False, disable=not self.show)
+        bar = tqdm(total=total, initial=first, desc=desc, leave=False, disable=not (self.show and self.bars))
         iterator = iter(loader)
         try:
             for index in range(first, total):

@@ -37,6 +37,17 @@ STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
 
+RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
+(train_ray.py) of rank r (default 0), read when the step comes (Ray Train sets RANK after its
+workers start), at its n-th optimizer step, once in the run (RAY_LOG, written first, marks it
+done: a worker that Ray restarted finds it and does nothing): `kill`, the process SIGKILLs itself,
+once Ray Train has taken in a checkpoint reported if RAY_REPORTED (a storage_path) is given (at
+most 120 s: the controller collects a report a second or two after it is made), after removing the
+file RAY_REMOVE if given (a node replaced with an empty disk); `term-driver`,
+it sends SIGTERM to the driver whose pid the file RAY_DRIVER_PID_FILE holds, then waits (at most
+120 s) until the stop has come back to it (its StopSignals' flag, which the driver's request
+raises): the stop then begins in that step.
+
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests use conftest's fake_gpus).
 
@@ -106,6 +117,7 @@ accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler 
 (accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
 """
 import atexit
+import glob
 import importlib
 import importlib.abc
 import importlib.util
@@ -379,6 +391,41 @@ def _stop_at_step(settings, patcher):
         time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(patcher, int(settings["STOP_AT_STEP"]), stop)
+
+
+@hook("RAY_AT_STEP", in_process=False)
+def _ray_at_step(settings, patcher):
+    signals = []  # the StopSignals of this process (train_ray.py's run makes one)
+
+    def make(init):
+        def recorded(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            signals.append(self)
+        return recorded
+    patcher.wrap("src.stopping", "StopSignals.__init__", make)
+
+    def act():
+        log = settings["RAY_LOG"]
+        if os.environ.get("RANK", "0") != settings.get("RAY_RANK", "0") or os.path.exists(log):
+            return
+        with open(log, "w") as file:
+            file.write(f"{os.getpid()} {time.time()}\n")
+        if settings.get("RAY_ACTION", "kill") == "kill":
+            waited = 0.0  # until Ray Train has taken in a checkpoint reported (RAY_REPORTED, a storage_path)
+            while (settings.get("RAY_REPORTED") and not glob.glob(f"{settings['RAY_REPORTED']}/*/checkpoint_manager_snapshot.json")
+                   and waited < 120):
+                time.sleep(0.01)
+                waited += 0.01
+            if settings.get("RAY_REMOVE"):
+                os.remove(settings["RAY_REMOVE"])
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(settings["RAY_DRIVER_PID_FILE"]) as file:
+            os.kill(int(file.read()), signal.SIGTERM)
+        waited = 0.0
+        while not any(stops.requested for stops in signals) and waited < 120:
+            time.sleep(0.01)
+            waited += 0.01
+    _on_step(patcher, int(settings["RAY_AT_STEP"]), act)
 
 
 @hook("KILL_IN_WRITE", in_process=False)
