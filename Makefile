@@ -8,8 +8,9 @@
 # make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
 # make lint: ruff and mypy (requirements-lint.txt) with pyproject.toml's rules, in the same install as make test
 #   (mypy reads torch's own annotations, so the code that only a GPU runs is checked against them too)
-# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py;
-#   GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu PY=python3 without .venv)
+# make test-gpu: on a machine with NVIDIA GPUs, the checks the CPU suite cannot make (checks/gpu_selftest.py,
+#   ending within 7 minutes; GPU_FLAGS=--quick for the most important ones; make -o .venv/.installed test-gpu
+#   PY=python3 without .venv); `python checks/gpu_selftest.py --device cpu` runs every check tiny on a CPU
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -55,4 +56,4 @@ lint: $(VENV)/.lint-installed
 
 GPU_FLAGS ?=
 test-gpu: $(VENV)/.installed
-	$(PY) checks/gpu_selftest.py $(GPU_FLAGS)
+	$(PY) checks/gpu_selftest.py --deadline 420 $(GPU_FLAGS)

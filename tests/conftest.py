@@ -111,12 +111,14 @@ def made_once(folder: Path):
         done.touch()
 
 
-# The files that take longest (measured with --durations, 2026-12-05), first: with -n 2 each worker
-# takes whole files (--dist loadfile) in collection order, and a long file taken last would leave
-# the other worker idle at the end. The rest keep their order.
-LONGEST_FIRST = ["test_ray.py", "test_sync_bn.py", "test_fsdp.py", "test_modes.py", "test_reliability.py", "test_stopping.py",
-                 "test_performance.py", "test_freeze.py", "test_arch_walk.py", "test_recipe.py", "test_benchmark.py",
-                 "test_chaos.py", "test_hung_rank.py", "test_dropout.py", "test_report.py", "test_two_ranks.py"]
+# The files that take longest (measured with --durations, 2026-12-05; the GPU proof's dry run in
+# test_gpu_on_cpu_selftest.py, 2026-12-06), first: with -n 2 each worker takes whole files (--dist
+# loadfile) in collection order, and a long file taken last would leave the other worker idle at
+# the end. The rest keep their order.
+LONGEST_FIRST = ["test_gpu_on_cpu_selftest.py", "test_ray.py", "test_sync_bn.py", "test_fsdp.py", "test_modes.py",
+                 "test_reliability.py", "test_stopping.py", "test_performance.py", "test_freeze.py",
+                 "test_arch_walk.py", "test_recipe.py", "test_benchmark.py", "test_chaos.py", "test_hung_rank.py",
+                 "test_dropout.py", "test_report.py", "test_two_ranks.py"]
 
 
 # make test-fast (-m "not slow") leaves out, whoever wrote them, the tests that train or start
