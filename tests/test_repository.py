@@ -47,7 +47,7 @@ def _pinned() -> dict[str, str]:
             line = line.split("#")[0].strip()
             if "==" in line:
                 name, version = line.split("==")
-                pins[name.strip().lower()] = version.strip()
+                pins[name.split("[")[0].strip().lower()] = version.strip()  # ray[train]: the package ray
     return pins
 
 
