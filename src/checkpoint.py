@@ -45,9 +45,10 @@ ADDED_LATER = {"auto_augment": None, "ra_magnitude": 9, "augmix_severity": 3, "r
 RECIPE_FLAGS = ("lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_epochs",
                 "label_smoothing", "clip_grad_norm", "augment", "dropout", "best_by", "freeze",
                 "freeze_epochs", "sync_bn", "ema_decay") + tuple(ADDED_LATER)
-RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data") + RECIPE_FLAGS
+RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data", "val_data") + RECIPE_FLAGS
 # How each key is spelled on the command line, where it is not --key.
-FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}
+FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)",
+         "val_data": "--val-dir (its images)"}
 
 
 def flag_of(key: str) -> str:
@@ -55,15 +56,16 @@ def flag_of(key: str) -> str:
     return FLAGS.get(key, "--" + key.replace("_", "-"))
 
 
-def run_info(args: Config, global_batch: int, data: str) -> dict:
+def run_info(args: Config, global_batch: int, data: str, val_data: str | None = None) -> dict:
     """What identifies this run: best.json's content, and what --resume must find unchanged.
 
-    `data` is the digest of the label table (labelled_data); global_batch includes --accumulate.
+    `data` is the digest of the label table (labelled_data), `val_data` that of --val-dir's (None
+    without it; val_fraction is None with it); global_batch includes --accumulate.
     """
     return {"arch": args.arch, "image_size": args.image_size, "num_classes": len(CLASSES),
             "classes": list(CLASSES), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
             "batch_size": global_batch, "seed": args.seed, "val_fraction": args.val_fraction,
-            "data": data, "epochs": args.epochs,
+            "data": data, "val_data": val_data, "epochs": args.epochs,
             **{key: getattr(args, key) for key in RECIPE_FLAGS}, **run_context(args)}
 
 
@@ -296,6 +298,8 @@ def _shown(key: str, value) -> str:
     """A saved or requested value as the user writes it on the command line."""
     if key == "dropout" and value is None:
         return "torchvision's default"
+    if key == "val_fraction" and value is None:
+        return "none (--val-dir)"
     if value is None or value is False:
         return "off"
     if value is True:

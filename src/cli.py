@@ -34,6 +34,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each option's default after its text, unless the text says its
+    default in its own words ("default: model/best.pth; with --onnx ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
 def at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -107,6 +116,14 @@ def _positive(text: str) -> float:
     return value
 
 
+class _Default(float):
+    """A default told apart from the same number given on the command line (by identity)."""
+
+
+# --val-fraction's default: --val-dir refuses the flag when it is given, even as 0.2.
+VAL_FRACTION = _Default(0.2)
+
+
 def build_parser(description: str, amp: bool = True, distributed: bool = False, ray: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
@@ -129,7 +146,11 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False, 
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
     add("--dropout", type=_fraction(False, True), default=None,
         help="dropout probability of the classifier (default: torchvision's)")
-    add("--val-fraction", type=_open_fraction, default=0.2, help="share of images held out for validation")
+    add("--val-fraction", type=_open_fraction, default=VAL_FRACTION,
+        help="share of --data-dir's images held out for validation (seeded split; not with --val-dir)")
+    add("--val-dir", metavar="DIR", default=None,
+        help="validate on the labelled images of DIR (laid out as train/, no CSV) instead of a split of "
+             "--data-dir's; every image of train/ trains")
     add("--seed", type=int, default=42,
         help="seeds the split, the data order, the new layers, dropout and augmentation")
     add("--workers", type=at_least(0), default=None,
@@ -225,7 +246,9 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False, 
 
 def config_from(namespace: argparse.Namespace, command: list[str], mode: str, workers: int) -> Config:
     """The Config of a parsed namespace of build_parser: its flags, `workers` resolved."""
-    parsed = {**vars(namespace), "workers": workers}
+    # --val-dir's images are the validation set: no split, and best.json and last.pth record none
+    val_fraction = None if namespace.val_dir is not None else float(namespace.val_fraction)
+    parsed = {**vars(namespace), "workers": workers, "val_fraction": val_fraction}
     return Config(**parsed, command=command, mode=mode, flags=tuple(vars(namespace)))
 
 
@@ -258,6 +281,9 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
     check_tracking(parser, args.track, args.tracking_uri)
+    if args.val_dir is not None and args.val_fraction is not VAL_FRACTION:
+        parser.error("--val-dir's images are the validation set, --val-fraction splits --data-dir's: "
+                     "pass one of them")
     if args.evaluate and ray:
         parser.error("--evaluate validates without a cluster: run it with train_ddp.py or train_single.py, which "
                      "read train_ray.py's checkpoints")
@@ -294,6 +320,9 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     return config
 
 
+# What --track's packages are installed from (a training-only install, requirements.txt, lacks them).
+TRACKERS_FILE = "requirements-track.txt"
+
 # A URI starts with its scheme (RFC 3986): a plain path would be MLflow's file store, which it refuses.
 URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 
@@ -311,7 +340,7 @@ def check_tracking(parser: argparse.ArgumentParser, track: list[str] | None, uri
     for name in dict.fromkeys(track or []):
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "
-                         "pip install -r requirements.txt")
+                         f"pip install -r {TRACKERS_FILE}")
 
 
 def add_ray_flags(add: Callable[..., argparse.Action]) -> None:

@@ -21,7 +21,8 @@ class Config:
     arch: str
     weights: str
     dropout: float | None
-    val_fraction: float
+    val_fraction: float | None  # None with --val-dir: no split
+    val_dir: str | None
     seed: int
     workers: int  # capped to this process's CPUs (cap_workers); the parser's None is resolved
     checkpoint: str

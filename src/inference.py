@@ -228,7 +228,7 @@ def load_evaluated(args: Config, info: dict, model: LoadsState) -> str:
         if path != Path(args.checkpoint):
             return read_state_dict(path), str(path)
         saved = read_info(path)
-        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
+        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data", "val_data"):
             if saved.get(key) != info[key]:
                 raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag_of(key)} "
                                 f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "

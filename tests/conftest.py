@@ -2,6 +2,7 @@
 training runs that several test modules compare against, each made once per session, whichever of
 the test runner's workers needs it first."""
 import contextlib
+import csv
 import fcntl
 import hashlib
 import importlib
@@ -42,7 +43,7 @@ from PIL import Image  # noqa: E402
 from src.errors import end_process_group  # noqa: E402
 from src.history import AVERAGE  # noqa: E402
 from src.tools.agreement import TOLERANCE, distance  # noqa: E402
-from src.tools.synthetic import write_dataset  # noqa: E402
+from src.tools.synthetic import TEST_LABELS, write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -1068,6 +1069,25 @@ def untrained(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = torchvision.models.squeezenet1_1(num_classes=2)
     return write_checkpoint(tmp_path_factory.mktemp("untrained"), model.state_dict())
+
+
+# Where tiny_data's labelled test images go in the validation folder: two depths under each class.
+VAL_PLACES = ("cats/2023", "Dogs/trip/day 2")
+
+
+def val_folder(tiny_data: Path, folder: Path) -> tuple[Path, dict[Path, int]]:
+    """tiny_data's 6 labelled test images laid out as class folders, at depths 2 and 3; each
+    file with its label (0 cat, 1 dog)."""
+    with open(tiny_data / TEST_LABELS) as file:
+        labels = {int(row["id"]): int(row["label"]) for row in csv.DictReader(file)}
+    files = {}
+    for image_id, label in labels.items():
+        target = folder / VAL_PLACES[label] / f"{image_id}.jpg"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tiny_data / "test" / f"{image_id}.jpg", target)
+        files[target] = label
+    (folder / "cats" / "2023" / ".notes.txt").write_text("a hidden file, not an image\n")
+    return folder, files
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least, cap_workers
+from src.cli import AMP_DTYPES, DefaultsHelp, OneLineParser, add_dist_timeout, at_least, cap_workers
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, some, try_decode
 from src.outputs import atomic_write_text, check_room, check_tool_output, starts_with
@@ -63,7 +63,7 @@ class Options:
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     parser.ranks = True  # it runs under torchrun too: rank 0 says a bad flag
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="image files and folders (default: Kaggle's DATA_DIR/test, written as submission.csv)")
@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--output", type=Path, default=None,
                         help="the CSV (default: predictions.csv, without PATH submission.csv); - for "
                              "standard output")
-    parser.add_argument("--batch-size", type=at_least(1), default=100)
+    parser.add_argument("--batch-size", type=at_least(1), default=100,
+                        help="images per forward pass (each process's under torchrun; --tta adds one of their mirror images)")
     parser.add_argument("--workers", type=at_least(0), default=None,
                         help="image decoding processes (--onnx: threads); default: this machine's CPUs "
                              "over its processes")
