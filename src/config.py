@@ -61,12 +61,12 @@ class Config:
     tracking_uri: str | None
     amp: str = "no"  # a script without --amp (train_accelerate.py) trains in full precision here
     dist_timeout: float = 60.0  # minutes; a script without --dist-timeout has no peers to wait for
-    local_rank: int | None = None
     # train_ray.py's own (src.cli.add_ray_flags)
     num_workers: int = 1
     address: str | None = None
     storage_path: str | None = None
     max_failures: int = 3
+    local_rank: int | None = None
     # Derived by parse_args: the command line as typed (the script and argv), the script's name
     # without "train_" ("ddp"), and --evaluate's file (the state_dict --weights FILE, else --checkpoint).
     command: list[str] = dataclasses.field(default_factory=list)
