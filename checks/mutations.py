@@ -1507,6 +1507,22 @@ MUTATIONS = [
     ('src/progress.py', 'values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)',
      'values["images_per_s"] = (index - before_index) / (at - before_at)',
      ['tests/test_watch.py::test_images_per_second_are_the_images_since_the_last_report_over_its_seconds']),
+    # The stop agreement of a signal that reaches one rank (a blind audit's survivor), on two ranks in one process.
+    ('src/stopping.py', 'work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)',
+     'work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True)',
+     ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
+    ('src/stopping.py', 'dist.all_reduce(tensor, op=dist.ReduceOp.MAX)\n', 'dist.all_reduce(tensor, op=dist.ReduceOp.MIN)\n',
+     ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
+    # Which rank says a refusal that every rank finds: caught only some of the time by the launches (a race).
+    ('src/process_group.py', 'same flags (paths and --workers may differ per node)", quiet=not is_first())',
+     'same flags (paths and --workers may differ per node)", quiet=is_first())',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    ('src/loaders.py', '"use fewer processes or more data", quiet=not is_first())',
+     '"use fewer processes or more data", quiet=is_first())',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    ('src/loaders.py', 'quiet=not is_first())  # every rank finds it: rank 0 says it',
+     'quiet=False)  # every rank finds it: rank 0 says it',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
     # Both sides of the boundaries of check_batches and its neighbours (a blind audit's survivor: the first).
     ('src/loaders.py', 'if len(data.val_idx) < processes:', 'if len(data.val_idx) <= processes:',
      ['tests/test_loaders.py::test_as_many_validation_images_as_processes_are_accepted_and_one_fewer_refused']),

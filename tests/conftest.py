@@ -489,6 +489,53 @@ def world_of_one(monkeypatch):
     end_process_group()
 
 
+def on_threads(world_size: int, work) -> list:
+    """work(rank) on every rank of a world of `world_size`, each rank a thread of this process in
+    torch's threaded process group (torch.testing's, as torch's own tests use it: each thread has
+    its own default group, and the collectives run between the threads, each reduction by its op);
+    the results in rank order; a rank's error is raised here. For a rank's code whose launcher is
+    not under test: what is per process stays shared (os.environ, signal handlers: the main
+    thread's only, so a test calls a handler itself)."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+    results, errors = [None] * world_size, [None] * world_size
+    store = dist.HashStore()
+
+    def rank(number: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=number, world_size=world_size, store=store)
+            results[number] = work(number)
+        except BaseException as error:
+            errors[number] = error
+            ProcessLocalGroup.exception_handle(error)  # the other ranks' collectives end
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        threads = [threading.Thread(target=rank, args=(number,)) for number in range(world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    for error in errors:
+        if error is not None and not isinstance(error, SystemExit):  # SystemExit: ended by another's error
+            raise error
+    return results
+
+
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):
     """Run a command as a user would (from the repo root), as processes of its own, capturing its
     output. For what needs them: a launcher (torchrun, accelerate launch), a signal, a kill, a crash,

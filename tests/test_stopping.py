@@ -27,6 +27,7 @@ from conftest import (
     history,
     in_process,
     mode_run,
+    on_threads,
     outputs,
     read_last_copy,
     run,
@@ -341,6 +342,33 @@ def test_the_agreement_is_read_a_check_late_without_waiting_when_it_is_done(monk
     for done in (True, False):
         event = _Collective(done)
         assert signals._read(torch.ones(1), event) == 1 and event.waited == (0 if done else 1)
+
+
+def test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks():
+    """A stop signal that reaches one rank only (`kill -USR1` to one worker, a scheduler signalling
+    one node), before step 1 of a 40-step epoch, on two ranks (threads of this process, their
+    agreement's collectives run between them): the check after step 4 carries it, the one after
+    step 8 reads it, and both ranks stop after step 8, not at the next epoch's start (where the
+    grace period may have run out). At an epoch's start the blocking agreement of a flag on one
+    rank stops both too; with no signal, no rank stops."""
+    assert CHECK_EVERY == 4
+
+    def steps_until_stop(rank: int, signalled: bool):
+        signals = StopSignals()
+        assert signals.distributed and not signals.on_gpu
+        if signalled and rank == 1:
+            signals._note(signal.SIGUSR1, None)  # what the handler does when the signal comes
+        stopped = next((step for step in range(1, 41) if signals.agreed_at(step)), None)
+        return stopped, signals.agreed
+    assert on_threads(2, lambda rank: steps_until_stop(rank, True)) == [(8, signal.SIGUSR1)] * 2
+    assert on_threads(2, lambda rank: steps_until_stop(rank, False)) == [(None, 0)] * 2
+
+    def at_an_epochs_start(rank: int):
+        signals = StopSignals()
+        if rank == 1:
+            signals._note(signal.SIGTERM, None)
+        return signals.agreed_now(), signals.agreed
+    assert on_threads(2, at_an_epochs_start) == [(True, signal.SIGTERM)] * 2
 
 
 def _bare_state(steps_per_epoch: int, **flags) -> TrainingState:
