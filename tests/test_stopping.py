@@ -4,7 +4,6 @@ does; every mode resumes a mid-epoch last.pth; the ranks agree on the step; a st
 micro-batches of a step waits for the step; bad input. Ctrl-C of train_single.py:
 test_reliability.py; the chaos check: test_chaos.py; a rank that stops answering: test_hung_rank.py."""
 import os
-import re
 import shutil
 import signal
 
@@ -15,8 +14,6 @@ from conftest import (
     EXACT,
     HOOKS,
     LAUNCH,
-    RESUMABLE,
-    ROOT,
     TOLERANCE,
     VAL,
     B,
@@ -36,6 +33,7 @@ from conftest import (
     script_loader,
     script_pass,
     stop_line,
+    stops_straight,
     weights,
 )
 
@@ -51,69 +49,56 @@ from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
 from src.stopping import CHECK_EVERY, StopSignals, how_to_go_on
 
-TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
-# torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
-_SLURM_SIGNALS = re.search(r"--signals-to-handle=(\S+)", (ROOT / "docs" / "slurm" / "train.sbatch").read_text())[1]
-
-
-def _flags(data, out, batch, *extra):
-    return ["--data-dir", str(data), *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", str(batch),
-            *outputs(out), *extra]
-
 
 def _at(folder) -> tuple[int, int]:
     state = weights(folder, "last.pth")
     return state["epoch"], state["step"]
 
 
-def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end(exact_data, runs,
-                                                                                        tmp_path):
-    """Two DDP processes, 10 steps an epoch, 3 epochs, --save-every-steps 9 (after a step, the ranks
-    start an all-reduce of their flags every CHECK_EVERY = 4 steps of the run and read it at the
-    next check, whatever --log-every says; at an epoch's start they agree at once):
-    1. SIGTERM to torchrun in step 1, which forwards it to both workers: the check after step 4
-       carries it, the one after step 8 reads it, and both stop after step 8; a second SIGTERM
+def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end(ddp_stops, runs):
+    """Two DDP processes, 10 steps an epoch, 2 epochs, --save-every-steps 3 (conftest.ddp_stops;
+    after a step, the ranks start an all-reduce of their flags every CHECK_EVERY = 4 steps of the
+    run and read it at the next check, whatever --log-every says; at an epoch's start they agree
+    at once):
+    1. SIGUSR1 to rank 1 alone in step 1: the check after step 4 carries it, the one after step 8
+       reads it, and both stop after step 8 (not at the next epoch's start); a signal to rank 0
        during the stop's save changes nothing;
     2. --resume; SIGUSR1 to rank 1 alone in the run's step 9 (torchrun does not see it): both stop
        at the next epoch's start, epoch 1's files saved;
     3. --resume under torchrun started as docs/slurm/train.sbatch starts it (--signals-to-handle with
        SIGUSR1); SIGUSR1 to torchrun in step 11, which forwards it: both stop after step 16 (epoch 2
        step 6) (Ctrl-C to torchrun: test_chaos.py);
-    4. --resume ends with the weights, weight average, history and best.pth of the straight run."""
+    4. --resume (a worker killed and restarted on the way: test_reliability.py) ends with the
+       weights, weight average, history and best.pth of the straight run."""
     assert CHECK_EVERY == 4  # the steps below
-    common = [*RESUMABLE, *VAL, "--epochs", "3", "--batch-size", "5", "--log-every", "1"]
-    straight = runs("ddp", *common)[0]
-    flags = ["--data-dir", str(exact_data), *common, *outputs(tmp_path), "--save-every-steps", "9"]
+    where = ddp_stops["at step 8"].out.parent / "out"  # the folder the launches wrote, as they name it
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags],
-                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGTERM",
-                      "SIGNAL_AT_REPLACE": "last.pth:1"}, timeout=300)
-    assert result.returncode == 1, result.stderr[-3000:]  # torchrun's own code after it forwarded a signal
-    assert "got signal: 15" in result.stderr and result.stderr.count("Traceback") == 1, "torchrun's, no worker's"
+    out, result = ddp_stops["at step 8"]
+    assert result.returncode == 1, result.stderr[-3000:]  # torchrun's own code when a worker exits non-zero
+    assert result.stderr.count("exitcode  : 75") == 2 and "received by PID" not in result.stderr, result.stderr[-3000:]
     said, command = stop_line(result.stderr).split("; to go on, launch the same way: ")
-    assert said == f"stopped by SIGTERM at epoch 1 step 8 of 10: {tmp_path}/last.pth saved there"
+    assert said == f"stopped by SIGUSR1 at epoch 1 step 8 of 10: {where}/last.pth saved there"
     assert command.endswith(" --resume") and command.startswith("train_ddp.py --data-dir ")
-    assert _at(tmp_path) == (0, 8) and not (tmp_path / "history.json").exists()
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert _at(out) == (0, 8) and not (out / "history.json").exists()
+    assert not list(out.glob(".*.tmp"))
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300,
-                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_RANK": "1", "SIGNAL_NAME": "SIGUSR1"})
-    assert f"resumed from {tmp_path}/last.pth in epoch 1 of 3 after its step 8: going on" in result.stdout
-    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 3: {tmp_path}/last.pth holds it; ")
+    out, result = ddp_stops["after epoch 1"]
+    assert f"resumed from {where}/last.pth in epoch 1 of 2 after its step 8: going on" in result.stdout
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 2: {where}/last.pth holds it; ")
     assert "exitcode: 75" in result.stderr and "received by PID" not in result.stderr, result.stderr[-3000:]
-    assert _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
+    assert _at(out) == (1, 0) and [r["epoch"] for r in history(out)] == [1]
 
-    result = run([*TORCHRUN, f"--signals-to-handle={_SLURM_SIGNALS}", "train_ddp.py", *flags, "--resume"],
-                 timeout=300, env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent",
-                                   "SIGNAL_NAME": "SIGUSR1"})
-    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 at epoch 2 step 6 of 10: {tmp_path}/last.pth saved")
-    assert "got signal: 10" in result.stderr and _at(tmp_path) == (1, 6)
+    out, result = ddp_stops["at step 16"]
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 at epoch 2 step 6 of 10: {where}/last.pth saved")
+    assert "got signal: 10" in result.stderr and _at(out) == (1, 6)
+    assert result.stderr.count("Traceback") == 1, "torchrun's, no worker's"
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300)
+    out, result = ddp_stops["restarted"]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "in epoch 2 of 3 after its step 6: going on" in result.stdout
-    same_end(tmp_path, straight)
-    assert_same_best(tmp_path, straight)
+    assert "in epoch 2 of 2 after its step 6: going on" in result.stdout
+    straight = stops_straight(runs, "ddp")
+    same_end(out, straight)
+    assert_same_best(out, straight)
 
 
 @pytest.fixture(scope="module")
