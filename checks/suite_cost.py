@@ -15,6 +15,7 @@ import collections
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 LAUNCHERS = ("torchrun", "accelerate launch")
 
@@ -48,7 +49,7 @@ def launches(started: collections.Counter) -> tuple[int, int]:
 
 def table(files: dict[str, dict]) -> list[str]:
     rows = ["| file | tests | seconds | CPU s | launcher runs | other processes |", "|---|---|---|---|---|---|"]
-    total = {"tests": 0, "seconds": 0.0, "cpu": 0.0, "started": collections.Counter()}
+    total: dict[str, Any] = {"tests": 0, "seconds": 0.0, "cpu": 0.0, "started": collections.Counter()}
     for name, file in sorted(files.items(), key=lambda item: -item[1]["cpu"]):
         rows.append(f"| {name} | {file['tests']} | {file['seconds']:.0f} | {file['cpu']:.0f} | "
                     + " | ".join(map(str, launches(file["started"]))) + " |")
@@ -64,7 +65,7 @@ def table(files: dict[str, dict]) -> list[str]:
 def compared(before: dict[str, dict], after: dict[str, dict]) -> list[str]:
     rows = ["| file | tests | CPU s | launcher runs | other processes |", "|---|---|---|---|---|"]
     empty = {"tests": 0, "seconds": 0.0, "cpu": 0.0, "started": collections.Counter()}
-    sums = [[0, 0], [0.0, 0.0], [0, 0], [0, 0]]
+    sums: list[list[float]] = [[0, 0], [0.0, 0.0], [0, 0], [0, 0]]
     for name in sorted(set(before) | set(after), key=lambda n: -before.get(n, empty)["cpu"]):
         a, b = before.get(name, empty), after.get(name, empty)
         la, lb = launches(a["started"]), launches(b["started"])

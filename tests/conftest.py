@@ -2,6 +2,7 @@
 training runs that several test modules compare against, each made once per session, whichever of
 the test runner's workers needs it first."""
 import contextlib
+import csv
 import fcntl
 import hashlib
 import importlib
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import typing
 import weakref
@@ -42,7 +44,7 @@ from PIL import Image  # noqa: E402
 from src.errors import end_process_group  # noqa: E402
 from src.history import AVERAGE  # noqa: E402
 from src.tools.agreement import TOLERANCE, distance  # noqa: E402
-from src.tools.synthetic import write_dataset  # noqa: E402
+from src.tools.synthetic import TEST_LABELS, write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -110,12 +112,14 @@ def made_once(folder: Path):
         done.touch()
 
 
-# The files that take longest (measured with --durations, 2026-12-05), first: with -n 2 each worker
-# takes whole files (--dist loadfile) in collection order, and a long file taken last would leave
-# the other worker idle at the end. The rest keep their order.
-LONGEST_FIRST = ["test_sync_bn.py", "test_fsdp.py", "test_modes.py", "test_reliability.py", "test_stopping.py",
-                 "test_performance.py", "test_freeze.py", "test_arch_walk.py", "test_recipe.py", "test_benchmark.py",
-                 "test_chaos.py", "test_hung_rank.py", "test_dropout.py", "test_report.py", "test_two_ranks.py"]
+# The files that take longest (measured with --durations, 2026-12-05; the GPU proof's dry run in
+# test_gpu_on_cpu_selftest.py, 2026-12-06), first: with -n 2 each worker takes whole files (--dist
+# loadfile) in collection order, and a long file taken last would leave the other worker idle at
+# the end. The rest keep their order.
+LONGEST_FIRST = ["test_gpu_on_cpu_selftest.py", "test_ray.py", "test_sync_bn.py", "test_fsdp.py", "test_modes.py",
+                 "test_reliability.py", "test_stopping.py", "test_performance.py", "test_freeze.py",
+                 "test_arch_walk.py", "test_recipe.py", "test_benchmark.py", "test_chaos.py", "test_hung_rank.py",
+                 "test_dropout.py", "test_report.py", "test_two_ranks.py"]
 
 
 # make test-fast (-m "not slow") leaves out, whoever wrote them, the tests that train or start
@@ -1205,6 +1209,58 @@ def fake_gpus(monkeypatch):
     return fake
 
 
+class CudaCalls:
+    """A stand-in for CUDA's current device, which is per thread (a new thread's is 0, as CUDA's
+    runtime has it), and for torch.cuda's calls on it: set_device, current_device, and Event's
+    record, query and synchronize. Each call is recorded as (the thread's name, the call, the
+    device current in that thread then)."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.calls: list[tuple[str, str, int]] = []
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def set_device(self, device) -> None:
+        self.local.device = device.index if isinstance(device, torch.device) else int(device)
+        self.called("set_device")
+
+    def called(self, what: str) -> None:
+        self.calls.append((threading.current_thread().name, what, self.current_device()))
+
+    def of(self, thread: str) -> list[tuple[str, int]]:
+        """(call, device) of each call made in the thread named `thread`, in order."""
+        return [(what, device) for name, what, device in self.calls if name == thread]
+
+
+@pytest.fixture
+def cuda_calls(monkeypatch) -> CudaCalls:
+    """torch.cuda's set_device, current_device and Event replaced by a CudaCalls that records,
+    per thread, on which device each call was made (CUDA runs a thread's calls on its current
+    device, GPU 0 unless the thread set another)."""
+    calls = CudaCalls()
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            calls.called("Event")
+
+        def record(self, stream=None) -> None:
+            calls.called("record")
+
+        def query(self) -> bool:
+            calls.called("query")
+            return True
+
+        def synchronize(self) -> None:
+            calls.called("synchronize")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", calls.current_device)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return calls
+
+
 @pytest.fixture
 def restore_numerics(monkeypatch):
     """Put torch's global numerics settings back after a test changes them."""
@@ -1266,6 +1322,25 @@ def untrained(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = torchvision.models.squeezenet1_1(num_classes=2)
     return write_checkpoint(tmp_path_factory.mktemp("untrained"), model.state_dict())
+
+
+# Where tiny_data's labelled test images go in the validation folder: two depths under each class.
+VAL_PLACES = ("cats/2023", "Dogs/trip/day 2")
+
+
+def val_folder(tiny_data: Path, folder: Path) -> tuple[Path, dict[Path, int]]:
+    """tiny_data's 6 labelled test images laid out as class folders, at depths 2 and 3; each
+    file with its label (0 cat, 1 dog)."""
+    with open(tiny_data / TEST_LABELS) as file:
+        labels = {int(row["id"]): int(row["label"]) for row in csv.DictReader(file)}
+    files = {}
+    for image_id, label in labels.items():
+        target = folder / VAL_PLACES[label] / f"{image_id}.jpg"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tiny_data / "test" / f"{image_id}.jpg", target)
+        files[target] = label
+    (folder / "cats" / "2023" / ".notes.txt").write_text("a hidden file, not an image\n")
+    return folder, files
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ from conftest import ROOT, run
 import train_accelerate
 import train_ddp
 import train_single
+from src.cli import defaults
+from src.config import Config
 from src.errors import UserError
 from src.loaders import Data, check_batches, skip_first_batches, split_indices
 
@@ -45,8 +46,8 @@ def test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_re
             split_indices(100, fraction, seed=0)
 
 
-def _args(batch_size: int, seed: int = 7, accumulate: int = 1, workers: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(batch_size=batch_size, seed=seed, accumulate=accumulate, workers=workers, augment=False)
+def _args(batch_size: int, seed: int = 7, accumulate: int = 1, workers: int = 0) -> Config:
+    return defaults(batch_size=batch_size, seed=seed, accumulate=accumulate, workers=workers, augment=False)
 
 
 def _data(n: int, dataset=None) -> Data:
@@ -221,8 +222,8 @@ def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(m
 STRESS = """
 import ctypes, threading, sys
 import torch
-from types import SimpleNamespace
 from torch.utils.data import DataLoader
+from src.cli import defaults
 from src.heartbeat import Heartbeat
 from src.loaders import loader_options
 
@@ -246,7 +247,7 @@ if __name__ == "__main__":
         churn.start()
         for epoch in range(int(sys.argv[1])):
             beat.at("training", epoch, 0, 0)
-            options = loader_options(SimpleNamespace(workers=2), torch.device("cpu"))
+            options = loader_options(defaults(workers=2), torch.device("cpu"))
             loader = DataLoader(dataset, batch_size=4, timeout=120, **options)  # a hung worker: an error
             assert sum(len(labels) for _, labels in loader) == 16
         assert beat.thread.is_alive()
@@ -285,15 +286,15 @@ def test_loader_workers_started_many_times_beside_running_threads_never_hang(tmp
 MAIN_SCRIPT = """
 import sys
 import torch
-from types import SimpleNamespace
 from torch.utils.data import DataLoader
 import imported_once  # noqa: F401  (its import writes a line)
+from src.cli import defaults
 from src.loaders import loader_options
 
 if __name__ == "__main__":
     dataset = [(torch.zeros(2), i) for i in range(8)]
     for _ in range(2):
-        assert sum(len(b) for _, b in DataLoader(dataset, batch_size=2, **loader_options(SimpleNamespace(workers=2),
+        assert sum(len(b) for _, b in DataLoader(dataset, batch_size=2, **loader_options(defaults(workers=2),
                                                                                          torch.device("cpu")))) == 8
 """
 
