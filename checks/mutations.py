@@ -1,17 +1,21 @@
 """One-line breakages of the product, each with the tests that must fail when it is applied.
 
-    .venv/bin/python checks/mutations.py              # every entry (half an hour or more on 2 cores)
+    .venv/bin/python checks/mutations.py              # every entry (its time on 2 cores: docs/measurements.md)
     .venv/bin/python checks/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
     .venv/bin/python checks/mutations.py -t two_ranks # the entries that name a test holding "two_ranks"
     .venv/bin/python checks/mutations.py --list       # the entries, without running anything
     .venv/bin/python checks/mutations.py --check      # in seconds: every entry applies, its tests exist
+    .venv/bin/python checks/mutations.py --sample 40  # 40 entries spread over the list: an estimate of the whole
 
-The working tree (its tracked files and the untracked ones git does not ignore) is copied once into
-a temporary folder; nothing here is changed. First the named tests of the selected entries run
-there unchanged (they must pass: a test that fails anyway proves nothing; --no-baseline skips
-this). Then, for each entry, the one change is made in the copy, its tests run there with this
-repository's .venv (one pytest process, stopping at the first failure, only the tests named), and
-the file is put back. The report is a table: each mutation, its tests, and "caught" (pytest
+The working tree (its tracked files and the untracked ones git does not ignore) is copied into a
+temporary folder, one copy for each of the -j entries that run at once (default 2, one per core of
+a 2-core machine); nothing here is changed. First the named tests of the selected entries run there
+unchanged, their files shared out among the copies (they must pass: a test that fails anyway
+proves nothing; --no-baseline skips this). Then, for each entry, the one change is made in a copy,
+its tests run there with this repository's .venv (one pytest, stopping at the first failure, only
+the tests named), and the file is put back. Each pytest is a fork of checks/warm_pytest.py, a
+Python of the .venv that has imported torch, torchvision and pytest once (a new Python spends some
+5 CPU seconds on them, per entry; --cold starts one anyway). The report is a table: each mutation, its tests, and "caught" (pytest
 reported a failed test of behaviour), "survived" (they passed) or "error" (they could not run: a
 test name that does not exist, a mutation that breaks the import); exit code 0 when every one was
 caught.
@@ -31,13 +35,17 @@ on one without, they are skipped: an entry that names GPU checks only is reporte
 counts as neither caught nor survived (--gpu selects the GPU entries alone).
 """
 import argparse
+import contextlib
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -1463,7 +1471,8 @@ MUTATIONS = [
     ('src/heartbeat.py', '    path = dump_flight_recorder(rank)', '    path = None',
      ['tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout']),
     ('src/stopping.py', '                self.wakeup = (read, write, signal.set_wakeup_fd(write))', '                self.wakeup = (read, write, -1)',
-     ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
+     ['tests/test_hung_rank.py::test_a_stop_signal_is_seen_through_the_wakeup_pipe_when_the_handler_cannot_run',
+      'tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
     ('train_accelerate.py', '    with watch_ranks(joined_store(), args.dist_timeout, accelerator.device) as heartbeat',
      '    with watch_ranks(None, args.dist_timeout, accelerator.device) as heartbeat',
      ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
@@ -1595,6 +1604,22 @@ MUTATIONS = [
     ('src/progress.py', 'values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)',
      'values["images_per_s"] = (index - before_index) / (at - before_at)',
      ['tests/test_watch.py::test_images_per_second_are_the_images_since_the_last_report_over_its_seconds']),
+    # The stop agreement of a signal that reaches one rank (a blind audit's survivor), on two ranks in one process.
+    ('src/stopping.py', 'work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)',
+     'work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True)',
+     ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
+    ('src/stopping.py', 'dist.all_reduce(tensor, op=dist.ReduceOp.MAX)\n', 'dist.all_reduce(tensor, op=dist.ReduceOp.MIN)\n',
+     ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
+    # Which rank says a refusal that every rank finds: caught only some of the time by the launches (a race).
+    ('src/process_group.py', 'same flags (paths and --workers may differ per node)", quiet=not is_first())',
+     'same flags (paths and --workers may differ per node)", quiet=is_first())',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    ('src/loaders.py', '"use fewer processes or more data", quiet=not is_first())',
+     '"use fewer processes or more data", quiet=is_first())',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    ('src/loaders.py', 'quiet=not is_first())  # every rank finds it: rank 0 says it',
+     'quiet=False)  # every rank finds it: rank 0 says it',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
     # Your own photos: class folders at any depth, --val-dir (tests/test_val_dir.py), the layouts named.
     ('src/datasets.py', '    if len(relative.parts) >= 2:', '    if len(relative.parts) == 2:',
      ['tests/test_datasets.py::test_images_at_any_depth_under_a_class_folder_are_labelled_by_it',
@@ -1844,24 +1869,77 @@ def scratch_copy() -> Path:
     return folder
 
 
+class WarmPytest:
+    """checks/warm_pytest.py, started once with this repository's .venv: run() runs pytest in a
+    fork of it, which has torch, torchvision and pytest imported already (a new `python -m
+    pytest` spends seconds on those imports, for every entry)."""
+
+    def __init__(self):
+        self.process = subprocess.Popen([str(PYTHON), str(Path(__file__).with_name("warm_pytest.py"))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tempfile.gettempdir())
+        self.pending = b""
+
+    def _answer(self, timeout: float | None = None) -> dict | None:
+        """The server's next line, read from its pipe without a buffer in between (so that the
+        wait for it can time out); None when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.process.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.process.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError("checks/warm_pytest.py ended: " + self.pending.decode(errors="replace"))
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, cwd: Path, args: list[str], log: Path, env: dict, timeout: float) -> int | None:
+        """pytest ARGS in cwd, its output into log: its exit code, None if it ran past `timeout`
+        seconds (then its process group is killed)."""
+        request = {"cwd": str(cwd), "args": args, "log": str(log), "env": env}
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        pid = self._answer()["pid"]
+        answer = self._answer(timeout)
+        if answer is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            self._answer()
+            return None
+        return answer["code"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
 def _text(captured: bytes | str | None) -> str:
     """What a timed-out subprocess.run captured: bytes whatever its text=True said (as subprocess's
     documentation of TimeoutExpired says), None where it captured nothing."""
     return captured.decode(errors="replace") if isinstance(captured, bytes) else captured or ""
 
 
-def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
-    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds, the tests that
-    failed); its output goes to log."""
+def run_tests(copy: Path, tests: list[str], log: Path, timeout: float,
+              server: WarmPytest | None = None) -> tuple[str, float, list[str]]:
+    """pytest on `tests` in the copy (in a fork of `server`, else a new Python): ("passed" |
+    "failed" | "error", seconds, the tests that failed); its output goes to log."""
     start = time.monotonic()
     basetemp = copy / ".pytest-tmp"  # its own: a session of the shared runs, not another session's folder
-    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "-rfE", "--basetemp", str(basetemp), *tests]
-    try:
-        result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        output, code = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as expired:
-        output, code = f"{_text(expired.stdout)}{_text(expired.stderr)}\ntimed out after {timeout:.0f} s", -1
+    args = ["-q", "-x", "-rfE", "--basetemp", str(basetemp), *tests]
+    command = [str(PYTHON), "-m", "pytest", *args]
+    if server is not None:
+        code = server.run(copy, args, log, {"PYTHONDONTWRITEBYTECODE": "1"}, timeout)
+        output = log.read_text(errors="replace") if log.exists() else ""
+        if code is None:
+            output, code = f"{output}\ntimed out after {timeout:.0f} s", -1
+    else:
+        try:
+            result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
+                                    env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+            output, code = result.stdout + result.stderr, result.returncode
+        except subprocess.TimeoutExpired as expired:
+            output, code = f"{_text(expired.stdout)}{_text(expired.stderr)}\ntimed out after {timeout:.0f} s", -1
     log.write_text(" ".join(command) + "\n\n" + output)
     shutil.rmtree(basetemp, ignore_errors=True)
     # pytest's exit codes: 0 all passed, 1 some failed, 2 interrupted or errors in collection, 4 usage, 5 none collected.
@@ -1892,20 +1970,67 @@ def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tu
     return outcome, time.monotonic() - start, failed
 
 
-def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool) -> tuple[str, float, list[str]]:
+def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool,
+              server: WarmPytest | None = None) -> tuple[str, float, list[str]]:
     """The tests of an entry, then (on a GPU) its make test-gpu checks: (outcome, seconds, what
     failed), "failed" as soon as one fails; "no GPU" when it names GPU checks only and there is
     none here."""
     cpu_tests, keys = split(tests)
     outcome, seconds, failed = "passed", 0.0, list[str]()
     if cpu_tests:
-        outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout)
+        outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout, server)
     if keys and outcome == "passed":
         if not gpu:
             return ("no GPU" if not cpu_tests else outcome), seconds, failed
         outcome, more, failed = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
         seconds += more
     return outcome, seconds, failed
+
+
+def in_parallel(calls: list) -> None:
+    """Each call in a thread of its own, all at once; returns when every one has, raising the
+    first error one raised."""
+    errors = []
+
+    def guarded(call):
+        try:
+            call()
+        except BaseException as error:  # raised below, in the caller's thread
+            errors.append(error)
+    threads = [threading.Thread(target=guarded, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def baseline(entries: list[tuple], copies: list[Path], servers: list, logs: Path, timeout: float, gpu: bool) -> bool:
+    """The named tests on the unchanged copies, their files shared out among the copies and run
+    at once (then the named make test-gpu checks, on a GPU): whether all passed (else the log's
+    end is printed)."""
+    tests, keys = split(sorted({test for _, _, _, named in entries for test in named}))
+    files = sorted({test.split("::")[0] for test in tests})
+    shares = [[test for test in tests if files.index(test.split("::")[0]) % len(copies) == i] for i in range(len(copies))]
+    outcomes: list = [None] * len(copies)
+
+    def share(i: int) -> None:
+        outcomes[i] = run_tests(copies[i], shares[i], logs / f"baseline-tests-{i + 1}.log", timeout, servers[i]) \
+            if shares[i] else ("passed", 0.0, [])
+    in_parallel([lambda i=i: share(i) for i in range(len(copies))])
+    results = [(f"baseline-tests-{i + 1}", "tests", len(shares[i]), *outcomes[i]) for i in range(len(copies)) if shares[i]]
+    if keys and gpu:
+        results.append(("baseline-gpu", "make test-gpu checks", len(keys),
+                        *run_gpu_checks(copies[0], keys, logs / "baseline-gpu.log", timeout)))
+    for log, kind, count, outcome, seconds, _ in results:
+        print(f"baseline: {count} named {kind} on an unchanged copy {outcome} in {seconds:.0f} s", flush=True)
+        if outcome != "passed":
+            print((logs / f"{log}.log").read_text()[-5000:], file=sys.stderr)
+            print(f"the named {kind} fail without any mutation: fix them first (--keep keeps the log)",
+                  file=sys.stderr)
+            return False
+    return True
 
 
 def short(text: str, width: int = 60) -> str:
@@ -1927,11 +2052,20 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one pytest run")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy and the logs")
     parser.add_argument("--gpu", action="store_true", help="only the entries that name checks of make test-gpu")
+    parser.add_argument("--sample", type=int, default=0,
+                        help="only this many of the selected entries, evenly spread over the list (its time "
+                             "estimates the whole list's)")
+    parser.add_argument("-j", dest="jobs", type=int, default=2,
+                        help="entries run at once, each in a scratch copy of its own (default 2: a 2-core machine)")
+    parser.add_argument("--cold", action="store_true",
+                        help="start each pytest as a new Python, not as a fork of one that has imported torch")
     args = parser.parse_args()
 
     entries = [entry for entry in MUTATIONS if (args.match in entry[0] or args.match in entry[1])
                and (not args.test or any(args.test in test for test in entry[3]))
                and (not args.gpu or split(entry[3])[1])]
+    if args.sample and args.sample < len(entries):
+        entries = [entries[i * len(entries) // args.sample] for i in range(args.sample)]
     if not entries:
         print(f"no entry matches -k {args.match!r}", file=sys.stderr)
         return 2
@@ -1950,42 +2084,48 @@ def main() -> int:
         return 0
 
     gpu = any(split(entry[3])[1] for entry in entries) and has_gpu()
-    copy = scratch_copy()
-    logs = copy / ".mutation-logs"
+    jobs = max(1, min(args.jobs, len(entries)))
+    copies = [scratch_copy() for _ in range(jobs)]
+    logs = copies[0] / ".mutation-logs"
     logs.mkdir()
-    print(f"scratch copy: {copy}" + ("" if gpu or not any(split(e[3])[1] for e in entries)
-                                     else "; no GPU here: the make test-gpu checks are skipped"), flush=True)
+    servers: list[WarmPytest | None] = [None if args.cold else WarmPytest() for _ in range(jobs)]
+    print(f"scratch copies: {' '.join(map(str, copies))}" + ("" if gpu or not any(split(e[3])[1] for e in entries)
+                                                            else "; no GPU here: the make test-gpu checks are skipped"),
+          flush=True)
+    rows: list = [None] * len(entries)
     try:
-        if not args.no_baseline:
-            tests, keys = split(sorted({test for _, _, _, named in entries for test in named}))
-            for kind, names, runner in (("tests", tests, run_tests), ("make test-gpu checks", keys if gpu else [],
-                                                                       run_gpu_checks)):
-                if not names:
-                    continue
-                outcome, seconds, _ = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
-                print(f"baseline: the {len(names)} named {kind} on the unchanged copy {outcome} in {seconds:.0f} s",
-                      flush=True)
-                if outcome != "passed":
-                    print((logs / f"baseline-{kind.split()[-1]}.log").read_text()[-5000:], file=sys.stderr)
-                    print(f"the named {kind} fail without any mutation: fix them first (--keep keeps the log)",
-                          file=sys.stderr)
-                    return 1
-        rows = []
-        for number, (path, original, replacement, tests) in enumerate(entries, 1):
-            target = copy / path
-            kept = target.read_text()
-            target.write_text(kept.replace(original, replacement, 1))
-            try:
-                outcome, seconds, failed = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu)
-            finally:
-                target.write_text(kept)
-            said = verdict(outcome, failed)
-            rows.append((f"{path}: `{short(original)}` -> `{short(replacement)}`",
-                         ", ".join(test.split("::")[-1] for test in tests), said, seconds))
-            print(f"{number}/{len(entries)} {said:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
+        if not args.no_baseline and not baseline(entries, copies, servers, logs, args.timeout, gpu):
+            return 1
+        todo = iter(enumerate(entries, 1))
+        lock = threading.Lock()
+
+        def work(copy: Path, server: WarmPytest | None) -> None:
+            while True:
+                with lock:
+                    number, (path, original, replacement, tests) = next(todo, (0, (None,) * 4))
+                if not number:
+                    return
+                target = copy / path
+                kept = target.read_text()
+                target.write_text(kept.replace(original, replacement, 1))
+                try:
+                    outcome, seconds, failed = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu,
+                                                         server)
+                finally:
+                    target.write_text(kept)
+                said = verdict(outcome, failed)
+                rows[number - 1] = (f"{path}: `{short(original)}` -> `{short(replacement)}`",
+                                    ", ".join(test.split("::")[-1] for test in tests), said, seconds)
+                with lock:
+                    print(f"{number}/{len(entries)} {said:8} {seconds:6.0f} s  {rows[number - 1][0]}", flush=True)
+        in_parallel([lambda copy=copy, server=server: work(copy, server) for copy, server in zip(copies, servers)])
     finally:
+        for server in servers:
+            if server is not None:
+                server.close()
         if not args.keep:
-            shutil.rmtree(copy, ignore_errors=True)
+            for copy in copies:
+                shutil.rmtree(copy, ignore_errors=True)
 
     print("\n| # | mutation | tests | result | seconds |\n|---|---|---|---|---|")
     for number, (mutation, named, said, seconds) in enumerate(rows, 1):

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, outputs, run
+from conftest import TINY, on_threads, outputs, run
 
 from src.errors import UserError
 from src.process_group import check_same_flags
@@ -195,6 +195,41 @@ def test_a_quiet_rank_waits_for_the_launcher_and_rank_0_does_not(monkeypatch):
         monkeypatch.setenv("WORLD_SIZE", world_size)
         errors.before_a_silent_exit()
         assert slept == waits, (rank, world_size)
+
+
+def test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly():
+    """Two ranks (threads of this process, their collectives run between them) launched with
+    different flags, or with fewer validation images or training images than they need: every
+    rank refuses with the same line, rank 0 prints it (quiet=False) and rank 1 ends without a
+    word (quiet=True), whose exit then waits for the launcher (before_a_silent_exit). Under a
+    launcher, which of the two exits first is a race: the launches above cannot tell who spoke."""
+    import torch
+
+    from src.cli import parse_args
+    from src.loaders import Data, check_batches
+
+    def refusal(check):
+        try:
+            check()
+        except UserError as error:
+            return str(error), error.quiet
+        return None
+
+    def different_flags(rank: int):
+        argv = ["--arch", "squeezenet1_1", "--lr", "0.01" if rank == 0 else "0.5"]
+        return refusal(lambda: check_same_flags(parse_args("", argv, script="train_ddp.py")))
+    said = on_threads(2, different_flags)
+    assert [quiet for _, quiet in said] == [False, True] and said[0][0] == said[1][0]
+    assert said[0][0].startswith("the ranks were launched with different flags (--lr: 0.01 on rank 0, 0.5 on rank 1)")
+
+    dataset = [(torch.zeros(1), i) for i in range(10)]
+    for train, val, batch, line in (
+            (8, 1, 1, "2 processes but only 1 validation images"),
+            (3, 2, 2, "--batch-size 2 x 2 process(es) = 4 is more than the 3 training images")):
+        data = Data(dataset, list(range(train)), list(range(train, train + val)), "")
+        args = parse_args("", ["--batch-size", str(batch), "--workers", "0"])
+        said = on_threads(2, lambda rank: refusal(lambda: check_batches(data, args, 2)))
+        assert [quiet for _, quiet in said] == [False, True] and said[0][0].startswith(line), said
 
 
 def test_one_rank_of_three_with_another_flag_is_named(monkeypatch):
