@@ -26,40 +26,95 @@ class OneLineParser(argparse.ArgumentParser):
             self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def given(self, argv: list[str]) -> set[str]:
+        """The dests of the flags that argv gives, whatever their values (a flag given with its
+        default value counts): for the flags refused where they cannot act. argv parses (the
+        first parse said so); argparse fills in a default only where the namespace has no value."""
+        unset = object()
+        # An append or count action adds to the value there: it starts from None, as argparse's own.
+        adds = (argparse._AppendAction, argparse._CountAction)  # type: ignore[attr-defined]  # argparse's own classes
+        namespace = argparse.Namespace(**{action.dest: None if isinstance(action, adds) else unset
+                                          for action in self._actions if action.dest != argparse.SUPPRESS})
+        self.parse_args(argv, namespace)
+        return {dest for dest, value in vars(namespace).items() if value is not unset and value is not None}
 
-def at_least(minimum: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    parse.__name__ = "int"
-    return parse
+    def refuse_unless(self, given: set[str], flag: str, acts: bool, why: str) -> None:
+        """The one line for a flag (its dest) given where it cannot act (`acts` False): `why` says
+        what it needs and what to do, then "or drop it"."""
+        if flag in given and not acts:
+            self.error(f"argument --{flag.replace('_', '-')}: {why}, or drop it")
 
 
+# The bounds of the numbers the commands take, checked at parse time (one line naming the flag):
+# past them a value fails deep inside (a negative seed in numpy's seeding, --dist-timeout 1e300 in
+# timedelta, synthetic's --size 100000 in a 70 GB array) or asks for what no run can hold. Each
+# parse function below keeps its bounds as `bounds` (the tests read them).
 # --image-size's range. The top: a 2048 px image is 12.6 MB as uint8 and 50 MB as float32 at the
 # model's input (5 GB for predict's batch of 100), four times the largest size torchvision's
 # weights were trained at (518 px, ViT-H/14); best.json's image_size is held to the same range.
 IMAGE_SIZES = (32, 2048)
+# A seed: numpy takes no negative one, torch's generators 64 bits (the scripts add the epoch to it).
+SEEDS = (0, 2**63 - 1)
+# Images in a batch: 65536 of the smallest size (32 px) are 805 MB as float32 at the model's input;
+# the training set must hold a global batch too (src.loaders says so once the images are counted).
+BATCH_SIZES = (1, 65536)
+# Images of a set the tools write or read: 40 times Kaggle's 25,000.
+IMAGE_COUNTS = (1, 10**6)
+EPOCHS = (1, 10**6)
+# Optimizer steps between two things (--save-every-steps, --log-every): beyond any run's steps.
+STEPS = (1, 10**9)
+# Minutes a process waits for the others: about two years; past it timedelta overflows (1e300 did)
+# and threading's waits (threading.TIMEOUT_MAX) refuse it.
+DIST_TIMEOUT_MINUTES = 10**6
 
 # --auto-augment's policies (src/augment.py), the reference script's names; RandAugment's magnitude
 # is a bin of its 31 (num_magnitude_bins), AugMix's severity what v2.AugMix accepts.
 POLICIES = ("ta_wide", "ra", "augmix")
 RA_MAGNITUDES = (0, 30)
 AUGMIX_SEVERITIES = (1, 10)
+# Their defaults: given only with the policy they tune (src.cli.parse_args refuses them without it).
+RA_MAGNITUDE, AUGMIX_SEVERITY = 9, 3
 
 
 def between(minimum: int, maximum: int):
     """An int in [minimum, maximum]."""
-    low = at_least(minimum)
-
     def parse(text: str) -> int:
-        value = low(text)
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         if value > maximum:
             raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     parse.__name__ = "int"
+    parse.bounds = (minimum, maximum)  # type: ignore[attr-defined]  # read by the tests of every parser
     return parse
+
+
+def workers_count(text: str) -> int:
+    """--workers: at least 0; above this node's CPUs it is capped by cap_workers, with a line."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+workers_count.__name__ = "int"
+workers_count.bounds = (0, "this node's CPUs (cap_workers)")  # type: ignore[attr-defined]
+
+
+def processes_count(text: str) -> int:
+    """--processes of a tool that starts them on this machine: one per CPU at most (or per GPU,
+    where there are more GPUs): more only wait for a CPU, and 1000 would start 1000 interpreters."""
+    import torch  # here: the training scripts' parsers do not need it
+    most = max(len(os.sched_getaffinity(0)), torch.cuda.device_count())
+    value = int(text)
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {most} (this machine's CPUs), got {value}")
+    return value
+
+
+processes_count.__name__ = "int"
+processes_count.bounds = (1, "this machine's CPUs or GPUs")  # type: ignore[attr-defined]
 
 
 def _finite(text: str) -> float:
@@ -71,19 +126,25 @@ def _finite(text: str) -> float:
     return value
 
 
-def _fraction(low_open: bool, high_open: bool):
-    """A float in [0, 1], each end included unless it is open."""
+def ranged(low: float, high: float, low_open: bool, high_open: bool):
+    """A finite float in the range from low to high, each end included unless it is open."""
     def parse(text: str) -> float:
         value = _finite(text)
-        if value < 0 or value > 1 or (low_open and value == 0) or (high_open and value == 1):
-            ends = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+        if value < low or value > high or (low_open and value == low) or (high_open and value == high):
+            ends = ("(" if low_open else "[") + f"{low:g}, {high:g}" + (")" if high_open else "]")
             raise argparse.ArgumentTypeError(f"must be in {ends}, got {value}")
         return value
     parse.__name__ = "float"
+    parse.bounds = (low, high)  # type: ignore[attr-defined]
     return parse
 
 
-_open_fraction = _fraction(True, True)
+def _fraction(low_open: bool, high_open: bool):
+    """A float in [0, 1], each end included unless it is open."""
+    return ranged(0, 1, low_open, high_open)
+
+
+open_fraction = _fraction(True, True)
 
 
 def _non_negative(text: str) -> float:
@@ -93,11 +154,15 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> float:
+def positive(text: str) -> float:
     value = _finite(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+for _parse in (_non_negative, positive):
+    _parse.bounds = (0, math.inf)  # type: ignore[attr-defined]  # finite: float's own top
 
 
 def build_parser(description: str, amp: bool = True, distributed: bool = False,
@@ -107,8 +172,8 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
     parser.ranks = distributed
     add = parser.add_argument
     add("--data-dir", default="data", help="folder holding train/ (and optional train.csv, test/)")
-    add("--epochs", type=at_least(1), default=1, help="epochs to train")
-    add("--batch-size", type=at_least(1), default=50,
+    add("--epochs", type=between(*EPOCHS), default=1, help="epochs to train")
+    add("--batch-size", type=between(*BATCH_SIZES), default=50,
         help="images per process and micro-batch (the global batch is this times the processes "
              "times --accumulate)")
     add("--lr", type=_non_negative, default=0.001, help="learning rate (the peak of --lr-schedule)")
@@ -122,16 +187,16 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
     add("--dropout", type=_fraction(False, True), default=None,
         help="dropout probability of the classifier (default: torchvision's)")
-    add("--val-fraction", type=_open_fraction, default=0.2, help="share of images held out for validation")
-    add("--seed", type=int, default=42,
+    add("--val-fraction", type=open_fraction, default=0.2, help="share of images held out for validation")
+    add("--seed", type=between(*SEEDS), default=42,
         help="seeds the split, the data order, the new layers, dropout and augmentation")
-    add("--workers", type=at_least(0), default=None,
+    add("--workers", type=workers_count, default=None,
         help="data loader workers per process (default: this node's CPUs / its processes)")
     add("--checkpoint", default="model/best.pth",
         help="best model's state_dict; last.pth, history.json and best.json go beside it")
     add("--plot", default="training_results.png", help="accuracy and loss curves (PNG)")
     add("--resume", action="store_true", help="continue from last.pth beside --checkpoint if it exists")
-    add("--save-every-steps", metavar="N", type=at_least(1), default=None,
+    add("--save-every-steps", metavar="N", type=between(*STEPS), default=None,
         help="also write last.pth every N optimizer steps, where --resume goes on inside the epoch "
              "(default: at each epoch's end only)")
     add("--evaluate", action="store_true",
@@ -175,13 +240,13 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
         help="linear warm-up from 0 to --lr over this many epochs (fractions allowed)")
     add("--label-smoothing", type=_fraction(False, True), default=0.0,
         help="cross-entropy label smoothing")
-    add("--clip-grad-norm", type=_positive, default=None, help="clip the gradient's norm to this")
-    add("--accumulate", type=at_least(1), default=1,
+    add("--clip-grad-norm", type=positive, default=None, help="clip the gradient's norm to this")
+    add("--accumulate", type=between(*BATCH_SIZES), default=1,
         help="micro-batches of --batch-size per optimizer step (gradient accumulation)")
     add("--sync-bn", action="store_true",
         help="batch norm over the micro-batches of all the processes (train_ddp.py, train_fsdp.py, "
              "train_accelerate.py; one process already normalises its whole micro-batch)")
-    add("--ema-decay", type=_open_fraction, default=None, metavar="D",
+    add("--ema-decay", type=open_fraction, default=None, metavar="D",
         help="also keep an exponential moving average of the weights (decay D, e.g. 0.999, with a "
              "warm-up), validated every epoch beside them; --best-by picks either for best.pth")
     add("--best-by", choices=["val_acc", "val_log_loss"], default="val_acc",
@@ -189,13 +254,13 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
     add("--freeze", action="store_true",
         help="train the new last layer only; the pretrained backbone stays fixed (with --cache: "
              "its outputs are computed once)")
-    add("--freeze-epochs", type=at_least(0), default=0,
+    add("--freeze-epochs", type=between(0, EPOCHS[1]), default=0,
         help="train the last layer only for this many epochs, then every layer")
     watch = parser.add_argument_group("watching a run")
     add = watch.add_argument
     add("--log-dir", metavar="DIR", default=None,
         help="TensorBoard event files (open with `tensorboard --logdir DIR`)")
-    add("--log-every", type=at_least(1), default=10, help="optimizer steps between step scalars")
+    add("--log-every", type=between(*STEPS), default=10, help="optimizer steps between step scalars")
     add("--profile", action="store_true",
         help="torch.profiler over a few steps of epoch 1 on rank 0: a trace and a table of where the time went")
     add("--track", action="append", choices=BACKENDS, default=None,
@@ -210,7 +275,7 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
     if distributed:
         add_dist_timeout(parser, "in a collective, or for its node's --cache build")
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
-    parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local-rank", "--local_rank", type=between(0, 2**16 - 1), default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -234,18 +299,29 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
     check_tracking(parser, args)
+    # A flag that cannot act is refused (best.json would record it): given, even at its default.
+    given = parser.given(argv)
+    for flag, policy in (("ra_magnitude", "ra"), ("augmix_severity", "augmix")):
+        parser.refuse_unless(given, flag, args.auto_augment == policy,
+                             f"it tunes --auto-augment {policy} alone: add --auto-augment {policy}")
+    parser.refuse_unless(given, "momentum", args.optimizer == "sgd",
+                         "it is SGD's (AdamW keeps its own averages): use --optimizer sgd")
+    if args.sync_bn and not options.get("distributed") and args.mode == "single":
+        parser.error("argument --sync-bn: one process normalises its whole micro-batch already; it synchronises "
+                     "the processes of train_ddp.py, train_fsdp.py or train_accelerate.py: drop --sync-bn")
     if args.evaluate:
-        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):
-            if getattr(args, flag):
+        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track", "save_every_steps", "plot"):
+            if flag in given:
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that
         # file is loaded into it (src.inference.load_evaluated).
         args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
-    from src.models import check_batch_norm, check_dropout, check_image_size  # here, not above: they load torchvision
+    from src.models import check_batch_norm, check_dropout, check_image_size, check_sync_bn  # here, not above: they load torchvision
     try:
         check_image_size(args.arch, args.image_size)
         check_dropout(args.arch, args.dropout)
+        check_sync_bn(args.arch, args.sync_bn)
         # A micro-batch of one image per process (the last incomplete batch is dropped: only
         # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
         # over several processes (--sync-bn under a launcher).
@@ -285,7 +361,7 @@ def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
     """--dist-timeout, for a command that may run under a launcher (src.process_group)."""
-    parser.add_argument("--dist-timeout", metavar="MINUTES", type=_positive, default=60,
+    parser.add_argument("--dist-timeout", metavar="MINUTES", type=ranged(0, DIST_TIMEOUT_MINUTES, True, False), default=60,
                         help=f"how long a process waits for the others ({waits_for}) before it fails")
 
 

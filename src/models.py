@@ -94,6 +94,19 @@ def check_dropout(arch: str, dropout: float | None) -> None:
                         "squeezenet1_1, efficientnet_b0, vit_b_16, ...)")
 
 
+def has_batch_norm(arch: str) -> bool:
+    """Whether torchvision's `arch` has a batch norm layer (vgg16, squeezenet1_1 and the ViTs have none)."""
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in meta_model(arch).modules())
+
+
+def check_sync_bn(arch: str, sync_bn: bool) -> None:
+    """Refuse --sync-bn for a model without a batch norm layer: there is nothing to synchronise,
+    and best.json would record it."""
+    if sync_bn and arch in classification_models() and not has_batch_norm(arch):
+        raise UserError(f"--sync-bn: --arch {arch} has no batch norm layer for it to synchronise: drop --sync-bn, "
+                        "or use an --arch with batch norm (resnet18, efficientnet_b0, ...)")
+
+
 class _OneValue(Exception):
     """A batch norm layer's input holds one value per channel (see check_batch_norm)."""
 

@@ -119,31 +119,37 @@ PER_NODE = ("data_dir", "cache", "checkpoint", "plot", "log_dir", "tracking_uri"
             "command", "local_rank")
 
 
-def check_same_flags(args) -> None:
+def check_same_flags(args, per_node: tuple[str, ...] = PER_NODE, files: tuple[str, ...] = ("weights",),
+                     differ: str = "paths and --workers") -> None:
     """Refuse, in one line naming each flag and which ranks gave which value, ranks launched with
     different flags (two nodes started by hand, one with --lr 0.01 and one with --lr 0.5): they
     would train silently with rank 0's record of its own, or fail in a collective (another
-    --batch-size). Every rank calls it once, after the process group exists; without one (or in
-    a world of one) it does nothing."""
+    --batch-size); predict's rank 1 with --tta wrote half the CSV with it. Every rank of every
+    command that runs on several calls it once, after the process group exists and before any
+    work; without one (or in a world of one) it does nothing. `per_node`: the flags each node
+    may give its own value (`differ` names them for the user); `files`: the flags naming a file
+    that every rank reads, compared by content (compared_flags)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    said = flags_that_differ(gather(compared_flags(args)))
+    said = flags_that_differ(gather(compared_flags(args, per_node, files)))
     if said:
         raise UserError(f"the ranks were launched with different flags ({said}): launch every process with the "
-                        "same flags (paths and --workers may differ per node)", quiet=not is_first())
+                        f"same flags ({differ} may differ per node)", quiet=not is_first())
 
 
-def compared_flags(args) -> dict:
-    """This rank's flags as check_same_flags compares them: PER_NODE left out, the script by its
-    file name, a --weights file by its content (its path is the node's)."""
-    mine = {key: value for key, value in vars(args).items() if key not in PER_NODE}
+def compared_flags(args, per_node: tuple[str, ...] = PER_NODE, files: tuple[str, ...] = ("weights",)) -> dict:
+    """This rank's flags as check_same_flags compares them: `per_node` left out, the script by its
+    file name, each flag of `files` by the content of its file (its path is the
+    node's: two machines may mount one file at two places)."""
+    mine = {key: value for key, value in vars(args).items() if key not in per_node}
     if "mode" in mine and getattr(args, "command", None):
         mine["mode"] = args.command[0]
-    if mine.get("weights") not in (None, "default", "none"):
-        try:
-            mine["weights"] = f"a file of sha256 {sha256_of(mine['weights'])[:16]}"
-        except OSError as error:  # the load says it; here it only has to differ from a file that is read
-            mine["weights"] = f"a file that cannot be read ({error.strerror})"
+    for key in files:
+        if mine.get(key) not in (None, "default", "none"):
+            try:
+                mine[key] = f"a file of sha256 {sha256_of(mine[key])[:16]}"
+            except OSError as error:  # the load says it; here it only has to differ from a file that is read
+                mine[key] = f"a file that cannot be read ({error.strerror})"
     return mine
 
 

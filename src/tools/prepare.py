@@ -16,7 +16,7 @@ is taken for a spreadsheet formula).
 from pathlib import Path
 
 from src.cache import build_cache, cache_paths
-from src.cli import OneLineParser, at_least
+from src.cli import IMAGE_SIZES, OneLineParser, between
 from src.datasets import not_used_line, scan_train_dir
 from src.devices import default_workers
 from src.errors import UserError, exit_on_error
@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("data_dir", type=Path, help="folder holding train/")
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
-    parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
+    parser.add_argument("--image-size", type=between(*IMAGE_SIZES), default=224, help="the image size of that cache")
     args = parser.parse_args(argv)
+    parser.refuse_unless(parser.given(argv), "image_size", args.cache is not None,
+                         "it is the image size of the --cache to build: add --cache DIR")
     cats, dogs, rejected, not_used = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")

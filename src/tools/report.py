@@ -46,7 +46,7 @@ from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
 from src.checkpoint import RESUME_KEYS, flag_of, read_last
-from src.cli import OneLineParser, at_least
+from src.cli import BATCH_SIZES, OneLineParser, between, workers_count
 from src.datasets import CLASSES
 from src.devices import default_workers, hardware, training_device
 from src.errors import UserError, exit_on_error
@@ -85,8 +85,8 @@ def parse_args(argv: list[str] | None = None):
         help="predict's CSV (path,p_dog,label): a gallery of those images, the most uncertain first")
     add("--data-dir", type=Path, default=None,
         help="the data folder of the runs (default: the --data-dir each was trained with)")
-    add("--batch-size", type=at_least(1), default=100, help="images per forward pass of the validation")
-    add("--workers", type=at_least(0), default=None,
+    add("--batch-size", type=between(*BATCH_SIZES), default=100, help="images per forward pass of the validation")
+    add("--workers", type=workers_count, default=None,
         help="image decoding processes (default: this machine's CPUs)")
     args = parser.parse_args(argv)
     if len({run.resolve() for run in args.runs}) < len(args.runs):
