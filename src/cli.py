@@ -2,7 +2,6 @@
 import argparse
 import math
 import os
-import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -338,21 +337,25 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
     return args
 
 
-# A URI starts with its scheme (RFC 3986): a plain path would be MLflow's file store, which it refuses.
-URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
-
-
 def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What can be known of --track and --tracking-uri before anything starts: the URI's form, that
-    it goes with --track mlflow, the trackers' packages. Whether the store answers: src.tracking."""
+    """What can be known of --track and --tracking-uri before anything starts: the URI's form
+    (src.tracking.uri_problem; MLFLOW_TRACKING_URI's too, where it gives the store), that it goes
+    with --track mlflow, the trackers' packages. What is there and whether the store answers:
+    src.tracking."""
     import importlib.util
+
+    from src.tracking import uri_problem
     uri = args.tracking_uri
-    if uri is not None:
-        if "mlflow" not in (args.track or []):
-            parser.error("argument --tracking-uri: it is MLflow's store: add --track mlflow, or drop it")
-        if not URI_SCHEME.match(uri):
-            parser.error(f"argument --tracking-uri: {uri!r} is not a URI: pass http(s)://HOST:PORT, "
-                         "sqlite:///PATH/mlflow.db or another database's URI")
+    if uri is not None and "mlflow" not in (args.track or []):
+        parser.error("argument --tracking-uri: it is MLflow's store: add --track mlflow, or drop it")
+    if uri is not None and uri_problem(uri):
+        parser.error(f"argument --tracking-uri: {uri!r} {uri_problem(uri)}: pass http(s)://HOST:PORT, "
+                     "sqlite:///PATH/mlflow.db or another database's URI")
+    variable = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None and "mlflow" in (args.track or []) and variable and uri_problem(variable):
+        parser.error(f"MLFLOW_TRACKING_URI={variable!r} {uri_problem(variable)}: set it to a server's "
+                     "http(s)://HOST:PORT or a database such as sqlite:///PATH/mlflow.db, or unset it for the "
+                     "store beside --checkpoint")
     for name in dict.fromkeys(args.track or []):
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "

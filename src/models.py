@@ -12,6 +12,7 @@ import torchvision
 
 from src.dropout import per_sample
 from src.errors import UserError
+from src.outputs import input_problem
 from src.ranks import is_first
 
 NUM_CLASSES = 2
@@ -180,8 +181,9 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
 def read_state_dict(path: Path, flag: str = "--weights") -> dict:
     """The state_dict in a local file (best.pth, torchvision's ImageNet files), or the model's in
     a last.pth; a UserError naming `flag` and the file if there is none."""
-    if not path.is_file():
-        raise UserError(f"{flag} {path}: no such file (use `default`, `none` or a state_dict file)")
+    problem = input_problem(path)
+    if problem is not None:
+        raise UserError(f"{flag} {path}: {problem} (use `default`, `none` or a state_dict file)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a file that is not a checkpoint

@@ -55,7 +55,7 @@ from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
 from src.loaders import labelled_data
 from src.metrics import EPS, batch_sums, summarize
-from src.outputs import atomic_write_text, check_tool_output
+from src.outputs import atomic_write_text, check_tool_output, input_problem
 from src.plot import plt
 from src.safe_csv import original
 from src.sharded_checkpoint import NAME, whole_folder
@@ -115,6 +115,8 @@ def read_run(folder: Path, number: int, data_dir: Path | None = None) -> Run:
                         "--checkpoint's folder), after its first epoch")
     info = read_info(folder / "best.pth")
     try:
+        if input_problem(folder / "history.json") is not None:  # a named pipe would wait for a writer
+            raise OSError
         history = json.loads((folder / "history.json").read_text())
     except (OSError, ValueError):
         raise UserError(f"{folder / 'history.json'} is missing or unreadable: the training scripts "
@@ -271,7 +273,10 @@ def calibration_error(rows: list[dict]) -> float:
 
 
 def thumbnail(path: Path) -> str | None:
-    """A small JPEG of the image as a data: URI, or None where it cannot be read."""
+    """A small JPEG of the image as a data: URI, or None where it cannot be read (or is not a
+    regular file: a named pipe would wait for a writer)."""
+    if input_problem(path) is not None:
+        return None
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
@@ -294,6 +299,8 @@ def gallery(validation: Validation, positions: list[int]) -> list[dict]:
 
 def read_predictions(path: Path) -> list[dict]:
     """predict's rows (path, p_dog, label), the most uncertain first."""
+    if input_problem(path) is not None:
+        raise UserError(f"--predictions {path}: {input_problem(path)}")
     try:
         with open(path, newline="") as file:
             rows = list(csv.reader(file))
