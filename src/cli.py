@@ -309,7 +309,7 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         parser.error("argument --sync-bn: one process normalises its whole micro-batch already; it synchronises "
                      "the processes of train_ddp.py, train_fsdp.py or train_accelerate.py: drop --sync-bn")
     if args.evaluate:
-        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track", "save_every_steps", "plot"):
+        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track", "save_every_steps"):
             if flag in given:
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that

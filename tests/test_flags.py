@@ -102,7 +102,6 @@ TUNES = [(["--ra-magnitude", "9"], "--ra-magnitude: it tunes --auto-augment ra a
          (["--auto-augment", "ra", "--augmix-severity", "5"], "--augmix-severity: it tunes --auto-augment augmix"),
          (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum: it is SGD's"),
          (["--sync-bn"], "--sync-bn: one process normalises its whole micro-batch already"),
-         (["--evaluate", "--plot", "training_results.png"], "--evaluate trains nothing and writes nothing: drop --plot"),
          (["--evaluate", "--save-every-steps", "5"], "--evaluate trains nothing and writes nothing: drop --save-every-steps")]
 
 

@@ -206,6 +206,7 @@ def test_saved_run_missing_from_the_store_is_one_line(tmp_path, monkeypatch):
     other = Tracker(_args(tmp_path / "b", "--track", "mlflow", "--resume"))  # another store
     with pytest.raises(UserError, match=f"last.pth's MLflow run {ids['mlflow']} is not in sqlite:///"):
         other.start(ids, _context(args))
+    other.finish("FAILED")  # as rank_0_tracker ends it: the environment as it was
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -493,6 +494,8 @@ def test_the_training_thread_never_waits_for_the_store(tmp_path, monkeypatch):
 
     from src.tracking import RUN_REQUEST
     monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    for name in RUN_REQUEST:
+        monkeypatch.delenv(name, raising=False)
     args = _args(tmp_path, "--track", "mlflow")
     tracker = Tracker(args)
     assert {name: os.environ.get(name) for name in RUN_REQUEST} == RUN_REQUEST
