@@ -1537,8 +1537,8 @@ MUTATIONS = [
      ['tests/test_flags.py::test_sync_bn_of_a_model_without_batch_norm_is_refused']),
     ('src/tools/benchmark.py', '        args.modes = ",".join(name for name in args.modes.split(",") if name != "ddp-sync-bn")\n', '',
      ['tests/test_flags.py::test_sync_bn_of_a_model_without_batch_norm_is_refused']),
-    ('src/tools/predict.py', 'parser.refuse_unless(parser.given(argv), "data_dir", not args.paths,',
-     'parser.refuse_unless(parser.given(argv), "data_dir", True,',
+    ('src/tools/predict.py', 'parser.refuse_unless(given, "data_dir", not args.paths,',
+     'parser.refuse_unless(given, "data_dir", True,',
      ['tests/test_flags.py::test_tools_refuse_a_flag_that_cannot_act']),
     ('src/tools/prepare.py', 'parser.refuse_unless(parser.given(argv), "image_size", args.cache is not None,',
      'parser.refuse_unless(parser.given(argv), "image_size", True,',
@@ -1611,6 +1611,12 @@ MUTATIONS = [
     ('src/datasets.py', "    try:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings\n        image = Image.open(path)",
      '    try:\n        warnings.filterwarnings("ignore", module="PIL")\n        image = Image.open(path)',
      ['tests/test_fsdp.py::test_a_torch_warning_of_every_step_is_printed_once_per_run']),
+    ('src/tools/predict.py', 'parser.refuse_unless(given, "overwrite", str(args.output) != "-",',
+     'parser.refuse_unless(given, "overwrite", True,', ['tests/test_flags.py::test_tools_refuse_a_flag_that_cannot_act']),
+    ('src/tools/benchmark.py', 'parser.refuse_unless(parser.given(argv), "images", args.data_dir is None,',
+     'parser.refuse_unless(parser.given(argv), "images", True,', ['tests/test_flags.py::test_tools_refuse_a_flag_that_cannot_act']),
+    ('src/tools/chaos.py', 'parser.refuse_unless(parser.given(argv), flag, args.change_world,',
+     'parser.refuse_unless(parser.given(argv), flag, True,', ['tests/test_flags.py::test_tools_refuse_a_flag_that_cannot_act']),
 ]
 
 

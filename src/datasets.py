@@ -165,6 +165,9 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
 def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.tools.prepare` does."""
     data_dir = Path(data_dir)
+    if os.path.lexists(data_dir) and not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir}: {input_problem(data_dir, folder=True) or 'a file, not a folder'}: "
+                        "pass --data-dir, the folder holding train/")
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found: pass --data-dir, put Kaggle's train/ "
                         f"there, or run `python -m src.tools.synthetic {data_dir}` for a synthetic set")

@@ -139,10 +139,20 @@ def test_sync_bn_of_a_model_without_batch_norm_is_refused(capsys, monkeypatch):
 
 
 def test_tools_refuse_a_flag_that_cannot_act(tmp_path, monkeypatch, capsys):
-    """predict reads --data-dir's test/ only without PATH; prepare's --image-size is the size of
-    the --cache it builds."""
-    fails_in_process(predict.main, [str(tmp_path), "--data-dir", str(tmp_path)], monkeypatch, capsys,
-                     "argument --data-dir: it names the folder of Kaggle's test/, which predict reads without PATH")
-    fails_in_process(prepare.main, [str(tmp_path), "--image-size", "64"], monkeypatch, capsys,
-                     "argument --image-size: it is the image size of the --cache to build")
+    """predict reads --data-dir's test/ only without PATH, and --overwrite replaces no file on
+    standard output; prepare's --image-size is the size of the --cache it builds; the benchmark's
+    and the recipe comparison's --images, of the synthetic set they write without --data-dir;
+    chaos's --far and --alone are runs of --change-world."""
+    cases = [(predict, [str(tmp_path), "--data-dir", str(tmp_path)],
+              "argument --data-dir: it names the folder of Kaggle's test/, which predict reads without PATH"),
+             (predict, [str(tmp_path), "--output", "-", "--overwrite"],
+              "argument --overwrite: --output - writes to standard output, which replaces no file"),
+             (prepare, [str(tmp_path), "--image-size", "64"], "argument --image-size: it is the image size of the --cache"),
+             (benchmark, ["--data-dir", str(tmp_path), "--images", "100"],
+              "argument --images: it is the size of the synthetic set written without --data-dir"),
+             (compare_recipes, ["--data-dir", str(tmp_path), "--images", "100"],
+              "argument --images: it is the size of the synthetic set written without --data-dir"),
+             (chaos, ["--far", str(tmp_path)], "argument --far: it is a run of --change-world: add it, or drop it")]
+    for command, argv, said in cases:
+        fails_in_process(command.main, argv, monkeypatch, capsys, said)
     assert list(tmp_path.iterdir()) == []

@@ -318,6 +318,10 @@ def test_a_named_pipe_is_named_for_what_it_is_and_never_opened(pipes, untrained,
     pipes(data / "train.csv")
     fails_in_process(train_single.main, [*TINY, "--data-dir", str(data), *outputs(tmp_path / "out")], monkeypatch,
                      capsys, f"{data / 'train.csv'}: a named pipe (FIFO), not a regular file: remove it")
+    pipes(tmp_path / "data-pipe")
+    fails_in_process(train_single.main, [*TINY, "--data-dir", str(tmp_path / "data-pipe"), *outputs(tmp_path / "out")],
+                     monkeypatch, capsys, f"data folder {tmp_path / 'data-pipe'}: a named pipe (FIFO), not a regular file "
+                     "or folder: pass --data-dir")
     checkpoint = tmp_path / "run" / "best.pth"
     checkpoint.parent.mkdir()
     shutil.copy(untrained, checkpoint)

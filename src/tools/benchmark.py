@@ -136,6 +136,8 @@ def parse_args(argv: list[str] | None = None):
         help="only the loader workers' start, from the fork server and forked (see above), over the "
              "JPEGs and the cache: a table")
     args = parser.parse_args(argv)
+    parser.refuse_unless(parser.given(argv), "images", args.data_dir is None,
+                         "it is the size of the synthetic set written without --data-dir: drop --data-dir")
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
         parser.error(f"argument --modes: unknown run {unknown[0]!r} (choose from {', '.join(MODES)})")

@@ -144,7 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alone", default=None,
                         help="--change-world: output folder of an uninterrupted train_single.py run of the same "
                              "flags and global batch, the float floor (default: train one)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("far", "alone"):
+        parser.refuse_unless(parser.given(argv), flag, args.change_world, "it is a run of --change-world: add it")
+    return args
 
 
 def plan(rng: random.Random, stops: int, total: int) -> list[list[dict]]:

@@ -106,7 +106,10 @@ def parse_args(argv: list[str] | None = None):
     add("--seed", type=between(*SEEDS), default=0, help="seeds the synthetic set, the split, the data order and the runs")
     add("--workers", type=workers_count, default=None,
         help="data loader workers of each run (default: the scripts' default)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    parser.refuse_unless(parser.given(argv), "images", args.data_dir is None,
+                         "it is the size of the synthetic set written without --data-dir: drop --data-dir")
+    return args
 
 
 def recipes(epochs: int) -> dict[str, list[str]]:

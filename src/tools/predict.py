@@ -68,8 +68,11 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--channels-last", action="store_true", help="channels-last batches and weights")
     add_dist_timeout(parser, "under torchrun, in a collective")
     args = parser.parse_args(argv)
-    parser.refuse_unless(parser.given(argv), "data_dir", not args.paths,
+    given = parser.given(argv)
+    parser.refuse_unless(given, "data_dir", not args.paths,
                          "it names the folder of Kaggle's test/, which predict reads without PATH: give no PATH")
+    parser.refuse_unless(given, "overwrite", str(args.output) != "-",
+                         "--output - writes to standard output, which replaces no file: name an --output file")
     if args.onnx and (args.amp != "no" or args.channels_last):
         parser.error("--amp and --channels-last set up the torch model; --onnx runs in float32 on the CPU")
     if args.onnx and not args.paths:
