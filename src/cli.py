@@ -1,13 +1,20 @@
-"""The command-line flags shared by all five training scripts."""
+"""The command-line flags shared by all six training scripts."""
 import argparse
+import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from src.config import Config
 from src.errors import UserError, before_a_silent_exit
 from src.tracking import BACKENDS
+
+if TYPE_CHECKING:
+    import torch
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -18,20 +25,20 @@ class OneLineParser(argparse.ArgumentParser):
 
     ranks = False
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         # Under a launcher every rank parses the same flags: rank 0 alone says what is wrong.
         if self.ranks and os.environ.get("RANK", "0") != "0":
             before_a_silent_exit()
             self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-    def given(self, argv: list[str]) -> set[str]:
+    def given(self, argv: list[str] | None) -> set[str]:
         """The dests of the flags that argv gives, whatever their values (a flag given with its
         default value counts): for the flags refused where they cannot act. argv parses (the
         first parse said so); argparse fills in a default only where the namespace has no value."""
         unset = object()
         # An append or count action adds to the value there: it starts from None, as argparse's own.
-        adds = (argparse._AppendAction, argparse._CountAction)  # type: ignore[attr-defined]  # argparse's own classes
+        adds = (argparse._AppendAction, argparse._CountAction)
         namespace = argparse.Namespace(**{action.dest: None if isinstance(action, adds) else unset
                                           for action in self._actions if action.dest != argparse.SUPPRESS})
         self.parse_args(argv, namespace)
@@ -42,6 +49,15 @@ class OneLineParser(argparse.ArgumentParser):
         what it needs and what to do, then "or drop it"."""
         if flag in given and not acts:
             self.error(f"argument --{flag.replace('_', '-')}: {why}, or drop it")
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each option's default after its text, unless the text says its
+    default in its own words ("default: model/best.pth; with --onnx ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
 
 
 # The bounds of the numbers the commands take, checked at parse time (one line naming the flag):
@@ -65,17 +81,18 @@ STEPS = (1, 10**9)
 # Minutes a process waits for the others: about two years; past it timedelta overflows (1e300 did)
 # and threading's waits (threading.TIMEOUT_MAX) refuse it.
 DIST_TIMEOUT_MINUTES = 10**6
+# Processes that Ray Train starts, and its restarts after a lost worker (-1: no limit).
+RAY_WORKERS = (1, 4096)
+RAY_FAILURES = (-1, 10**6)
 
 # --auto-augment's policies (src/augment.py), the reference script's names; RandAugment's magnitude
 # is a bin of its 31 (num_magnitude_bins), AugMix's severity what v2.AugMix accepts.
 POLICIES = ("ta_wide", "ra", "augmix")
 RA_MAGNITUDES = (0, 30)
 AUGMIX_SEVERITIES = (1, 10)
-# Their defaults: given only with the policy they tune (src.cli.parse_args refuses them without it).
-RA_MAGNITUDE, AUGMIX_SEVERITY = 9, 3
 
 
-def between(minimum: int, maximum: int):
+def between(minimum: int, maximum: int) -> Callable[[str], int]:
     """An int in [minimum, maximum]."""
     def parse(text: str) -> int:
         value = int(text)
@@ -98,7 +115,7 @@ def workers_count(text: str) -> int:
 
 
 workers_count.__name__ = "int"
-workers_count.bounds = (0, "this node's CPUs (cap_workers)")  # type: ignore[attr-defined]
+workers_count.bounds = (0, "this node's CPUs (cap_workers)")  # type: ignore[attr-defined]  # as between's
 
 
 def processes_count(text: str) -> int:
@@ -113,7 +130,7 @@ def processes_count(text: str) -> int:
 
 
 processes_count.__name__ = "int"
-processes_count.bounds = (1, "this machine's CPUs or GPUs")  # type: ignore[attr-defined]
+processes_count.bounds = (1, "this machine's CPUs or GPUs")  # type: ignore[attr-defined]  # as between's
 
 
 def _finite(text: str) -> float:
@@ -125,7 +142,7 @@ def _finite(text: str) -> float:
     return value
 
 
-def ranged(low: float, high: float, low_open: bool, high_open: bool):
+def ranged(low: float, high: float, low_open: bool, high_open: bool) -> Callable[[str], float]:
     """A finite float in the range from low to high, each end included unless it is open."""
     def parse(text: str) -> float:
         value = _finite(text)
@@ -134,11 +151,11 @@ def ranged(low: float, high: float, low_open: bool, high_open: bool):
             raise argparse.ArgumentTypeError(f"must be in {ends}, got {value}")
         return value
     parse.__name__ = "float"
-    parse.bounds = (low, high)  # type: ignore[attr-defined]
+    parse.bounds = (low, high)  # type: ignore[attr-defined]  # as between's
     return parse
 
 
-def _fraction(low_open: bool, high_open: bool):
+def _fraction(low_open: bool, high_open: bool) -> Callable[[str], float]:
     """A float in [0, 1], each end included unless it is open."""
     return ranged(0, 1, low_open, high_open)
 
@@ -164,8 +181,8 @@ for _parse in (_non_negative, positive):
     _parse.bounds = (0, math.inf)  # type: ignore[attr-defined]  # finite: float's own top
 
 
-def build_parser(description: str, amp: bool = True, distributed: bool = False,
-                 prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(description: str, amp: bool = True, distributed: bool = False, ray: bool = False,
+                 prog: str | None = None) -> OneLineParser:
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.ranks = distributed
@@ -186,7 +203,11 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
         help="'default' = torchvision's ImageNet weights, 'none' = random init, or a state_dict file")
     add("--dropout", type=_fraction(False, True), default=None,
         help="dropout probability of the classifier (default: torchvision's)")
-    add("--val-fraction", type=open_fraction, default=0.2, help="share of images held out for validation")
+    add("--val-fraction", type=open_fraction, default=0.2,
+        help="share of --data-dir's images held out for validation (seeded split; not with --val-dir)")
+    add("--val-dir", metavar="DIR", default=None,
+        help="validate on the labelled images of DIR (laid out as train/, no CSV) instead of a split of "
+             "--data-dir's; every image of train/ trains")
     add("--seed", type=between(*SEEDS), default=42,
         help="seeds the split, the data order, the new layers, dropout and augmentation")
     add("--workers", type=workers_count, default=None,
@@ -273,22 +294,41 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
     if distributed:
         add_dist_timeout(parser, "in a collective, or for its node's --cache build")
+    if ray:
+        add_ray_flags(parser.add_argument_group("Ray Train (train_ray.py)").add_argument)
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=between(0, 2**16 - 1), default=None, help=argparse.SUPPRESS)
     return parser
 
 
+def config_from(namespace: argparse.Namespace, command: list[str], mode: str, workers: int) -> Config:
+    """The Config of a parsed namespace of build_parser: its flags, `workers` resolved."""
+    # --val-dir's images are the validation set: no split, and best.json and last.pth record none
+    val_fraction = None if namespace.val_dir is not None else float(namespace.val_fraction)
+    parsed = {**vars(namespace), "workers": workers, "val_fraction": val_fraction}
+    return Config(**parsed, command=command, mode=mode, flags=tuple(vars(namespace)))
+
+
+def defaults(argv: list[str] | None = None, amp: bool = True, distributed: bool = False, **changes: Any) -> Config:
+    """The Config of a training script's flags at their defaults (or as `argv` gives them),
+    `changes` set over them, without parse_args's checks: for the commands that run part of a
+    training run (benchmark, report) and for tests. --workers's default: 0 (the loading in the
+    calling process)."""
+    namespace = build_parser("", amp=amp, distributed=distributed).parse_args(argv or [])
+    config = config_from(namespace, ["train_single.py", *(argv or [])], "single",
+                         namespace.workers if namespace.workers is not None else 0)
+    return dataclasses.replace(config, **changes)
+
+
 def parse_args(description: str, argv: list[str] | None = None, script: str | None = None,
-               **options) -> argparse.Namespace:
+               amp: bool = True, distributed: bool = False, ray: bool = False) -> Config:
     """The flags of a training script: argv (sys.argv[1:] when None), `script` its file (for the
-    messages, the mode it records and the command that goes on after a stop). `args.command` is
-    the command line as typed (the script and argv); `args.mode` the script's name without
-    "train_" ("ddp")."""
+    messages, the mode it records and the command that goes on after a stop). `.command` is the
+    command line as typed (the script and argv); `.mode` the script's name without "train_" ("ddp")."""
     argv = sys.argv[1:] if argv is None else list(argv)
     name = Path(script).name if script else Path(sys.argv[0]).name
-    parser = build_parser(description, prog=name, **options)
+    parser = build_parser(description, amp=amp, distributed=distributed, ray=ray, prog=name)
     args = parser.parse_args(argv)
-    args.command, args.mode = [name, *argv], Path(name).stem.removeprefix("train_")
     if args.freeze and args.freeze_epochs:
         parser.error("--freeze trains the last layer only in every epoch; --freeze-epochs K only "
                      "in the first K: pass one of them")
@@ -297,26 +337,33 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
                      f"{args.epochs}, so the learning rate would never reach --lr")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
-    check_tracking(parser, args)
+    check_tracking(parser, args.track, args.tracking_uri)
     # A flag that cannot act is refused (best.json would record it): given, even at its default.
     given = parser.given(argv)
+    if args.val_dir is not None and "val_fraction" in given:
+        parser.error("--val-dir's images are the validation set, --val-fraction splits --data-dir's: "
+                     "pass one of them")
     for flag, policy in (("ra_magnitude", "ra"), ("augmix_severity", "augmix")):
         parser.refuse_unless(given, flag, args.auto_augment == policy,
                              f"it tunes --auto-augment {policy} alone: add --auto-augment {policy}")
     parser.refuse_unless(given, "momentum", args.optimizer == "sgd",
                          "it is SGD's (AdamW keeps its own averages): use --optimizer sgd")
-    if args.sync_bn and not options.get("distributed") and args.mode == "single":
+    if args.sync_bn and Path(name).stem == "train_single":  # train_dp.py says its own (src.data_parallel)
         parser.error("argument --sync-bn: one process normalises its whole micro-batch already; it synchronises "
                      "the processes of train_ddp.py, train_fsdp.py or train_accelerate.py: drop --sync-bn")
+    if args.evaluate and ray:
+        parser.error("--evaluate validates without a cluster: run it with train_ddp.py or train_single.py, which "
+                     "read train_ray.py's checkpoints")
+    evaluate_file = None
     if args.evaluate:
         for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track", "save_every_steps"):
             if flag in given:
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that
         # file is loaded into it (src.inference.load_evaluated).
-        args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
+        evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
-    from src.models import check_batch_norm, check_dropout, check_image_size, check_sync_bn  # here, not above: they load torchvision
+    from src.models import check_batch_norm, check_dropout, check_image_size, check_sync_bn  # here: they load torchvision
     try:
         check_image_size(args.arch, args.image_size)
         check_dropout(args.arch, args.dropout)
@@ -324,20 +371,27 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # A micro-batch of one image per process (the last incomplete batch is dropped: only
         # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
         # over several processes (--sync-bn under a launcher).
-        together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1
+        together = int(os.environ.get("WORLD_SIZE", "1")) if distributed and args.sync_bn else 1
+        together = args.num_workers if ray and args.sync_bn else together
         if not (args.freeze or args.evaluate):
             check_batch_norm(args.arch, args.image_size, args.batch_size * together, f"--batch-size {args.batch_size}")
     except UserError as error:
         parser.error(str(error))
     from src.devices import available_cpus
-    if args.workers is None:
+    workers = args.workers
+    if workers is None:
         from src.devices import default_workers
-        args.workers = default_workers()
-    args.workers = cap_workers(args.workers, available_cpus())
-    return args
+        workers = default_workers()
+    config = config_from(args, [name, *argv], Path(name).stem.removeprefix("train_"),
+                         cap_workers(workers, available_cpus()))
+    config.evaluate_file = evaluate_file
+    return config
 
 
-def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+# What --track's packages are installed from (a training-only install, requirements.txt, lacks them).
+TRACKERS_FILE = "requirements-track.txt"
+
+def check_tracking(parser: argparse.ArgumentParser, track: list[str] | None, uri: str | None) -> None:
     """What can be known of --track and --tracking-uri before anything starts: the URI's form
     (src.tracking.uri_problem; MLFLOW_TRACKING_URI's too, where it gives the store), that it goes
     with --track mlflow, the trackers' packages. What is there and whether the store answers:
@@ -345,21 +399,35 @@ def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     import importlib.util
 
     from src.tracking import uri_problem
-    uri = args.tracking_uri
-    if uri is not None and "mlflow" not in (args.track or []):
+    if uri is not None and "mlflow" not in (track or []):
         parser.error("argument --tracking-uri: it is MLflow's store: add --track mlflow, or drop it")
     if uri is not None and uri_problem(uri):
         parser.error(f"argument --tracking-uri: {uri!r} {uri_problem(uri)}: pass http(s)://HOST:PORT, "
                      "sqlite:///PATH/mlflow.db or another database's URI")
     variable = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri is None and "mlflow" in (args.track or []) and variable and uri_problem(variable):
+    if uri is None and "mlflow" in (track or []) and variable and uri_problem(variable):
         parser.error(f"MLFLOW_TRACKING_URI={variable!r} {uri_problem(variable)}: set it to a server's "
                      "http(s)://HOST:PORT or a database such as sqlite:///PATH/mlflow.db, or unset it for the "
                      "store beside --checkpoint")
-    for name in dict.fromkeys(args.track or []):
+    for name in dict.fromkeys(track or []):
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "
-                         "pip install -r requirements.txt")
+                         f"pip install -r {TRACKERS_FILE}")
+
+
+def add_ray_flags(add: Callable[..., argparse.Action]) -> None:
+    """train_ray.py's own flags: its workers, its cluster, where Ray Train keeps the checkpoints."""
+    add("--num-workers", type=between(*RAY_WORKERS), default=1,
+        help="training processes that Ray Train starts, one CPU each, or one GPU each where the cluster has GPUs")
+    add("--address", default=None,
+        help="a running Ray cluster: HOST:PORT of its head (ray start --head), ray://HOST:PORT or auto "
+             "(default: RAY_ADDRESS, else a Ray instance started on this machine for the run)")
+    add("--storage-path", metavar="PATH", default=None,
+        help="where Ray Train keeps the reported checkpoints: a folder every node sees, or a URI such as "
+             "s3://BUCKET/PATH (default: the folder ray/ beside --checkpoint)")
+    add("--max-failures", type=between(*RAY_FAILURES), default=3,
+        help="times Ray Train restarts the workers after one is lost (each time from the last checkpoint; "
+             "-1: no limit)")
 
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
@@ -380,17 +448,17 @@ def cap_workers(workers: int, cpus: int, flag: str = "--workers") -> int:
     return cpus
 
 
-def dist_timeout(args: argparse.Namespace) -> timedelta:
-    """--dist-timeout, for the process group and for the processes that wait for their node's
-    cache: neither wait outlasts the other."""
-    return timedelta(minutes=args.dist_timeout)
+def dist_timeout(minutes: float) -> timedelta:
+    """--dist-timeout (`minutes`), for the process group and for the processes that wait for their
+    node's cache: neither wait outlasts the other."""
+    return timedelta(minutes=minutes)
 
 
 AMP_DTYPES = {"no": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
-def amp_dtype(args: argparse.Namespace):
-    """The torch dtype that --amp asks autocast for, or None for full precision."""
+def amp_dtype(amp: str) -> "torch.dtype | None":
+    """The torch dtype that --amp (`amp`) asks autocast for, or None for full precision."""
     import torch
-    name = AMP_DTYPES[getattr(args, "amp", "no")]
+    name = AMP_DTYPES[amp]
     return getattr(torch, name) if name else None

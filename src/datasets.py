@@ -27,7 +27,15 @@ from src.terminal import shown
 CLASSES = ("cat", "dog")
 _KAGGLE_NAME = re.compile(r"^(cat|dog)\.\d+\.[a-z]+$", re.IGNORECASE)
 _FOLDER_LABELS = {"cat": 0, "cats": 0, "dog": 1, "dogs": 1}
-LABEL_RULES = "cat.N / dog.N images, or images in a cat(s)/ or dog(s)/ folder"
+LABEL_RULES = "cat.N / dog.N images, or images at any depth under a cat(s)/ or dog(s)/ folder"
+
+
+def layouts(folder: Path, csv_file: Path | None = None) -> str:
+    """Every layout of labelled images that `folder` may hold, for the line that finds none there
+    (`csv_file`: the filename,label table that may list them instead, for DATA_DIR/train)."""
+    text = (f"Kaggle's cat.N.jpg / dog.N.jpg in {shown(folder)}, or images at any depth under a cats/ and a "
+            f"dogs/ folder in it (or Cat/ and Dog/, any case: {shown(Path(folder) / 'cats' / '2023' / 'x.jpg')})")
+    return text + (f", or a {shown(csv_file)} of filename,label (0/cat, 1/dog) naming files in it" if csv_file else "")
 
 
 def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
@@ -48,27 +56,36 @@ def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
 
 
 def _label_of(relative: Path) -> int | None:
+    """An image's label from its path in the folder: a Kaggle name at the top, or the class folder
+    at the top that holds it at any depth (torchvision's ImageFolder rule: cats/2023/x.jpg)."""
     if len(relative.parts) == 1 and _KAGGLE_NAME.match(relative.name):
         return CLASSES.index(relative.name.split(".")[0].lower())
-    if len(relative.parts) == 2:
+    if len(relative.parts) >= 2:
         return _FOLDER_LABELS.get(relative.parts[0].lower())
     return None
 
 
-def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.DataFrame, list[str]]:
+def scan_train_dir(train_dir: Path, show_progress: bool = True,
+                   flag: str | None = None) -> tuple[pd.DataFrame, list[str]]:
     """Find the labelled images under train_dir and open each one.
 
     Accepts Kaggle's flat `cat.N.jpg` / `dog.N.jpg` and one folder per class (`Cat/`, `dogs/`, any
-    case, as in Microsoft's PetImages). Returns the `filename,label` table of the readable images,
-    in natural filename order, and the names of the unreadable ones (empty, truncated, not images).
+    case, as in Microsoft's PetImages), its images at any depth under it. Returns the
+    `filename,label` table of the readable images, in natural filename order, and the names of the
+    unreadable ones (empty, truncated, not images). `flag`: the option that named the folder
+    (--val-dir), for the messages; None for DATA_DIR/train, which a train.csv beside it may replace.
     """
     train_dir = Path(train_dir)
+    csv_file = None if flag else train_dir.with_name("train.csv")
     if not train_dir.is_dir():
         archive = train_dir.with_name(train_dir.name + ".zip")
         if archive.is_file():
-            raise UserError(f"{train_dir} is not a folder, but {archive} is there: unzip it first "
-                            f"(unzip -q {archive} -d {train_dir.parent})")
-        raise UserError(f"{train_dir} is not a folder: put Kaggle's train/ images there, "
+            raise UserError(f"{(flag + ' ') if flag else ''}{train_dir} is not a folder, but {archive} is there: "
+                            f"unzip it first (unzip -q {archive} -d {train_dir.parent})")
+        if flag:
+            raise UserError(f"{flag} {train_dir} is not a folder: name a folder of labelled images ("
+                            f"{layouts(train_dir)})")
+        raise UserError(f"{train_dir} is not a folder: put your labelled images there ({layouts(train_dir, csv_file)}), "
                         "or make a synthetic set with `python -m src.tools.synthetic DATA_DIR`")
     candidates = []
     for name in train_files(train_dir):
@@ -78,8 +95,8 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
             candidates.append((name, label))
     candidates.sort(key=lambda row: natural_key(row[0]))
     if not candidates:
-        raise UserError(f"no labelled images in {train_dir}: expected cat.N.jpg / dog.N.jpg "
-                        "or Cat/ and Dog/ folders")
+        raise UserError(f"no labelled images in {(flag + ' ') if flag else ''}{train_dir}: expected "
+                        f"{layouts(train_dir, csv_file)}")
     rows, rejected = [], []
     for name, label in tqdm(candidates, desc=f"checking {train_dir}", disable=not show_progress,
                             leave=False):
@@ -105,13 +122,15 @@ def train_files(train_dir: Path) -> list[str]:
     return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*") if not path.is_dir()]
 
 
-def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None) -> str | None:
-    """The line that names the files of data_dir/train that the label table leaves out (those
-    not in `listed`): no label rule covers them, or (csv_file) train.csv does not list them, as
-    when images were added after `prepare` wrote it. None when every file is used."""
-    train_dir = Path(data_dir) / "train"
-    listed = {Path(name).as_posix() for name in listed}
-    unused = sorted((name for name in train_files(train_dir) if name not in listed), key=natural_key)
+def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None,
+                  folder: Path | None = None) -> str | None:
+    """The line that names the files of data_dir/train (or `folder`: --val-dir's) that the label
+    table leaves out (those not in `listed`): no label rule covers them, or (csv_file) train.csv
+    does not list them, as when images were added after `prepare` wrote it. None when every file
+    is used."""
+    train_dir = Path(data_dir) / "train" if folder is None else Path(folder)
+    known = {Path(name).as_posix() for name in listed}
+    unused = sorted((name for name in train_files(train_dir) if name not in known), key=natural_key)
     if not unused:
         return None
     if csv_file is not None:
@@ -191,6 +210,29 @@ def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     return frame
 
 
+def load_val_labels(val_dir: Path, data_dir: Path, train_table: pd.DataFrame,
+                    show_progress: bool = True) -> pd.DataFrame:
+    """--val-dir's labelled images, found by the rules of train/'s scan (every image opened, the
+    unreadable ones left out and counted, the files no rule covers named; no CSV), their names
+    relative to val_dir. An image that is also in the training table (the same file, by its real
+    path) is refused: it would be trained on and validated."""
+    val_dir = Path(val_dir)
+    frame, rejected = scan_train_dir(val_dir, show_progress, flag="--val-dir")
+    if show_progress:
+        if rejected:
+            print(f"left out {len(rejected)} unreadable image(s) of --val-dir {shown(val_dir)}, first {shown(rejected[0])}")
+        said = not_used_line(data_dir, [*frame["filename"], *rejected], folder=val_dir)
+        if said:
+            print(said)
+    trained = {os.path.realpath(Path(data_dir) / "train" / name) for name in train_table["filename"]}
+    both = [name for name in frame["filename"] if os.path.realpath(val_dir / name) in trained]
+    if both:
+        raise UserError(f"--val-dir {shown(val_dir)} holds {len(both)} image(s) that {shown(Path(data_dir) / 'train')} "
+                        f"trains on ({some(both)}): a validation image must not be a training one; name a folder "
+                        "apart from it")
+    return frame
+
+
 def check_both_classes(frame: pd.DataFrame, data_dir: Path) -> None:
     """Refuse a label table of one class: a model trained on it learns nothing (every image of
     the class is right: validation accuracy 1.0)."""
@@ -220,7 +262,7 @@ class DogCatDataset(Dataset):
     def __len__(self) -> int:
         return len(self.frame)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:  # a PIL image without a transform
         row = self.frame.iloc[index]
         image = open_rgb(self.root_dir / row["filename"], self.draft_size)
         if self.transform is not None:
@@ -236,7 +278,8 @@ class DogCatTestDataset(Dataset):
         self.root_dir = Path(root_dir)
         if not self.root_dir.is_dir():
             raise UserError(f"test folder {self.root_dir} not found: put Kaggle's test/ images there")
-        self.files, self.others = {}, []  # id -> its file's name; what is not an N.jpg image
+        self.files: dict[int, str] = {}  # id -> its file's name
+        self.others: list[str] = []  # what is not an N.jpg image
         for path in sorted(self.root_dir.iterdir(), key=lambda p: natural_key(p.name)):
             if not (path.suffix.lower() in IMAGE_SUFFIXES and path.stem.isdigit() and path.stem.isascii()):
                 self.others.append(path.name + ("/" if path.is_dir() else ""))
@@ -255,7 +298,7 @@ class DogCatTestDataset(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:  # a PIL image without a transform
         image_id = self.ids[index]
         image = open_rgb(self.root_dir / self.files[image_id], self.draft_size)
         if self.transform is not None:

@@ -88,8 +88,8 @@ def decode(path: Path, size: int) -> np.ndarray:
     Image.DecompressionBombError for a file that cannot be decoded."""
     with Image.open(path) as image:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings
         image.draft("RGB", (size, size))  # libjpeg decodes at 1/2, 1/4 or 1/8 scale if that still covers size
-        image = to_rgb(image).resize((size, size), Image.BILINEAR)
-    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1).copy()
+        rgb = to_rgb(image).resize((size, size), Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1).copy()
 
 
 def some(names: list, count: int = 3) -> str:

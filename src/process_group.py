@@ -14,13 +14,14 @@ too).
 - NCCL for one rank per GPU, gloo on the CPU and for ranks sharing a GPU
   (src.devices.process_group_backend).
 """
-import argparse
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from src.cli import dist_timeout
+from src.config import Config
 from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
 from src.heartbeat import Heartbeat
@@ -54,32 +55,34 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def process_device(args: argparse.Namespace) -> torch.device:
-    """This process's GPU (its LOCAL_RANK; checked: one GPU per process, bfloat16 where asked) or the
-    CPU, with --deterministic's numerics set."""
+def process_device(deterministic: bool, amp: str = "no") -> torch.device:
+    """This process's GPU (its LOCAL_RANK; checked: one GPU per process, bfloat16 where --amp
+    asks) or the CPU, with --deterministic's numerics set."""
     rank = local_rank()
     check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return training_device(getattr(args, "deterministic", False), getattr(args, "amp", "no"), rank)
+    return training_device(deterministic, amp, rank)
 
 
-def torchrun_store(args: argparse.Namespace) -> tuple[dist.Store, int, int]:
+def torchrun_store(minutes: float) -> tuple[dist.Store, int, int]:
     """(store, rank, world size) for dist.init_process_group: torchrun's rendezvous with a key prefix
-    per restart attempt, or an in-memory store for a world of one without a launcher."""
+    per restart attempt (waiting --dist-timeout `minutes`), or an in-memory store for a world of one
+    without a launcher."""
     if not launched():
         return dist.HashStore(), 0, 1
     check_launcher_variables()
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=dist_timeout(args)))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=dist_timeout(minutes)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size
 
 
-def watch_ranks(store: dist.Store | None, args: argparse.Namespace, device: torch.device | None = None) -> Heartbeat:
-    """The watch that names a rank that stops answering (src/heartbeat.py): use it as a context
-    manager inside the process group's life. `device`: on a GPU it tells the places the GPU has
-    reached. Without a store or a process group of 2+, it only keeps the place."""
+def watch_ranks(store: dist.Store | None, minutes: float, device: torch.device | None = None) -> Heartbeat:
+    """The watch that names a rank that stops answering (src/heartbeat.py) after --dist-timeout
+    `minutes`: use it as a context manager inside the process group's life. `device`: on a GPU it
+    tells the places the GPU has reached. Without a store or a process group of 2+, it only keeps
+    the place."""
     if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return Heartbeat()
-    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), dist_timeout(args).total_seconds(), device)
+    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), dist_timeout(minutes).total_seconds(), device)
 
 
 def joined_store() -> dist.Store | None:
@@ -94,19 +97,19 @@ def joined_store() -> dist.Store | None:
     return dist.PrefixStore(f"attempt{attempt}", dist.distributed_c10d._get_default_store())
 
 
-def join_process_group(args: argparse.Namespace) -> tuple[int, int, torch.device, Heartbeat]:
+def join_process_group(minutes: float, amp: str = "no") -> tuple[int, int, torch.device, Heartbeat]:
     """For a command whose one process needs no collective (predict): without a launcher (or in a
-    world of one) join nothing; else join the launcher's group. Returns (rank, world size, device,
-    its heartbeat, not started)."""
-    device = process_device(args)
+    world of one) join nothing; else join the launcher's group, waiting --dist-timeout `minutes`.
+    Returns (rank, world size, device, its heartbeat, not started)."""
+    device = process_device(False, amp)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, device, Heartbeat()
-    store, rank, world_size = torchrun_store(args)
+    store, rank, world_size = torchrun_store(minutes)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
-                            timeout=dist_timeout(args))
-    return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(args).total_seconds(), device)
+                            timeout=dist_timeout(minutes))
+    return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(minutes).total_seconds(), device)
 
 
 # The flags each node may give its own value, left out of check_same_flags: places on the node's
@@ -119,38 +122,48 @@ PER_NODE = ("data_dir", "cache", "checkpoint", "plot", "log_dir", "tracking_uri"
             "command", "local_rank")
 
 
-def check_same_flags(args, per_node: tuple[str, ...] = PER_NODE, files: tuple[str, ...] = ("weights",),
-                     differ: str = "paths and --workers") -> None:
+def check_same_flags(args: Config) -> None:
     """Refuse, in one line naming each flag and which ranks gave which value, ranks launched with
     different flags (two nodes started by hand, one with --lr 0.01 and one with --lr 0.5): they
     would train silently with rank 0's record of its own, or fail in a collective (another
-    --batch-size); predict's rank 1 with --tta wrote half the CSV with it. Every rank of every
-    command that runs on several calls it once, after the process group exists and before any
-    work; without one (or in a world of one) it does nothing. `per_node`: the flags each node
-    may give its own value (`differ` names them for the user); `files`: the flags naming a file
-    that every rank reads, compared by content (compared_flags)."""
+    --batch-size). Every rank calls it once, after the process group exists; without one (or in
+    a world of one) it does nothing."""
+    check_same_values(compared_flags(args), "paths and --workers")
+
+
+def check_same_values(mine: dict[str, Any], differ: str) -> None:
+    """check_same_flags of any command that runs on several ranks (predict under torchrun: its
+    rank 1 with --tta wrote half the CSV with it): `mine`, this rank's flags as compared (the
+    flags each node may give its own value left out, files by_content), against every rank's,
+    before any work; `differ` names what may differ, for the user."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    said = flags_that_differ(gather(compared_flags(args, per_node, files)))
+    said = flags_that_differ(gather(mine))
     if said:
         raise UserError(f"the ranks were launched with different flags ({said}): launch every process with the "
                         f"same flags ({differ} may differ per node)", quiet=not is_first())
 
 
-def compared_flags(args, per_node: tuple[str, ...] = PER_NODE, files: tuple[str, ...] = ("weights",)) -> dict:
-    """This rank's flags as check_same_flags compares them: `per_node` left out, the script by its
-    file name, each flag of `files` by the content of its file (its path is the
-    node's: two machines may mount one file at two places)."""
-    mine = {key: value for key, value in vars(args).items() if key not in per_node}
-    if "mode" in mine and getattr(args, "command", None):
+def compared_flags(args: Config) -> dict[str, Any]:
+    """This rank's flags as check_same_flags compares them: PER_NODE left out, the script by its
+    file name, a --weights file by its content (its path is the node's)."""
+    mine = {key: value for key, value in args.as_dict().items() if key not in PER_NODE}
+    if args.command:
         mine["mode"] = args.command[0]
+    return by_content(mine, ("weights",))
+
+
+def by_content(flags: dict[str, Any], files: tuple[str, ...]) -> dict[str, Any]:
+    """`flags` with each of `files` that names a file given by its content (a digest): its path is
+    the node's, two machines may mount one file at two places."""
+    flags = dict(flags)
     for key in files:
-        if mine.get(key) not in (None, "default", "none"):
+        if flags.get(key) not in (None, "default", "none"):
             try:
-                mine[key] = f"a file of sha256 {sha256_of(mine[key])[:16]}"
+                flags[key] = f"a file of sha256 {sha256_of(flags[key])[:16]}"
             except OSError as error:  # the load says it; here it only has to differ from a file that is read
-                mine[key] = f"a file that cannot be read ({error.strerror})"
-    return mine
+                flags[key] = f"a file that cannot be read ({error.strerror})"
+    return flags
 
 
 def flags_that_differ(everyone: list[dict]) -> str:
@@ -195,7 +208,7 @@ def _by_value(everyone: list[dict], key: str) -> list[tuple]:
 def _ranks(ranks: list[int]) -> str:
     """"rank 1", "ranks 0-3, 6" """
     spans, start = [], ranks[0]
-    for before, rank in zip(ranks, ranks[1:] + [None]):
+    for before, rank in zip(ranks, [*ranks[1:], -1]):  # -1: past the last (a rank is never before + 1 = -1)
         if rank != before + 1:
             spans.append(f"{start}-{before}" if before > start else f"{start}")
             start = rank

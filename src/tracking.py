@@ -45,9 +45,9 @@ saved MLflow id reaches it as `run_id` (mlflow.start_run(run_id=...) sets it RUN
 artifact folder as `logging_dir` (a new experiment's artifact_location); the W&B id as `id` with
 `resume="allow"`, the folder as `dir`, the mode as `mode`.
 """
-import argparse
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -59,10 +59,12 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any
 
+from src.config import Config
 from src.errors import EXIT_STOPPED, UserError, one_line
 
 BACKENDS = ("mlflow", "wandb")
@@ -96,9 +98,9 @@ LIBRARY_LOGGERS = ("mlflow", "alembic", "sqlalchemy", "urllib3")
 END_SECONDS = 5
 
 
-def requested(args) -> list[str]:
+def requested(args: Config) -> list[str]:
     """The backends that --track names, each once, in the order given."""
-    return list(dict.fromkeys(getattr(args, "track", None) or []))
+    return list(dict.fromkeys(args.track or []))
 
 
 def default_uri(folder: Path) -> str:
@@ -136,8 +138,9 @@ def reason(error: BaseException) -> str:
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:  # the chain, innermost last
         seen.add(id(cause))
-        if getattr(cause, "orig", None) is not None:  # sqlalchemy.exc.DBAPIError: the driver's error
-            return one_line(cause.orig)
+        orig = getattr(cause, "orig", None)
+        if orig is not None:  # sqlalchemy.exc.DBAPIError: the driver's error
+            return one_line(orig)
         if hasattr(cause, "supported_uri_schemes"):  # MLflow's UnsupportedModelRegistryStoreURIException
             schemes = [scheme for scheme in cause.supported_uri_schemes if scheme not in ("", "file")]
             return f"no MLflow store takes its scheme; MLflow takes {', '.join(schemes)}"
@@ -203,10 +206,10 @@ def _loud_again(levels: dict[str, int]) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def mlflow_uri(args, folder: Path) -> tuple[str, str]:
+def mlflow_uri(args: Config, folder: Path) -> tuple[str, str]:
     """(the MLflow store's URI, what gave it: "--tracking-uri", "MLFLOW_TRACKING_URI" or
     "--checkpoint" for the SQLite store beside it in `folder`)."""
-    uri = getattr(args, "tracking_uri", None)
+    uri = args.tracking_uri
     if uri:
         return uri, "--tracking-uri"
     if os.environ.get("MLFLOW_TRACKING_URI"):
@@ -256,7 +259,7 @@ def _store_file_problem(database: Path) -> str | None:
     return None
 
 
-def store_outputs(args) -> list[tuple[str, Path]]:
+def store_outputs(args: Config) -> list[tuple[str, Path]]:
     """What --track mlflow writes on this machine, named as its source names it: the database file
     of a sqlite:/// store and its artifacts folder (mlartifacts/ beside it); for src.outputs, which
     keeps every output of a run out of the data folder."""
@@ -287,7 +290,10 @@ class _MLflow:
         gave the URI: --tracking-uri, MLFLOW_TRACKING_URI or --checkpoint) if that fails."""
         from mlflow import MlflowClient
         self.uri, self.source = uri, source
-        self.run_id, self.epochs, self.last_step, self.accelerated, self.started = None, set(), 0, None, False
+        self.run_id = ""  # start() sets it
+        self.epochs: set[int] = set()
+        self.last_step, self.started = 0, False
+        self.accelerated: Any = None  # accelerate's MLflowTracker (unannotated), under accelerate
         self.sender: _Sender | None = None
         problem = uri_problem(uri)
         if problem is not None:
@@ -322,7 +328,7 @@ class _MLflow:
             kwargs["logging_dir"] = self.artifacts
         return kwargs
 
-    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
+    def start(self, saved_id: str | None, context: dict, history: Sequence[dict], accelerator: Any) -> str:
         from mlflow.entities import Param
         if accelerator is not None:  # MLflowTracker.start() created or resumed the run
             self.accelerated = accelerator.get_tracker("mlflow")
@@ -377,6 +383,8 @@ class _MLflow:
         MLflowTracker.log calls mlflow.log_metrics, whose active run is the calling thread's."""
         from mlflow.entities import Metric
         now = int(time.time() * 1000)
+        if self.sender is None:
+            raise RuntimeError("MLflow's log() before its start()")
         self.sender.metrics([Metric(key, value, now, step) for key, value in values.items()])
 
     def _send(self, metrics: list) -> None:
@@ -397,7 +405,8 @@ class _MLflow:
                     if active is not None and active.info.run_id == self.run_id:
                         mlflow.end_run(status)  # accelerate's end_training() then finds no run to end
                 finally:
-                    mlflow.set_tracking_uri(self.previous_uri)  # set by init_kwargs: no later run inherits it
+                    # set by init_kwargs: no later run inherits it (None, the environment's unset, unsets it)
+                    mlflow.set_tracking_uri(self.previous_uri)  # type: ignore[arg-type]  # annotated str | Path
                     self.accelerated = None
             self.client.set_terminated(self.run_id, status)
 
@@ -442,8 +451,12 @@ class _WandB:
         import wandb
         self.wandb, self.folder = wandb, Path(folder)
         self.mode = os.environ.get("WANDB_MODE") or "offline"
-        self.run, self.run_id, self.epochs, self.last_step = None, None, set(), 0
-        self.accelerated, self.started = None, False
+        self.run: Any = None  # start()'s: wandb.init's Run, or accelerate's tracker of it (unannotated)
+        self.run_id = ""  # init_kwargs() sets it
+        self.epochs: set[int] = set()
+        self.last_step = 0
+        self.accelerated: Any = None
+        self.started = False
         if self.mode not in ("offline", "dryrun", "disabled"):
             try:
                 logged_in = wandb.login(prompt=False, verify=False)
@@ -462,7 +475,7 @@ class _WandB:
                 "name": run_name(context), "config": parameters(context) if saved_id is None else None,
                 "settings": self.wandb.Settings(silent=True, console="off")}
 
-    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
+    def start(self, saved_id: str | None, context: dict, history: Sequence[dict], accelerator: Any) -> str:
         if accelerator is not None:
             self.run = accelerator.get_tracker("wandb", unwrap=True)
             self.accelerated = accelerator.get_tracker("wandb")
@@ -555,7 +568,7 @@ def wandb_records(path: Path):
         pieces += data[position + 7:position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or a record's last piece
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # protobuf makes its classes at import
             record.ParseFromString(pieces)
             pieces = b""
             yield record
@@ -596,7 +609,8 @@ class _Sender:
         self.send = send
         self.jobs: collections.deque = collections.deque()
         self.condition = threading.Condition()
-        self.busy, self.error = False, None
+        self.busy = False
+        self.error: BaseException | None = None
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def metrics(self, items: list) -> None:
@@ -658,12 +672,15 @@ class Tracker:
     From its making to finish() MLflow's request settings (RUN_REQUEST) are in the environment,
     and the libraries' loggers are silent (LIBRARY_LOGGERS)."""
 
-    def __init__(self, args, folder: Path | None = None):
+    def __init__(self, args: Config, folder: Path | None = None):
         """Checks each store now, before any work: a UserError (one line, exit 2) if one cannot be
         used. `folder`: where the default stores go (by default --checkpoint's folder)."""
         self.folder = Path(folder if folder is not None else Path(args.checkpoint).parent)
-        self.backends, self.ids, self.failed = {}, {}, set()
-        self.environment, self.levels = {}, {}
+        self.backends: dict[str, _MLflow | _WandB] = {}
+        self.ids: dict[str, str] = {}
+        self.failed: set[str] = set()
+        self.environment: dict[str, str | None] = {}
+        self.levels: dict[str, int] = {}
         names = requested(args)
         if "mlflow" in names:
             import mlflow  # noqa: F401  # its import sets its loggers' levels: quieted after it
@@ -694,7 +711,7 @@ class Tracker:
         saved = saved_ids or {}
         return {name: backend.init_kwargs(saved.get(name), context) for name, backend in self.backends.items()}
 
-    def start(self, saved_ids: dict | None, context: dict, history: list[dict] = (), accelerator=None) -> dict:
+    def start(self, saved_ids: dict | None, context: dict, history: Sequence[dict] = (), accelerator: Any = None) -> dict:
         """Starts each run, or continues the saved one (`saved_ids`: last.pth's, None for a new
         run), and logs the epochs of `history` (the resumed records) that it lacks. `context`:
         src.checkpoint.run_context(args) (or run_info, which holds it): a new run logs its flags,
@@ -735,7 +752,7 @@ class Tracker:
             if self._guarded(backend, lambda: backend.log(named, step, "optimizer_step")):
                 backend.last_step = step
 
-    def finish(self, status: str, artifacts: list[Path] = ()) -> None:
+    def finish(self, status: str, artifacts: Sequence[Path] = ()) -> None:
         """Ends each run with `status` ("FINISHED", "KILLED": stopped on a signal, "FAILED": an
         error), after logging the files of `artifacts` that exist (best.pth, best.json, the curves).
         Call it before accelerate's end_training(), which would end the runs as finished."""
@@ -808,7 +825,7 @@ class Tracker:
 
 
 @contextlib.contextmanager
-def rank_0_tracker(args) -> Iterator[Tracker]:
+def rank_0_tracker(args: Config) -> Iterator[Tracker]:
     """with rank_0_tracker(args) as tracker: the run's Tracker on rank 0 / the main process, its
     stores checked now (a UserError on every rank: rank 0's), one that tracks nothing elsewhere.
     When the block ends the tracked runs end with it: FINISHED with best.pth, best.json and the
@@ -819,7 +836,7 @@ def rank_0_tracker(args) -> Iterator[Tracker]:
     from src.ranks import from_rank_0  # here: it loads torch.distributed
     made = []
     from_rank_0(lambda: made.append(Tracker(args)))  # nothing is sent: every rank learns of an error
-    tracker = made[0] if made else Tracker(argparse.Namespace(checkpoint=args.checkpoint))  # no --track
+    tracker = made[0] if made else Tracker(dataclasses.replace(args, track=None))  # no --track
     try:
         yield tracker
     except (Stopped, KeyboardInterrupt):

@@ -30,8 +30,8 @@ def normalize(images: torch.Tensor, channels_last: bool = False, mean: tuple = I
     """uint8 batch (already on the device) -> float batch normalised per channel."""
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    mean, std = _statistics(images.device, tuple(mean), tuple(std))
-    return (images.float() / 255 - mean) / std
+    mean_t, std_t = _statistics(images.device, tuple(mean), tuple(std))
+    return (images.float() / 255 - mean_t) / std_t
 
 
 def model_inputs(batch: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
@@ -41,6 +41,6 @@ def model_inputs(batch: torch.Tensor, device: torch.device, channels_last: bool 
     return normalize(batch, channels_last) if batch.dtype == torch.uint8 else batch
 
 
-def memory_format(args) -> torch.memory_format:
-    """What --channels-last asks for the model's weights."""
-    return torch.channels_last if args.channels_last else torch.preserve_format
+def memory_format(channels_last: bool) -> torch.memory_format:
+    """What --channels-last (`channels_last`) asks for the model's weights."""
+    return torch.channels_last if channels_last else torch.preserve_format

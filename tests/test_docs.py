@@ -11,14 +11,16 @@ from src.cli import parse_args
 from src.outputs import output_paths
 
 # Flags whose value is a path a command writes (a file, or a folder it fills).
-OUTPUT_FLAGS = ("--cache", "--checkpoint", "--plot", "--log-dir", "--out-dir", "--output", "-d", "-p")
+OUTPUT_FLAGS = ("--cache", "--checkpoint", "--plot", "--log-dir", "--out-dir", "--output", "--storage-path", "-d", "-p")
 # What the tools write without flags: predict's --output, the benchmark's and the recipe
 # comparison's --out-dir, make test-gpu's report, the synthetic set of make demo.
 TOOL_DEFAULTS = ["submission.csv", "predictions.csv", "model/best.onnx", "benchmark/", "compare/", "gpu-selftest/", "data/synthetic/"]
 
 
 def _written(words: list[str]) -> list[str]:
-    paths = [value for flag, value in zip(words, words[1:]) if flag in OUTPUT_FLAGS]
+    """The paths a command writes inside the clone (an absolute one, a cluster's volume in
+    docs/multi-node.md, is outside it: git never shows it)."""
+    paths = [value for flag, value in zip(words, words[1:]) if flag in OUTPUT_FLAGS and not value.startswith("/")]
     if words[:3] == ["python", "-m", "src.tools.synthetic"]:
         paths.append(words[3] + "/")  # its folder argument
     return paths
@@ -50,3 +52,24 @@ def test_every_code_block_says_how_it_is_checked():
     kinds = {command.kind for command in found}
     assert {"run", "small", "long", "skip"} <= kinds, kinds
     assert all(command.reason for command in found if command.kind == "skip")
+
+
+def test_predicts_sample_output_is_what_the_command_above_it_prints():
+    """docs/inference.md showed a sample of photos/holiday/... under `predict data/test`, which
+    cannot print it: the sample's rows are of the folder the command predicts, as many as the
+    synthetic set's command above writes into it, in predict's natural order."""
+    lines = (ROOT / "docs" / "inference.md").read_text().splitlines()
+    command = lines.index("    python -m src.tools.predict data/test")
+    assert lines[command - 2] == "<!-- commands: run -->" and lines[command + 2] == "<!-- commands: text -->"
+    sample = []
+    for line in lines[command + 4:]:
+        if not line.startswith("    "):
+            break
+        sample.append(line[4:])
+    synthetic = next(line.split() for line in lines if line.startswith("    python -m src.tools.synthetic data "))
+    images = int(synthetic[synthetic.index("--test") + 1])
+    rows = [line.split()[0] for line in sample[1:] if not line.startswith(("...", "predicted"))]
+    assert sample[0].split() == ["path", "p(dog)", "label"]
+    assert rows == [f"data/test/{i}.jpg" for i in range(1, len(rows) + 1)] and len(rows) == 10
+    assert sample[-2] == f"... {images - len(rows)} more rows"
+    assert sample[-1].startswith(f"predicted {images} images (")

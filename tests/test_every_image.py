@@ -70,8 +70,8 @@ def test_files_no_label_rule_covers_are_named_and_a_labelled_tiff_is_used(tiny_d
     (train / "notes.txt").write_text("not an image\n")
     with Image.open(train / "cat.2.jpg") as image:
         image.save(train / "cat.50.tif")
-    line = (f"not used: 4 file(s) in {train} that no label rule covers (cat.N / dog.N images, or images in a "
-            "cat(s)/ or dog(s)/ folder; .bmp, .gif, .jpeg, .jpg, .png, .tif, .tiff, .webp): cat.jpg, "
+    line = (f"not used: 4 file(s) in {train} that no label rule covers (cat.N / dog.N images, or images at any "
+            "depth under a cat(s)/ or dog(s)/ folder; .bmp, .gif, .jpeg, .jpg, .png, .tif, .tiff, .webp): cat.jpg, "
             "extra/cat.5.jpg, horse.1.jpg and 1 more")
     table = load_labels(data)
     assert line in capsys.readouterr().out.splitlines()

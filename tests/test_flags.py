@@ -1,158 +1,87 @@
-"""Every command's flags, read as a careless user or an attacker gives them: each number bounded
-when parsed (one line naming the flag, exit 2, before any work), and a flag that cannot act
-refused, also when it is given at its default value."""
-import argparse
+"""docs/flags.md, the flag reference, against the `--help` of every training script: each flag a
+script's --help lists is in the table, with that script among those the table says take it and
+the default --help shows; no flag the table lists is missing from a script it names. README's
+"the same for every script" was not true (--dist-timeout is not in train_single.py nor
+train_dp.py, --amp not in train_accelerate.py); nothing said so."""
+import importlib
+import re
 
 import pytest
-from conftest import fails_in_process
+from conftest import ROOT, in_process
 
-import train_accelerate
-import train_ddp
-import train_dp
-import train_fsdp
-import train_single
-from src.cli import OneLineParser, parse_args
-from src.tools import benchmark, chaos, checkpoint_cost, compare_recipes, export, predict, prepare, report, synthetic
-
-COMMANDS = [train_single, train_dp, train_ddp, train_fsdp, train_accelerate, synthetic, chaos, benchmark,
-            compare_recipes, report, export, checkpoint_cost, predict, prepare]
+SCRIPTS = sorted(path.name for path in ROOT.glob("train_*.py"))
+PAGE = ROOT / "docs" / "flags.md"
+# argparse's help line of an option (two spaces in), and the default ArgumentDefaultsHelpFormatter appends
+# (the last one: a help text may say a default of its own words before it).
+OPTION = re.compile(r"^  (-\w, )?(--[a-z][a-z-]*)")
+DEFAULT = re.compile(r".*\(default: (.*)\)$")
 
 
-class _Parsed(Exception):
-    pass
+def help_flags(script: str, monkeypatch, capsys) -> dict[str, str]:
+    """Each option of the script's --help (-h aside) and the default it shows."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    code, out, err = in_process(module.main, ["--help"], monkeypatch, capsys)
+    assert code == 0, err
+    flags, current, text = {}, None, []
+
+    def close():
+        if current:
+            found = DEFAULT.search(" ".join(text))
+            flags[current] = found.group(1) if found else ""
+
+    for line in out.splitlines():
+        match = OPTION.match(line)
+        if match or not line.startswith("  "):
+            close()
+            current, text = (match.group(2), [line]) if match else (None, [])
+        elif current:
+            text.append(line.strip())
+    close()
+    flags.pop("--help")
+    return flags
 
 
-def parser_of(command) -> OneLineParser:
-    """The parser that command.main() builds (caught at its first parse: nothing runs)."""
-    made = []
-
-    def caught(self, *args, **kwargs):
-        made.append(self)
-        raise _Parsed
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(OneLineParser, "parse_args", caught)
-        with pytest.raises(_Parsed):
-            command.main(["--help"])
-    return made[0]
-
-
-def numeric_flags(parser) -> list[tuple[str, object]]:
-    """(flag, its type) for each flag that takes a number: a type that is not str, Path or a choice."""
-    return [(action.option_strings[0], action.type) for action in parser._actions
-            if action.option_strings and action.type not in (None, str, argparse.FileType) and action.choices is None
-            and getattr(action.type, "__name__", "") in ("int", "float")]
+def table() -> dict[str, tuple[str, list[str]]]:
+    """docs/flags.md's rows: flag -> (its default cell, the scripts that take it)."""
+    rows = {}
+    for line in PAGE.read_text().splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) != 4 or not cells[0].startswith("`--"):
+            continue
+        flag = re.match(r"`(--[a-z][a-z-]*)", cells[0]).group(1)
+        assert flag not in rows, f"{flag} twice in {PAGE.name}"
+        scripts = SCRIPTS if cells[2] == "all" else re.findall(r"`(train_\w+\.py)`", cells[2])
+        assert scripts, f"{flag}: no script named in {cells[2]!r}"
+        rows[flag] = (cells[1], scripts)
+    return rows
 
 
-def refused(parser, flag: str, value: str, capsys) -> str:
-    with pytest.raises(SystemExit) as exit:
-        parser.parse_args([f"{flag}={value}"])  # =: a negative value is no flag
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1 and f"argument {flag}" in err, (flag, value, err)
-    return err
+def default_agrees(cell: str, shown: str) -> bool:
+    """The table's default cell against --help's: "off" for a switch or an unset option (False,
+    None), else its first `code` is what --help shows."""
+    if cell.startswith("off"):
+        return shown in ("False", "None")
+    first = re.search(r"`([^`]*)`", cell)
+    return first is not None and first.group(1) == shown
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda module: module.__name__)
-def test_every_number_a_flag_takes_is_bounded_when_parsed(command, capsys, monkeypatch):
-    """synthetic's --size 100000 asked numpy for 69.6 GB and died in its traceback; --seed -1 died
-    in numpy's seeding; --dist-timeout 1e300 overflowed timedelta. Every flag of every command that
-    takes a number has bounds, and a value past either is one line naming the flag."""
-    monkeypatch.setenv("RANK", "0")  # the launched commands' rank 0 says it
-    parser = parser_of(command)
-    flags = numeric_flags(parser)
-    assert flags or command in (export,), command
-    for flag, kind in flags:
-        low, high = kind.bounds
-        whole = kind.__name__ == "int"
-        below = str(low - 1) if whole else f"{low - 1:g}"
-        refused(parser, flag, below, capsys)
-        if isinstance(high, str):  # a count of this machine's CPUs: checked against them
-            if "cap_workers" in high:  # --workers: capped to them, in one line (test_inputs.py)
-                continue
-            refused(parser, flag, "1000000", capsys)
-        elif high != float("inf"):
-            refused(parser, flag, str(high + 1) if whole else f"{high * 2 + 1:g}", capsys)
-        if not whole:
-            for value in ("nan", "inf"):
-                refused(parser, flag, value, capsys)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_flag_page_lists_each_scripts_flags_and_defaults(script, monkeypatch, capsys):
+    shown = help_flags(script, monkeypatch, capsys)
+    assert len(shown) > 40 and "--data-dir" in shown
+    rows = table()
+    missing = sorted(flag for flag in shown if flag not in rows or script not in rows[flag][1])
+    assert not missing, f"{script} takes {missing}; docs/flags.md does not say so"
+    extra = sorted(flag for flag, (_, scripts) in rows.items() if script in scripts and flag not in shown)
+    assert not extra, f"docs/flags.md says {script} takes {extra}; its --help does not list them"
+    wrong = {flag: (rows[flag][0], default) for flag, default in shown.items() if not default_agrees(rows[flag][0], default)}
+    assert not wrong, f"docs/flags.md's defaults differ from {script} --help's: {wrong}"
 
 
-@pytest.mark.parametrize("command, flag, value, says", [
-    (synthetic, "--size", "100000", "must be at most 2048"),
-    (synthetic, "--seed", "-1", "must be at least 0"),
-    (train_ddp, "--dist-timeout", "1e300", "must be in (0, 1e+06]"),
-    (predict, "--dist-timeout", "1e300", "must be in (0, 1e+06]"),
-    (train_single, "--seed", "-5", "must be at least 0"),
-    (train_single, "--batch-size", "1000000000000", "must be at most 65536"),
-    (prepare, "--image-size", "100000", "must be at most 2048"),
-])
-def test_a_number_past_its_bound_is_one_line_before_any_work(command, flag, value, says, tmp_path, monkeypatch,
-                                                             capsys):
-    """The cases that died deep inside (a traceback, a 70 GB allocation) or wrote before refusing
-    (prepare wrote train.csv, then said the cache has no room): refused as parsed, nothing written."""
-    monkeypatch.chdir(tmp_path)
-    positional = {synthetic: [str(tmp_path / "set")], prepare: [str(tmp_path)]}.get(command, [])
-    fails_in_process(command.main, [*positional, flag, value], monkeypatch, capsys, f"argument {flag}: {says}")
-    assert list(tmp_path.iterdir()) == []
-
-
-TUNES = [(["--ra-magnitude", "9"], "--ra-magnitude: it tunes --auto-augment ra alone"),
-         (["--auto-augment", "ta_wide", "--ra-magnitude", "12"], "--ra-magnitude: it tunes --auto-augment ra alone"),
-         (["--augmix-severity", "3"], "--augmix-severity: it tunes --auto-augment augmix alone"),
-         (["--auto-augment", "ra", "--augmix-severity", "5"], "--augmix-severity: it tunes --auto-augment augmix"),
-         (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum: it is SGD's"),
-         (["--sync-bn"], "--sync-bn: one process normalises its whole micro-batch already"),
-         (["--evaluate", "--save-every-steps", "5"], "--evaluate trains nothing and writes nothing: drop --save-every-steps")]
-
-
-@pytest.mark.parametrize("argv, says", TUNES)
-def test_a_flag_that_cannot_act_is_refused_even_at_its_default(argv, says, capsys):
-    """--ra-magnitude without --auto-augment ra did nothing while best.json recorded it (the
-    --dropout rule: refuse a flag that cannot act). Its default (9) is refused too when given;
-    left out, the default is recorded as before; with the policy it tunes, it is taken."""
-    with pytest.raises(SystemExit) as exit:
-        parse_args("", argv, script="train_single.py")
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1 and says in err, err
-    defaults = parse_args("", [])
-    assert (defaults.ra_magnitude, defaults.augmix_severity, defaults.momentum) == (9, 3, 0.9)
-    assert parse_args("", ["--auto-augment", "ra", "--ra-magnitude", "9"]).ra_magnitude == 9
-    assert parse_args("", ["--auto-augment", "augmix", "--augmix-severity", "5"]).augmix_severity == 5
-    assert parse_args("", ["--optimizer", "adamw"]).optimizer == "adamw"
-
-
-def test_sync_bn_of_a_model_without_batch_norm_is_refused(capsys, monkeypatch):
-    """vgg16 (the default --arch) has no batch norm layer: --sync-bn under a launcher synchronised
-    nothing while best.json recorded it. resnet18 has some: taken. The benchmark leaves its
-    ddp-sync-bn run out of the default runs of such a model, and refuses it when named."""
-    monkeypatch.setenv("RANK", "0")
-    with pytest.raises(SystemExit):
-        parse_args("", ["--sync-bn"], script="train_ddp.py", distributed=True)
-    assert "--arch vgg16 has no batch norm layer for it to synchronise" in capsys.readouterr().err
-    assert parse_args("", ["--sync-bn", "--arch", "resnet18", "--weights", "none"], script="train_ddp.py",
-                      distributed=True).sync_bn
-    assert "ddp-sync-bn" not in benchmark.parse_args([]).modes.split(",")
-    assert "ddp-sync-bn" in benchmark.parse_args(["--arch", "resnet18"]).modes.split(",")
-    with pytest.raises(SystemExit):
-        benchmark.parse_args(["--modes", "ddp,ddp-sync-bn"])
-    assert "ddp-sync-bn: --arch vgg16 has no batch norm layer to synchronise" in capsys.readouterr().err
-
-
-def test_tools_refuse_a_flag_that_cannot_act(tmp_path, monkeypatch, capsys):
-    """predict reads --data-dir's test/ only without PATH, and --overwrite replaces no file on
-    standard output; prepare's --image-size is the size of the --cache it builds; the benchmark's
-    and the recipe comparison's --images, of the synthetic set they write without --data-dir;
-    chaos's --far and --alone are runs of --change-world."""
-    cases = [(predict, [str(tmp_path), "--data-dir", str(tmp_path)],
-              "argument --data-dir: it names the folder of Kaggle's test/, which predict reads without PATH"),
-             (predict, [str(tmp_path), "--output", "-", "--overwrite"],
-              "argument --overwrite: --output - writes to standard output, which replaces no file"),
-             (prepare, [str(tmp_path), "--image-size", "64"], "argument --image-size: it is the image size of the --cache"),
-             (benchmark, ["--data-dir", str(tmp_path), "--images", "100"],
-              "argument --images: it is the size of the synthetic set written without --data-dir"),
-             (compare_recipes, ["--data-dir", str(tmp_path), "--images", "100"],
-              "argument --images: it is the size of the synthetic set written without --data-dir"),
-             (chaos, ["--far", str(tmp_path)], "argument --far: it is a run of --change-world: add it, or drop it")]
-    for command, argv, said in cases:
-        fails_in_process(command.main, argv, monkeypatch, capsys, said)
-    assert list(tmp_path.iterdir()) == []
+def test_the_scripts_differ_where_the_page_says():
+    """The two flags that not every script takes, as README says in one line."""
+    rows = table()
+    assert sorted(rows["--amp"][1]) == [s for s in SCRIPTS if s != "train_accelerate.py"]
+    assert "train_single.py" not in rows["--dist-timeout"][1] and "train_ddp.py" in rows["--dist-timeout"][1]
+    readme = (ROOT / "README.md").read_text()
+    assert "the same for every script" not in readme and "(docs/flags.md)" in readme

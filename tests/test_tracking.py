@@ -224,6 +224,8 @@ def test_tracking_flags_refused_when_parsed(flags, message, capsys):
 
 
 def test_a_tracker_not_installed_is_refused_when_parsed(monkeypatch, capsys):
+    """One line naming the file that installs the trackers: requirements.txt, which the line named,
+    is the training-only install and holds neither (requirements-track.txt does, and only that)."""
     import importlib.util
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else find_spec(name, *rest))
@@ -232,7 +234,9 @@ def test_a_tracker_not_installed_is_refused_when_parsed(monkeypatch, capsys):
         parse_args("", ["--track", "mlflow", "--track", "wandb"])
     err = capsys.readouterr().err
     assert ended.value.code == 2 and "argument --track: wandb is not installed in this environment: " \
-        "pip install -r requirements.txt" in err, err
+        "pip install -r requirements-track.txt" in err, err
+    pins = {line.split("==")[0] for line in (ROOT / "requirements-track.txt").read_text().splitlines() if "==" in line}
+    assert pins == {"mlflow", "wandb"}
 
 
 def _refused(uri: str, capsys) -> str:

@@ -19,7 +19,7 @@ starting with ', is written with a ' in front; drop one leading ' to read it bac
 only, and never a training run's files nor a file in the folder of a training run in progress
 (src.outputs.check_tool_output).
 """
-import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from src.cli import AMP_DTYPES, BATCH_SIZES, OneLineParser, add_dist_timeout, between, cap_workers, workers_count
+from src.cli import AMP_DTYPES, BATCH_SIZES, DefaultsHelp, OneLineParser, add_dist_timeout, between, cap_workers, workers_count
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, some, try_decode
 from src.outputs import atomic_write_text, check_room, check_tool_output, starts_with
@@ -44,8 +44,26 @@ INTERRUPTED = "interrupted: no CSV written (an earlier --output file is as it wa
 SHOWN = 10  # rows of the table printed
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """predict's flags, as parse_args returns them (--output's default filled in)."""
+
+    paths: list[Path]
+    data_dir: Path
+    checkpoint: Path | None
+    onnx: Path | None
+    output: Path
+    batch_size: int
+    workers: int | None  # capped to the CPUs; None: the default
+    overwrite: bool
+    tta: bool
+    amp: str
+    channels_last: bool
+    dist_timeout: float
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     parser.ranks = True  # it runs under torchrun too: rank 0 says a bad flag
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="image files and folders (default: Kaggle's DATA_DIR/test, written as submission.csv)")
@@ -57,7 +75,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--output", type=Path, default=None,
                         help="the CSV (default: predictions.csv, without PATH submission.csv); - for "
                              "standard output")
-    parser.add_argument("--batch-size", type=between(*BATCH_SIZES), default=100)
+    parser.add_argument("--batch-size", type=between(*BATCH_SIZES), default=100,
+                        help="images per forward pass (each process's under torchrun; --tta adds one of their mirror images)")
     parser.add_argument("--workers", type=workers_count, default=None,
                         help="image decoding processes (--onnx: threads); default: this machine's CPUs "
                              "over its processes")
@@ -83,29 +102,30 @@ def parse_args(argv: list[str] | None = None):
         args.output = Path("predictions.csv" if args.paths else "submission.csv")
     if args.workers is not None:
         args.workers = cap_workers(args.workers, len(os.sched_getaffinity(0)))
-    return args
+    return Options(**vars(args))
 
 
 # What only rank 0 uses (it writes the CSV), and the node's CPUs: the flags that may differ between
-# the ranks under a launcher (src.process_group.check_same_flags compares the others).
+# the ranks under a launcher (src.process_group.check_same_values compares the others).
 PER_NODE = ("output", "overwrite", "workers")
 
 
-def checkpoint_of(args) -> Path:
+def checkpoint_of(args: Options) -> Path:
     """The checkpoint predict loads (with torch): --checkpoint, by default model/best.pth."""
     return args.checkpoint or Path("model/best.pth")
 
 
-def check_ranks_agree(args) -> None:
+def check_ranks_agree(args: Options) -> None:
     """Under a launcher, before any work: every rank predicts with the same flags and the same
-    checkpoint (by content: each node reads its own copy), or none does (rank 1 with --tta wrote
-    half the CSV with it); PER_NODE may differ."""
-    from src.process_group import check_same_flags
-    check_same_flags(argparse.Namespace(**{**vars(args), "checkpoint": checkpoint_of(args)}), per_node=PER_NODE,
-                     files=("checkpoint",), differ="--output and --workers")
+    checkpoint (by content: each node may read its own copy), or none does (rank 1 with --tta
+    wrote half the CSV with it); PER_NODE may differ."""
+    from src.process_group import by_content, check_same_values
+    flags = {key: value for key, value in dataclasses.asdict(args).items() if key not in PER_NODE}
+    check_same_values(by_content({**flags, "checkpoint": checkpoint_of(args)}, ("checkpoint",)),
+                      "--output and --workers")
 
 
-def to_stdout(args) -> bool:
+def to_stdout(args: Options) -> bool:
     """--output -: the CSV goes to standard output, what predict says to standard error."""
     return str(args.output) == "-"
 
@@ -115,7 +135,7 @@ def is_predict_csv(path: Path) -> bool:
     return starts_with(path, tuple(header.encode() for header in HEADERS))
 
 
-def check_output(args, files: list[Path]) -> None:
+def check_output(args: Options, files: list[Path]) -> None:
     """Before any work: --output is a file predict may write (src.outputs.check_tool_output: a
     regular file or nothing yet, its names can be made, a CSV of predict's or --overwrite, not a
     training run's file nor in the folder of one in progress), is none of the files this command
@@ -165,7 +185,7 @@ def check_finite(result: Predictions) -> None:
                         "--lr, or predict without --amp fp16); nothing written")
 
 
-def write_output(args, text: str) -> None:
+def write_output(args: Options, text: str) -> None:
     """The CSV into --output (whole or not at all), or onto standard output for `-`."""
     if not to_stdout(args):
         atomic_write_text(args.output, text)
@@ -199,13 +219,15 @@ def report(result: Predictions, others: list[Path], output: Path) -> str:
     return "\n".join(lines)
 
 
-def predict_onnx(args, files: list[Path]) -> Predictions:
+def predict_onnx(args: Options, files: list[Path]) -> Predictions:
     """With onnxruntime: numpy, Pillow and onnxruntime, no torch. Decoding threads prepare the next
     batch while onnxruntime runs one."""
     from src.tools.onnx_model import open_session
-    best_json = (args.checkpoint or args.onnx).with_suffix(".json")
-    if args.checkpoint is None and not best_json.is_file():
-        best_json = None  # an ONNX file alone describes itself
+    if args.onnx is None:  # main calls it with --onnx alone
+        raise ValueError("predict_onnx runs the --onnx file")
+    described = (args.checkpoint or args.onnx).with_suffix(".json")
+    # an ONNX file alone describes itself
+    best_json = None if args.checkpoint is None and not described.is_file() else described
     session, meta = open_session(args.onnx, best_json)
     size, classes = int(meta["image_size"]), json.loads(meta["classes"])
     start = time.time()
@@ -232,7 +254,7 @@ def predict_onnx(args, files: list[Path]) -> Predictions:
     return Predictions(files, probabilities, broken, classes, time.time() - start)
 
 
-def listed(args) -> tuple[list[Path], list]:
+def listed(args: Options) -> tuple[list[Path], list]:
     """The files to predict and what else is there (names, for the line that says so): the images
     under PATH..., or Kaggle's test/N.jpg without PATH."""
     if args.paths:
@@ -241,7 +263,7 @@ def listed(args) -> tuple[list[Path], list]:
     return kaggle_test_files(args.data_dir / "test")[1:]
 
 
-def predict_torch(args) -> tuple[Predictions, list] | None:
+def predict_torch(args: Options) -> tuple[Predictions, list] | None:
     """With the checkpoint and torch, the files shared out over the processes of a launcher: rank
     0 lists them and every rank takes its share of that list (ranks listing the folder each, a
     file that appeared between their listings shifted every later row to another name); rank 0
@@ -254,7 +276,7 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
     from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
 
-    rank, world_size, device, heartbeat = join_process_group(args)
+    rank, world_size, device, heartbeat = join_process_group(args.dist_timeout, args.amp)
     try:
         with heartbeat:  # under torchrun: names a rank that stops answering
             try:
@@ -264,11 +286,11 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
                 model, info = load_checkpoint(checkpoint_of(args))
             except UserError as error:  # every rank finds it: the first says it
                 raise UserError(str(error), quiet=error.quiet or not is_first()) from None
-            model.to(device, memory_format=memory_format(args))
+            model.to(device).to(memory_format=memory_format(args.channels_last))
             workers = default_workers() if args.workers is None else args.workers
             start = time.time()
             result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
-                                   amp_dtype(args), args.channels_last, rank, world_size)
+                                   amp_dtype(args.amp), args.channels_last, rank, world_size)
     finally:
         end_process_group()
     if result is None:

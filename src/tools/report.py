@@ -26,6 +26,7 @@ files nor a file in the folder of a run in progress (src.outputs.check_tool_outp
 """
 import base64
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -33,23 +34,23 @@ import os
 import shlex
 import sys
 import time
-from argparse import Namespace
 from datetime import datetime
 from itertools import combinations
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jinja2
 import matplotlib
 import torch
 from matplotlib.ticker import MaxNLocator
+from matplotlib.typing import RcKeyType
 from PIL import Image
 
 from src.checkpoint import RESUME_KEYS, flag_of, read_last
-from src.cli import BATCH_SIZES, OneLineParser, between, workers_count
-from src.datasets import CLASSES
+from src.cli import BATCH_SIZES, OneLineParser, between, defaults, workers_count
+from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
-from src.errors import UserError, exit_on_error
+from src.errors import UserError, exit_on_error, one_line
 from src.history import AVERAGE, best_record
 from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
@@ -74,7 +75,21 @@ GENERATOR = "src.tools.report"
 INTERRUPTED = "interrupted: no report written (an earlier --output file is as it was); run the command again"
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """report's flags, as parse_args returns them (--output's and --workers's defaults filled in)."""
+
+    runs: list[Path]
+    output: Path
+    overwrite: bool
+    predictions: Path | None
+    data_dir: Path | None
+    val_dir: Path | None
+    batch_size: int
+    workers: int
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding a run's best.pth")
@@ -85,6 +100,8 @@ def parse_args(argv: list[str] | None = None):
         help="predict's CSV (path,p_dog,label): a gallery of those images, the most uncertain first")
     add("--data-dir", type=Path, default=None,
         help="the data folder of the runs (default: the --data-dir each was trained with)")
+    add("--val-dir", type=Path, default=None,
+        help="the validation folder of runs trained with --val-dir (default: the one each was trained with)")
     add("--batch-size", type=between(*BATCH_SIZES), default=100, help="images per forward pass of the validation")
     add("--workers", type=workers_count, default=None,
         help="image decoding processes (default: this machine's CPUs)")
@@ -95,7 +112,7 @@ def parse_args(argv: list[str] | None = None):
         args.output = args.runs[0] / "report.html"
     if args.workers is None:
         args.workers = default_workers(1)
-    return args
+    return Options(**vars(args))
 
 
 class Run(NamedTuple):
@@ -105,7 +122,7 @@ class Run(NamedTuple):
     history: list[dict]  # history.json
 
 
-def read_run(folder: Path, number: int, data_dir: Path | None = None) -> Run:
+def read_run(folder: Path, number: int, data_dir: Path | None = None, val_dir: Path | None = None) -> Run:
     """A run folder's best.json (checked against its best.pth) and history.json, every field the
     page reads checked (check_run)."""
     if not folder.is_dir():
@@ -121,7 +138,7 @@ def read_run(folder: Path, number: int, data_dir: Path | None = None) -> Run:
     except (OSError, ValueError):
         raise UserError(f"{folder / 'history.json'} is missing or unreadable: the training scripts "
                         "write it beside best.pth") from None
-    check_run(folder, info, history, data_dir)
+    check_run(folder, info, history, data_dir, val_dir)
     return Run(folder, f"{number} {info.get('mode', 'run')}", info, history)
 
 
@@ -137,8 +154,10 @@ def _finite(value) -> bool:
 # field's test, what it must be, and whether it must be there (older runs lack the optional ones).
 INFO_FIELDS = {
     "seed": (lambda v: _whole(v, -2**63) and v < 2**64, "a whole number (the split is rebuilt from it)", True),
-    "val_fraction": (lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1) (the split is rebuilt from it)", True),
+    "val_fraction": (lambda v: v is None or (_finite(v) and 0 < v < 1),
+                     "a number in (0, 1) (the split is rebuilt from it), or null (--val-dir)", True),
     "data": (lambda v: isinstance(v, str), "the digest of the labelled images, a string", True),
+    "val_data": (lambda v: v is None or isinstance(v, str), "the digest of --val-dir's images, a string, or null", False),
     "batch_size": (lambda v: _whole(v, 1), "a whole number of at least 1", True),
     "best_by": (lambda v: v in ("val_acc", "val_log_loss"), "val_acc or val_log_loss", False),
     "mode": (lambda v: isinstance(v, str), "a string (the training script)", False),
@@ -146,7 +165,7 @@ INFO_FIELDS = {
 }
 
 
-def check_run(folder: Path, info: dict, history, data_dir: Path | None) -> None:
+def check_run(folder: Path, info: dict, history, data_dir: Path | None, val_dir: Path | None = None) -> None:
     """Refuse, in one line naming the file and the field, a best.json or history.json (hand-edited,
     or from an older version) with a field the page reads that is missing or of the wrong kind:
     each was a traceback somewhere in the page's making."""
@@ -166,6 +185,9 @@ def check_run(folder: Path, info: dict, history, data_dir: Path | None) -> None:
         if flags is None or not isinstance(flags.get("data_dir"), str):
             raise UserError(f"{best_json} does not say which data folder the run was trained on (its "
                             "flags' data_dir): pass --data-dir")
+    if info["val_fraction"] is None and val_dir is None and not isinstance((info.get("flags") or {}).get("val_dir"), str):
+        raise UserError(f"{best_json} says the run validated on a --val-dir but not which one (its flags' "
+                        "val_dir): pass --val-dir")
     if not isinstance(history, list) or not history:
         raise bad(history_json, "it must be a list of one record per epoch, and holds " + (
             "no epoch" if isinstance(history, list) else f"a {type(history).__name__}"))
@@ -216,22 +238,34 @@ def data_folder(run: Run, data_dir: Path | None) -> Path:
     return data_dir if data_dir is not None else Path(run.info["flags"]["data_dir"])
 
 
-def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: int, workers: int) -> Validation:
-    """best.pth's predictions on its run's validation split: the split rebuilt as training built it
-    (src.loaders.labelled_data), each image decoded as training decodes it (src.inference)."""
+def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: int, workers: int,
+             val_dir: Path | None = None) -> Validation:
+    """best.pth's predictions on its run's validation split: the split (or its --val-dir) rebuilt
+    as training built it (src.loaders.labelled_data), each image decoded as training decodes it
+    (src.inference)."""
     info, folder = run.info, data_folder(run, data_dir)
+    if info["val_fraction"] is None:  # check_run made sure the flags say it where --val-dir does not
+        val_dir = val_dir if val_dir is not None else Path(info["flags"]["val_dir"])
+    else:
+        val_dir = None
     start = time.perf_counter()
-    data = labelled_data(Namespace(data_dir=folder, image_size=info["image_size"], cache=None,
-                                   val_fraction=info["val_fraction"], seed=info["seed"], workers=workers))
-    if data.digest != info["data"]:
-        raise UserError(f"the labelled images of {folder} are not those {run.folder / 'best.pth'} was "
-                        f"trained on (best.json's digest of them differs): pass its {flag_of('data')}")
+    data = labelled_data(defaults(data_dir=str(folder), val_dir=None if val_dir is None else str(val_dir),
+                                  image_size=info["image_size"], cache=None, val_fraction=info["val_fraction"],
+                                  seed=info["seed"], workers=workers))
+    for key, digest, where in (("data", data.digest, folder), ("val_data", data.val_digest, val_dir)):
+        if digest != info.get(key):
+            raise UserError(f"the labelled images of {where} are not those {run.folder / 'best.pth'} was "
+                            f"trained on (best.json's digest of them differs): pass its {flag_of(key)}")
+    if not isinstance(data.dataset, DogCatDataset):  # without --cache: the images themselves
+        raise TypeError(f"validate: labelled_data without a cache gave a {type(data.dataset).__name__}")
     frame, train, split = data.dataset.frame, data.dataset.root_dir, data.val_idx
     names = [frame["filename"].iloc[i] for i in split]
     labels = torch.tensor([int(frame["label"].iloc[i]) for i in split])
     model, _ = load_checkpoint(run.folder / "best.pth")
-    probabilities, broken = predict_files(model.to(device), info, [train / name for name in names], device,
-                                          batch_size, workers)
+    found = predict_files(model.to(device), info, [train / name for name in names], device, batch_size, workers)
+    if found is None:  # None on the ranks but 0 of a launched job: the report runs alone
+        raise RuntimeError("validate: predict_files ran as a rank other than 0")
+    probabilities, broken = found
     if broken:
         first = min(broken)
         raise UserError(f"cannot read validation image {train / names[first]} ({broken[first]}; "
@@ -280,10 +314,10 @@ def thumbnail(path: Path) -> str | None:
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
-            image = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
-            image.thumbnail((THUMBNAIL, THUMBNAIL))
+            rgb = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
+            rgb.thumbnail((THUMBNAIL, THUMBNAIL))
             buffer = io.BytesIO()
-            image.save(buffer, "JPEG", quality=85)
+            rgb.save(buffer, "JPEG", quality=85)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return None
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -308,11 +342,11 @@ def read_predictions(path: Path) -> list[dict]:
         raise UserError(f"--predictions {path}: cannot read it ({error})") from None
     if not rows or rows[0] != ["path", "p_dog", "label"]:
         raise UserError(f"--predictions {path}: expected predict's CSV, with columns path,p_dog,label")
-    images = []
+    images: list[dict[str, Any]] = []
     for number, row in enumerate(rows[1:], start=2):
         try:
-            name, p_dog, label = row
-            p_dog = float(p_dog)
+            name, p_text, label = row
+            p_dog = float(p_text)
             if not 0 <= p_dog <= 1:
                 raise ValueError
         except ValueError:
@@ -379,13 +413,16 @@ def final_weights(run: Run) -> dict[str, torch.Tensor]:
     """
     last, best = run.folder / "last.pth", run.folder / "best.pth"
     try:
-        if whole_folder(run.folder / NAME) is not None:
-            return read_last(run.folder)["model"]
+        found = read_last(run.folder) if whole_folder(run.folder / NAME) is not None else None
+        if found is not None:
+            return found["model"]
         if last.exists():
             return torch.load(last, map_location="cpu", weights_only=True, mmap=True)["model"]
         return torch.load(best, map_location="cpu", weights_only=True, mmap=True)
+    except UserError as error:  # a last that cannot be read says why (src.checkpoint.read_last)
+        raise UserError(f"cannot read the weights of {run.folder}: {one_line(error)}") from None
     except Exception as error:  # a truncated or foreign file: many exception types
-        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__})") from None
+        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__}: {one_line(error)})") from None
 
 
 class Agreement(NamedTuple):
@@ -430,7 +467,7 @@ def agreements(runs: list[Run]) -> list[Agreement]:
 
 # Plots: SVG, text kept as text, names never read as mathtext.
 
-STYLE = {"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": GENERATOR}
+STYLE: dict[RcKeyType, Any] = {"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": GENERATOR}
 
 
 def svg_uri(figure: plt.Figure) -> str:
@@ -525,21 +562,21 @@ def render(context: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    runs = [read_run(folder, number, args.data_dir) for number, folder in enumerate(args.runs, start=1)]
+    runs = [read_run(folder, number, args.data_dir, args.val_dir) for number, folder in enumerate(args.runs, start=1)]
     check_output(args.output, args.overwrite)
     predictions = read_predictions(args.predictions) if args.predictions else None
     start = time.perf_counter()
     device = training_device(False, None)
     sections = []
     for run in runs:
-        validation = validate(run, args.data_dir, device, args.batch_size, args.workers)
+        validation = validate(run, args.data_dir, device, args.batch_size, args.workers, args.val_dir)
         print(f"{run.label} ({run.folder}): validated best.pth on {validation.metrics['samples']} images in "
               f"{validation.seconds:.1f} s: accuracy {validation.metrics['acc']:.4f}, "
               f"log loss {validation.metrics['log_loss']:.4f}", flush=True)
         sections.append(run_section(run, validation))
     speeds = [speed(run) for run in runs]
     shown = None
-    if predictions is not None:
+    if predictions is not None and args.predictions is not None:  # the one read from the other
         folders = [args.predictions.parent, Path.cwd(), *{data_folder(run, args.data_dir) for run in runs}]
         shown = prediction_thumbnails(predictions[:PREDICTED], args.predictions, folders)
     html = render({
