@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -20,8 +19,9 @@ from PIL import Image
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from src.errors import STOP_SIGNALS, UserError
-from src.image_files import IMAGE_SUFFIXES, broken_link, natural_key, some, to_rgb
+from src.errors import STOP_SIGNALS, UserError, ignore_pillow_warnings
+from src.image_files import IMAGE_SUFFIXES, natural_key, some, to_rgb
+from src.outputs import input_problem
 from src.terminal import shown
 
 CLASSES = ("cat", "dog")
@@ -45,13 +45,11 @@ def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
     With `draft_size`, JPEGs are decoded by libjpeg at the smallest 1/2, 1/4 or 1/8 scale that
     still covers draft_size x draft_size, which is much faster than a full decode then resize.
     """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # PIL warns about odd EXIF data in real photos
-            image = Image.open(path)
-            if draft_size:
-                image.draft("RGB", (draft_size, draft_size))
-            return to_rgb(image)
+    try:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings
+        image = Image.open(path)
+        if draft_size:
+            image.draft("RGB", (draft_size, draft_size))
+        return to_rgb(image)
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise UserError(f"cannot read image {path} ({error}); "
                         "run `python -m src.tools.prepare DATA_DIR` to leave out broken files") from None
@@ -102,12 +100,13 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True,
     rows, rejected = [], []
     for name, label in tqdm(candidates, desc=f"checking {train_dir}", disable=not show_progress,
                             leave=False):
+        if input_problem(train_dir / name) is not None:  # not opened: a named pipe would wait for a writer
+            rejected.append(name)
+            continue
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with Image.open(train_dir / name) as image:
-                    image.draft("RGB", (64, 64))
-                    image.load()
+            with Image.open(train_dir / name) as image:
+                image.draft("RGB", (64, 64))
+                image.load()
             rows.append((name, label))
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             rejected.append(name)
@@ -117,10 +116,10 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True,
 
 
 def train_files(train_dir: Path) -> list[str]:
-    """Every file under train_dir (links to nothing and loops of links included: files that
-    cannot be read), as paths relative to it with / separators."""
-    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*")
-            if path.is_file() or broken_link(path)]
+    """Every file under train_dir (links to nothing and loops of links, named pipes, sockets and
+    devices included: files that cannot be read as images), as paths relative to it with /
+    separators."""
+    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*") if not path.is_dir()]
 
 
 def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None,
@@ -175,20 +174,25 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     if len(bad):
         raise UserError(f"{csv_file} has unknown label {bad.iloc[0]!r} ({len(bad)} rows); "
                         "labels must be 0/cat or 1/dog")
-    missing = [name for name in frame["filename"] if not (Path(root_dir) / name).is_file()]
+    missing = [(name, problem) for name in frame["filename"] if (problem := input_problem(Path(root_dir) / name))]
     if missing:
-        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir}, "
-                        f"first {missing[0]}; fix the CSV or rerun `python -m src.tools.prepare`")
+        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir} or not files there, "
+                        f"first {missing[0][0]} ({missing[0][1]}); fix the CSV or rerun `python -m src.tools.prepare`")
     return label_table(list(frame["filename"]), list(labels.astype(int)))
 
 
 def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.tools.prepare` does."""
     data_dir = Path(data_dir)
+    if os.path.lexists(data_dir) and not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir}: {input_problem(data_dir, folder=True) or 'a file, not a folder'}: "
+                        "pass --data-dir, the folder holding train/")
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found: pass --data-dir, put Kaggle's train/ "
                         f"there, or run `python -m src.tools.synthetic {data_dir}` for a synthetic set")
     csv_file = data_dir / "train.csv"
+    if os.path.lexists(csv_file) and input_problem(csv_file):  # a named pipe would wait for a writer
+        raise UserError(f"{csv_file}: {input_problem(csv_file)}: remove it, or make it a CSV of filename,label")
     if csv_file.exists():
         frame = read_labels_csv(csv_file, data_dir / "train")
         if show_progress:
@@ -371,6 +375,7 @@ def start_worker(training_pid: int, worker_id: int) -> None:
     keep it alive after a SIGKILL of the training process, holding the fork server and the
     launcher's output pipes open for ever."""
     ignore_stop_signals()
+    ignore_pillow_warnings()
     threading.Thread(target=_end_with, args=(training_pid,), name="end with the training process",
                      daemon=True).start()
 

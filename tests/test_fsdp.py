@@ -5,6 +5,7 @@ rank's bytes of VGG16 against a DDP rank's; the blocks that get their own fully_
 train_accelerate.py refuses accelerate's FSDP, DeepSpeed and Megatron-LM in one line."""
 import json
 import shutil
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from accelerate.utils import DistributedType
 from conftest import (
     EXACT,
     RECIPE,
+    TINY,
     VAL,
     B,
     assert_reproduces,
@@ -580,6 +582,22 @@ def test_the_whole_model_is_a_copy_that_the_next_step_leaves_as_it_was():
         assert all(torch.equal(saved[key], before[key]) for key in saved)
     finally:
         end_process_group()
+
+
+def test_a_torch_warning_of_every_step_is_printed_once_per_run(tiny_data, tmp_path, world_of_one, monkeypatch,
+                                                               capsys):
+    """SqueezeNet's flatten makes FSDP2 warn "returned a view tensor" at every forward; Python says
+    a warning once per place, but src/datasets.py changed the warnings' filters around each image
+    (to quiet Pillow), which resets that registry: with --workers 0 the warning was printed at
+    every step. Counted here as a plain interpreter shows warnings (once per place)."""
+    said = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = lambda message, *where: said.append(str(message))
+        code, _, err = in_process(train_fsdp.main, [*TINY, "--data-dir", str(tiny_data), "--epochs", "2",
+                                                    *outputs(tmp_path)], monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert sum("returned a view tensor" in text for text in said) == 1, said
 
 
 def test_fsdp_gathers_the_whole_model_only_for_a_new_best(tiny_data, tmp_path, world_of_one, monkeypatch, capsys):

@@ -79,7 +79,18 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from src.cache import cached  # noqa: E402
-from src.cli import OneLineParser, amp_dtype, at_least, defaults  # noqa: E402
+from src.cli import (  # noqa: E402
+    BATCH_SIZES,
+    EPOCHS,
+    IMAGE_COUNTS,
+    IMAGE_SIZES,
+    STEPS,
+    OneLineParser,
+    amp_dtype,
+    between,
+    defaults,
+    processes_count,
+)
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.devices import (
@@ -134,20 +145,20 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path, help="a Kaggle-layout folder (default: a synthetic set in OUT/data)")
-    add("--images", type=at_least(1), default=25000, help="labelled images of the synthetic set")
+    add("--images", type=between(*IMAGE_COUNTS), default=25000, help="labelled images of the synthetic set")
     add("--out-dir", type=Path, default=Path("benchmark"), help="where the table, chart and runs go")
-    add("--processes", type=at_least(1), default=torch.cuda.device_count() or 2,
+    add("--processes", type=processes_count, default=torch.cuda.device_count() or 2,
         help="processes for DP (devices), DDP and accelerate")
     add("--arch", default="vgg16")
     add("--weights", default="none", help="as in the scripts; the speed does not depend on it")
-    add("--image-size", type=at_least(32), default=224)
-    add("--batch-size", type=at_least(1), default=50, help="per process; single and DP use it x processes")
-    add("--epochs", type=at_least(1), default=2, help="the last one is reported")
+    add("--image-size", type=between(*IMAGE_SIZES), default=224)
+    add("--batch-size", type=between(*BATCH_SIZES), default=50, help="per process; single and DP use it x processes")
+    add("--epochs", type=between(*EPOCHS), default=2, help="the last one is reported")
     add("--amp", choices=["no", "bf16", "fp16"], default="no",
         help="autocast in every mode (accelerate: --mixed_precision)")
     add("--channels-last", action="store_true")
     add("--modes", default=",".join(MODES), help="comma-separated subset of the runs")
-    add("--steps", type=at_least(1), default=20,
+    add("--steps", type=between(*STEPS), default=20,
         help="timed steps of the bare-step ceilings (with --dropout-cost: rounds)")
     add("--dropout-cost", action="store_true",
         help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
@@ -159,9 +170,19 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help="only the loader workers' start, from the fork server and forked (see above), over the "
              "JPEGs and the cache: a table")
     args = parser.parse_args(argv)
+    given = parser.given(argv)
+    parser.refuse_unless(given, "images", args.data_dir is None,
+                         "it is the size of the synthetic set written without --data-dir: drop --data-dir")
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
         parser.error(f"argument --modes: unknown run {unknown[0]!r} (choose from {', '.join(MODES)})")
+    from src.models import classification_models, has_batch_norm
+    if "ddp-sync-bn" in args.modes.split(",") and args.arch in classification_models() and not has_batch_norm(args.arch):
+        # Nothing for --sync-bn to synchronise (the scripts refuse it): out of the default runs.
+        if "modes" in given:
+            parser.error(f"argument --modes: ddp-sync-bn: --arch {args.arch} has no batch norm layer to "
+                         "synchronise: leave that run out")
+        args.modes = ",".join(name for name in args.modes.split(",") if name != "ddp-sync-bn")
     return Options(**vars(args))
 
 
@@ -677,7 +698,7 @@ def run_mode(name: str, args: Options, data_dir: Path, cache_dir: Path) -> dict:
         flags += ["--cache", str(cache_dir)]
     if name == "freeze":  # its first run computes the backbone's outputs into the cache folder
         flags.append("--freeze")
-    if name == "ddp-sync-bn":  # batch norm over both processes' samples (a model without any: as ddp)
+    if name == "ddp-sync-bn":  # batch norm over both processes' samples (parse_args: a model with some)
         flags.append("--sync-bn")
     if args.channels_last:
         flags.append("--channels-last")
