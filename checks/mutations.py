@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -1614,8 +1615,8 @@ MUTATIONS = [
     ('src/stopping.py', 'dist.all_reduce(tensor, op=dist.ReduceOp.MAX)\n', 'dist.all_reduce(tensor, op=dist.ReduceOp.MIN)\n',
      ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
     # Which rank says a refusal that every rank finds: caught only some of the time by the launches (a race).
-    ('src/process_group.py', 'same flags (paths and --workers may differ per node)", quiet=not is_first())',
-     'same flags (paths and --workers may differ per node)", quiet=is_first())',
+    ('src/process_group.py', 'f"same flags ({differ} may differ per node)", quiet=not is_first())',
+     'f"same flags ({differ} may differ per node)", quiet=is_first())',
      ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
     ('src/loaders.py', '"use fewer processes or more data", quiet=not is_first())',
      '"use fewer processes or more data", quiet=is_first())',
@@ -1987,17 +1988,19 @@ class WarmPytest:
     def __init__(self):
         self.process = subprocess.Popen([str(PYTHON), str(Path(__file__).with_name("warm_pytest.py"))],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tempfile.gettempdir())
+        assert self.process.stdin is not None and self.process.stdout is not None  # both are PIPE
+        self.requests, self.answers = self.process.stdin, self.process.stdout
         self.pending = b""
 
-    def _answer(self, timeout: float | None = None) -> dict | None:
+    def _answer(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The server's next line, read from its pipe without a buffer in between (so that the
         wait for it can time out); None when `timeout` seconds pass first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self.process.stdout], [], [], left)[0]:
+            if not select.select([self.answers], [], [], left)[0]:
                 return None
-            chunk = os.read(self.process.stdout.fileno(), 4096)
+            chunk = os.read(self.answers.fileno(), 4096)
             if not chunk:
                 raise RuntimeError("checks/warm_pytest.py ended: " + self.pending.decode(errors="replace"))
             self.pending += chunk
@@ -2008,9 +2011,11 @@ class WarmPytest:
         """pytest ARGS in cwd, its output into log: its exit code, None if it ran past `timeout`
         seconds (then its process group is killed)."""
         request = {"cwd": str(cwd), "args": args, "log": str(log), "env": env}
-        self.process.stdin.write((json.dumps(request) + "\n").encode())
-        self.process.stdin.flush()
-        pid = self._answer()["pid"]
+        self.requests.write((json.dumps(request) + "\n").encode())
+        self.requests.flush()
+        started = self._answer()
+        assert started is not None  # waited for without a timeout
+        pid = started["pid"]
         answer = self._answer(timeout)
         if answer is None:
             with contextlib.suppress(ProcessLookupError):
@@ -2020,7 +2025,7 @@ class WarmPytest:
         return answer["code"]
 
     def close(self) -> None:
-        self.process.stdin.close()
+        self.requests.close()
         self.process.wait()
 
 
@@ -2212,9 +2217,10 @@ def main() -> int:
         def work(copy: Path, server: WarmPytest | None) -> None:
             while True:
                 with lock:
-                    number, (path, original, replacement, tests) = next(todo, (0, (None,) * 4))
-                if not number:
+                    taken = next(todo, None)
+                if taken is None:
                     return
+                number, (path, original, replacement, tests) = taken
                 target = copy / path
                 kept = target.read_text()
                 target.write_text(kept.replace(original, replacement, 1))

@@ -46,8 +46,9 @@ def run_pytest(cwd: str, args: list[str], log: str, env: dict) -> None:
         import importlib.util
         import types
         main = types.ModuleType("__main__")  # as `python -m pytest` has it (multiprocessing's spawn reads it)
-        main.__spec__ = importlib.util.find_spec("pytest.__main__")
-        main.__file__ = main.__spec__.origin
+        spec = importlib.util.find_spec("pytest.__main__")
+        assert spec is not None and spec.origin is not None  # pytest is installed: it imported above
+        main.__spec__, main.__file__ = spec, spec.origin
         sys.modules["__main__"] = main
         sys.path[0] = cwd  # python -m puts the current folder first, not this file's
         sys.argv = [main.__file__, *args]
