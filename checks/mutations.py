@@ -1380,7 +1380,7 @@ MUTATIONS = [
      '    with watch_ranks(None, args, accelerator.device) as heartbeat',
      ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
     ('src/datasets.py', '    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)) + main_module())', '    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)))',
-     ['tests/test_loaders.py::test_the_fork_server_imports_the_main_scripts_modules_once']),
+     ['tests/test_loaders.py::test_a_fresh_fork_server_imports_the_main_scripts_modules_once']),
     ('src/datasets.py', '    return {"multiprocessing_context": _fork_server(), ', '    return {"multiprocessing_context": multiprocessing.get_context("fork"), ',
      ['tests/test_loaders.py::test_loader_workers_started_many_times_beside_running_threads_never_hang']),
     ('src/dropout.py', '        return _scaled(grad, kept, ctx.scale), None, None',
@@ -1507,6 +1507,16 @@ MUTATIONS = [
     ('src/progress.py', 'values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)',
      'values["images_per_s"] = (index - before_index) / (at - before_at)',
      ['tests/test_watch.py::test_images_per_second_are_the_images_since_the_last_report_over_its_seconds']),
+    # Issue 60's step on the CPU: the loader workers' fork server forked from a one-thread process,
+    # started in the first data call.
+    ('src/datasets.py', '    return threading.active_count() == 1', '    return True',
+     ['tests/test_loaders.py::test_a_fresh_fork_server_imports_the_main_scripts_modules_once']),
+    ('src/datasets.py', '                _close_descriptors_but({0, 1, 2, listener.fileno(), alive_r})', '                pass',
+     ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
+    ('src/datasets.py', '        if low < fd:', '        if True:',
+     ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
+    ('src/loaders.py', '        start_worker_server()', '        pass',
+     ['tests/test_loaders.py::test_labelled_data_starts_the_workers_server_before_the_model_when_there_are_workers']),
 ]
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from src.cache import cached
-from src.datasets import DogCatDataset, check_both_classes, load_labels, worker_options
+from src.datasets import DogCatDataset, check_both_classes, load_labels, start_worker_server, worker_options
 from src.devices import check_shared_memory
 from src.errors import UserError
 from src.ranks import from_rank_0, is_first
@@ -136,6 +136,8 @@ def labelled_data(args, wait_seconds: float | None = None) -> Data:
     other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
+    if args.workers:  # before the label scan and the model: the workers' server overlaps them, and holds neither
+        start_worker_server()
     table = from_rank_0(lambda: load_labels(data_dir, show))
     if not getattr(args, "evaluate", False):  # validating on one class is a fair question; training on it is not
         try:
