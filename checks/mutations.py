@@ -1517,6 +1517,13 @@ MUTATIONS = [
      ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
     ('src/loaders.py', '        start_worker_server()', '        pass',
      ['tests/test_loaders.py::test_labelled_data_starts_the_workers_server_before_the_model_when_there_are_workers']),
+    # Issue 60: the normalisation in place.
+    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean).div_(std)',
+     '    return images.float().div_(255).sub_(mean).div_(std)',
+     ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
+    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean).div_(std)',
+     '    return images.to(torch.float32, copy=True).sub_(mean).div_(255).div_(std)',
+     ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
 ]
 
 
