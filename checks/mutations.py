@@ -1524,6 +1524,17 @@ MUTATIONS = [
     ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean).div_(std)',
      '    return images.to(torch.float32, copy=True).sub_(mean).div_(255).div_(std)',
      ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
+    # Issue 60: the benchmark against a plain training loop (--reference), the CPU of a process tree.
+    ('src/tools/benchmark.py', '                todo += children.get(pid, [])', '                pass',
+     ['tests/test_benchmark.py::test_tree_cpu_adds_up_the_root_and_the_processes_below_it']),
+    ('src/tools/benchmark.py', '        legs = REFERENCE_LEGS if round_number % 2 == 0 else REFERENCE_LEGS[::-1]',
+     '        legs = REFERENCE_LEGS',
+     ['tests/test_benchmark.py::test_the_reference_alternates_the_runs_and_compares_the_best_of_each']),
+    ('src/tools/benchmark.py', '        command = [sys.executable, "train_single.py", *flags, "--augment", "--weights", "none",',
+     '        command = [sys.executable, "train_single.py", *flags, "--weights", "none",',
+     ['tests/test_benchmark.py::test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images']),
+    ('src/tools/plain_loop.py', '                              pin_memory=pinned, drop_last=True)', '                              pin_memory=pinned)',
+     ['tests/test_benchmark.py::test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images']),
 ]
 
 
