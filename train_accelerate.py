@@ -4,18 +4,20 @@ Launch with `accelerate launch train_accelerate.py` (after `accelerate config`),
 `accelerate launch --num_processes 4 --mixed_precision bf16 train_accelerate.py`.
 """
 import time
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
-from torch.utils.data import DataLoader, RandomSampler, Subset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
 
 from src.accelerate_checks import check_accelerator, check_launch
 from src.augment import TrainSplit
 from src.batch_norm import sync_batch_norm
 from src.checkpoint import run_info
-from src.cli import dist_timeout, parse_args
+from src.cli import Config, dist_timeout, parse_args
 from src.devices import configure_numerics
 from src.dropout import set_samples
 from src.ema import WeightAverage
@@ -24,7 +26,7 @@ from src.freeze import epoch_stages
 from src.heartbeat import Heartbeat
 from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
-from src.loaders import check_batches, labelled_data, loader_options
+from src.loaders import Data, check_batches, labelled_data, loader_options
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
@@ -37,7 +39,7 @@ from src.tracking import PROJECT, Tracker, rank_0_tracker, requested
 from src.transforms import memory_format, model_inputs
 
 
-def loaders(dataset, data, args, device, processes: int) -> tuple[DataLoader, DataLoader]:
+def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, processes: int) -> tuple[DataLoader, DataLoader]:
     """The training and validation loaders over `dataset` (the images, or a frozen stage's
     backbone outputs), before accelerate prepares them: each loader batch of --batch-size x
     processes is cut into one piece per process (split_batches)."""
@@ -52,8 +54,8 @@ def loaders(dataset, data, args, device, processes: int) -> tuple[DataLoader, Da
     return train_loader, val_loader
 
 
-def train_epoch(accelerator, model, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState,
-                args, device, frozen: bool = False) -> torch.Tensor:
+def train_epoch(accelerator: Accelerator, model: nn.Module, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState,
+                args: Config, device: torch.device, frozen: bool = False) -> torch.Tensor:
     """One pass over the epoch's training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = state.epoch_sums(device)  # a resumed epoch's finished steps are in them already
@@ -85,7 +87,8 @@ def train_epoch(accelerator, model, loader: DataLoader, epoch: int, progress: Pr
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
+def evaluate(accelerator: Accelerator, model: nn.Module, loader: DataLoader, what: str, progress: Progress, args: Config,
+             device: torch.device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     sums = torch.zeros(4, device=device)  # summed loss, correct, samples, log loss (src.metrics.batch_sums)
@@ -97,15 +100,15 @@ def evaluate(accelerator, model, loader: DataLoader, what: str, progress: Progre
     return sums.cpu()
 
 
-def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker) -> None:
+def train(args: Config, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     processes, device = accelerator.num_processes, accelerator.device
     torch.manual_seed(args.seed)
-    data = labelled_data(args, dist_timeout(args).total_seconds())
+    data = labelled_data(args, dist_timeout(args.dist_timeout).total_seconds())
     check_batches(data, args, processes)
     global_batch = args.batch_size * processes * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
-    model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args.channels_last))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
@@ -129,7 +132,7 @@ def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker
               f"mixed precision {accelerator.mixed_precision})")
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
         evaluated, start = load_evaluated(args, info, model), time.time()
-        net = torch.compile(model) if args.compile else model
+        net = cast(nn.Module, torch.compile(model)) if args.compile else model
         net, val_loader = accelerator.prepare(net, loaders(data.dataset, data, args, device, processes)[1])
         val_sums = evaluate(accelerator, net, val_loader, "validation", progress, args, device)
         show_evaluation(evaluated, val_sums, time.time() - start)
@@ -137,10 +140,10 @@ def train(args, accelerator: Accelerator, heartbeat: Heartbeat, tracker: Tracker
     since = time.time()
     with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
-            net = torch.compile(stage.net) if args.compile else stage.net
+            net = cast(nn.Module, torch.compile(stage.net)) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device, processes)
             # prepare() wraps the sampler; its generator, kept here, still draws each epoch's permutation
-            order = train_loader.sampler.generator
+            order = train_loader.sampler.generator  # type: ignore[attr-defined]  # its RandomSampler's
             net, train_loader, val_loader = accelerator.prepare(net, train_loader, val_loader)
             for epoch in stage.epochs:
                 if state.stop_agreed(now=True):  # a signal since the last epoch's saves
@@ -177,13 +180,13 @@ def main(argv: list[str] | None = None) -> None:
         gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list
         project_dir=args.log_dir, step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py's
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py's
     check_accelerator(accelerator)
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
     check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
     # A rank that stops answering named (in the store of the group accelerate joined); every output checked,
     # their folder locked; --track's stores checked, on the main process (its runs end before end_training())
-    with watch_ranks(joined_store(), args, accelerator.device) as heartbeat, lock_outputs(args), \
+    with watch_ranks(joined_store(), args.dist_timeout, accelerator.device) as heartbeat, lock_outputs(args), \
             rank_0_tracker(args) as tracker:
         train(args, accelerator, heartbeat, tracker)
     accelerator.free_memory()  # what accelerate still holds of the run (measured: gloo can abort at exit otherwise)

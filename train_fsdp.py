@@ -4,20 +4,22 @@ each process holds 1/W of the weights, gradients and optimizer state.
 Launch one process per GPU (or CPU share) with torchrun: torchrun --nproc_per_node=4 train_fsdp.py
 """
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from src.augment import TrainSplit
 from src.batch_norm import sync_batch_norm
 from src.checkpoint import run_info
-from src.cli import amp_dtype, dist_timeout, parse_args
+from src.cli import Config, amp_dtype, dist_timeout, parse_args
 from src.devices import process_group_backend
 from src.dropout import set_samples
 from src.ema import WeightAverage
@@ -27,7 +29,7 @@ from src.fsdp import WholeModel, broadcast_buffers, check_shardable, compile_uni
 from src.heartbeat import Heartbeat
 from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
-from src.loaders import ShardSampler, check_batches, labelled_data, loader_options, skip_first_batches
+from src.loaders import Data, ShardSampler, check_batches, labelled_data, loader_options, skip_first_batches
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
@@ -40,14 +42,14 @@ from src.tracking import Tracker, rank_0_tracker
 from src.transforms import memory_format, model_inputs
 
 
-def loaders(dataset, data, args, device, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
+def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:
     """This rank's training and validation loaders over `dataset` (the images, or a frozen stage's
     backbone outputs)."""
     train_set = TrainSplit(dataset, data.train_idx, args)  # augmented, with each sample's dropout key
     # Each epoch's permutation of the training split (seed + epoch: set_epoch in the loop), every
     # world_size-th sample of it from the rank-th: together the ranks take train_single.py's batches.
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                       seed=args.seed, drop_last=True)
+    train_sampler: DistributedSampler[int] = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
+                                                                shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
                               **loader_options(args, device))
     val_set = Subset(dataset, data.val_idx)
@@ -56,8 +58,8 @@ def loaders(dataset, data, args, device, rank: int, world_size: int) -> tuple[Da
     return train_loader, val_loader
 
 
-def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState, args,
-                device, frozen: bool = False) -> torch.Tensor:
+def train_epoch(model: nn.Module, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState,
+                args: Config, device: torch.device, frozen: bool = False) -> torch.Tensor:
     """One pass over the epoch's training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = state.epoch_sums(device)  # a resumed epoch's finished steps are in them already
@@ -68,8 +70,8 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         last = (micro + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
         # The gradients of all but a step's last micro-batch stay whole on each rank: one
         # reduce-scatter a step.
-        model.set_requires_gradient_sync(last)
-        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+        model.set_requires_gradient_sync(last)  # type: ignore[operator]  # an FSDPModule since fully_shard(model)
+        with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
         state.scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
@@ -91,7 +93,7 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
+def evaluate(model: nn.Module, loader: DataLoader, what: str, progress: Progress, args: Config, device: torch.device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     broadcast_buffers(model)  # validate with the batch norm statistics that best.pth holds (rank 0's)
@@ -99,23 +101,23 @@ def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, dev
     for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+        with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
-    with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):  # as compiled above
+    with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):  # as compiled above
         forwards_to_match(model, inputs, loader)  # a rank with a batch less: each forward gathers from all
     dist.all_reduce(sums)  # every rank's sums: each validation sample is in exactly one shard
     return sums.cpu()
 
 
-def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat, tracker: Tracker) -> None:
+def train(args: Config, device: torch.device, rank: int, world_size: int, heartbeat: Heartbeat, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)  # the same seed on every rank: the same initial weights to shard
-    data = labelled_data(args, dist_timeout(args).total_seconds())
+    data = labelled_data(args, dist_timeout(args.dist_timeout).total_seconds())
     check_batches(data, args, world_size)
     global_batch = args.batch_size * world_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
-    model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args.channels_last))
     model = sync_batch_norm(model, device) if args.sync_bn else model  # over every process's samples
     check_shardable(model)
     units = fsdp_units(model)  # the blocks that get a fully_shard of their own (src/fsdp.py says which)
@@ -139,7 +141,7 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
         print(run_header(args, data, device, world_size))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
         evaluated, start = load_evaluated(args, info, WholeModel(model)), time.time()  # each rank its pieces
-        net = torch.compile(model) if args.compile else model
+        net = cast(nn.Module, torch.compile(model)) if args.compile else model
         val_loader = loaders(data.dataset, data, args, device, rank, world_size)[1]
         val_sums = evaluate(net, val_loader, "validation", progress, args, device)
         show_evaluation(evaluated, val_sums, time.time() - start)
@@ -148,14 +150,14 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
     with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         # The frozen epochs run the whole sharded model: its last layer cannot run alone on cached outputs.
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device, cache_features=False):
-            net = torch.compile(stage.net) if args.compile else stage.net
+            net = cast(nn.Module, torch.compile(stage.net)) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device, rank, world_size)
             for epoch in stage.epochs:
                 if state.stop_agreed(now=True):  # a signal since the last epoch's saves
                     state.stop()
                 seed_epoch(args.seed, epoch)
-                train_loader.sampler.set_epoch(epoch)
-                train_loader.dataset.set_epoch(epoch)  # augmentation and dropout draw from (seed, epoch, sample)
+                train_loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # its DistributedSampler
+                train_loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]  # TrainSplit's: augmentation and dropout draw from (seed, epoch, sample)
                 start = time.time()
                 batches = skip_first_batches(train_loader, state.step * args.accumulate)  # a resumed epoch's done
                 train_sums = train_epoch(net, batches, epoch, progress, state, args, device, stage.frozen)
@@ -163,8 +165,10 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
                 val_sums = evaluate(net, val_loader, "val", progress, args, device)
                 average_sums = ema.validate(lambda: evaluate(net, val_loader, "average", progress, args, device))
                 record = state.record(train_sums, val_sums, average_sums, middle - start, time.time() - middle)
-                # best.pth holds whole tensors: every rank sends its shards, rank 0 keeps them.
-                whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                # best.pth holds whole tensors: every rank sends its shards, rank 0 keeps them; only for a new
+                # best of the weights (new_best is the same on every rank: the gather is a collective)
+                whole = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                         if state.new_best(record) == "weights" else None)
                 # best.pth if better and history.json (rank 0); last.dcp, each rank writing its own shards
                 is_best = state.save_epoch(record, whole, write=dcp.save)
                 if rank == 0:
@@ -177,16 +181,16 @@ def train(args, device: torch.device, rank: int, world_size: int, heartbeat: Hea
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__, distributed=True)
-    device = process_device(args)  # this process's GPU (LOCAL_RANK; checked: one per process), or the CPU
+    device = process_device(args.deterministic, args.amp)  # this process's GPU (LOCAL_RANK; checked: one per process), or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the process's CUDA work and NCCL's go to its own GPU
     # torchrun's rendezvous (a world of one without a launcher), with a key prefix per restart attempt
-    store, rank, world_size = torchrun_store(args)
+    store, rank, world_size = torchrun_store(args.dist_timeout)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
-                            timeout=dist_timeout(args))  # a peer that stops answering fails a collective
+                            timeout=dist_timeout(args.dist_timeout))  # a peer that stops answering fails a collective
     check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
     # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
-    with watch_ranks(store, args, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
+    with watch_ranks(store, args.dist_timeout, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
         train(args, device, rank, world_size, heartbeat, tracker)
     dist.destroy_process_group()
 

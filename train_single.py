@@ -1,13 +1,15 @@
 """Fine-tune VGG16 (or another torchvision classifier) on Dogs vs. Cats on one device."""
 import time
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, RandomSampler, Subset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset
 
 from src.augment import TrainSplit
 from src.checkpoint import run_info
-from src.cli import amp_dtype, parse_args
+from src.cli import Config, amp_dtype, parse_args
 from src.devices import training_device
 from src.dropout import set_samples
 from src.ema import WeightAverage
@@ -15,7 +17,7 @@ from src.errors import exit_on_error
 from src.freeze import epoch_stages
 from src.history import done_line, format_record
 from src.inference import load_evaluated, show_evaluation
-from src.loaders import check_batches, labelled_data, loader_options, skip_first_batches
+from src.loaders import Data, check_batches, labelled_data, loader_options, skip_first_batches
 from src.metrics import batch_sums
 from src.models import build_model
 from src.outputs import lock_outputs
@@ -27,7 +29,7 @@ from src.tracking import Tracker, rank_0_tracker
 from src.transforms import memory_format, model_inputs
 
 
-def loaders(dataset, data, args, device) -> tuple[DataLoader, DataLoader]:
+def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device) -> tuple[DataLoader, DataLoader]:
     """The training and validation loaders over `dataset` (the images, or a frozen stage's
     backbone outputs)."""
     train_set = TrainSplit(dataset, data.train_idx, args)  # augmented, with each sample's dropout key
@@ -40,8 +42,8 @@ def loaders(dataset, data, args, device) -> tuple[DataLoader, DataLoader]:
     return train_loader, val_loader
 
 
-def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState, args,
-                device, frozen: bool = False) -> torch.Tensor:
+def train_epoch(model: nn.Module, loader: DataLoader, epoch: int, progress: Progress, state: TrainingState,
+                args: Config, device: torch.device, frozen: bool = False) -> torch.Tensor:
     """One pass over the epoch's training batches, an optimizer step every --accumulate; the metric sums."""
     model.train(not frozen)  # a frozen backbone keeps dropout and batch norm fixed
     sums = state.epoch_sums(device)  # a resumed epoch's finished steps are in them already
@@ -50,7 +52,7 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
         labels = labels.to(device, non_blocking=True)
         set_samples(model, keys.to(device, non_blocking=True))  # each sample's dropout masks
         last = (micro + 1) % args.accumulate == 0  # the last micro-batch of an optimizer step
-        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+        with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
         state.scaler.scale(loss / args.accumulate).backward()  # gradients add up over micro-batches
@@ -69,27 +71,27 @@ def train_epoch(model, loader: DataLoader, epoch: int, progress: Progress, state
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, what: str, progress: Progress, args, device) -> torch.Tensor:
+def evaluate(model: nn.Module, loader: DataLoader, what: str, progress: Progress, args: Config, device: torch.device) -> torch.Tensor:
     """One pass over the validation batches; the metric sums."""
     model.eval()
     sums = torch.zeros(4, device=device)  # summed loss, correct, samples, log loss (src.metrics.batch_sums)
     for inputs, labels in progress.validation(loader, what, sums):
         inputs = model_inputs(inputs, device, args.channels_last)
         labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):
+        with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):
             logits = model(inputs)
         sums += batch_sums(logits, labels)
     return sums.cpu()
 
 
-def train(args, device: torch.device, tracker: Tracker) -> None:
+def train(args: Config, device: torch.device, tracker: Tracker) -> None:
     """The run: build, resume, then per epoch train, validate, save."""
     torch.manual_seed(args.seed)
     data = labelled_data(args)
     check_batches(data, args)
     global_batch = args.batch_size * args.accumulate
     steps = steps_per_epoch(len(data.train_idx), global_batch)
-    model = build_model(args.arch, args.weights, args.dropout).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights, args.dropout).to(device).to(memory_format=memory_format(args.channels_last))
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
@@ -103,21 +105,21 @@ def train(args, device: torch.device, tracker: Tracker) -> None:
     print(run_header(args, data, device))
     if args.evaluate:  # validate the checkpoint once and stop: nothing trains, nothing is written
         evaluated, start = load_evaluated(args, info, model), time.time()
-        net = torch.compile(model) if args.compile else model
+        net = cast(nn.Module, torch.compile(model)) if args.compile else model
         val_sums = evaluate(net, loaders(data.dataset, data, args, device)[1], "validation", progress, args, device)
         show_evaluation(evaluated, val_sums, time.time() - start)
         return
     since = time.time()
     with state.stop_signals():  # from here SIGTERM, SIGUSR1, SIGHUP and Ctrl-C stop the run after an optimizer step
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
-            net = torch.compile(stage.net) if args.compile else stage.net
+            net = cast(nn.Module, torch.compile(stage.net)) if args.compile else stage.net
             train_loader, val_loader = loaders(stage.data, data, args, device)
             for epoch in stage.epochs:
                 if state.stop_agreed(now=True):  # a signal since the last epoch's saves
                     state.stop()
                 seed_epoch(args.seed, epoch)
-                train_loader.sampler.generator.manual_seed(args.seed + epoch)
-                train_loader.dataset.set_epoch(epoch)  # augmentation and dropout draw from (seed, epoch, sample)
+                train_loader.sampler.generator.manual_seed(args.seed + epoch)  # type: ignore[attr-defined]  # its RandomSampler's
+                train_loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]  # TrainSplit's: augmentation and dropout draw from (seed, epoch, sample)
                 start = time.time()
                 batches = skip_first_batches(train_loader, state.step * args.accumulate)  # a resumed epoch's done
                 train_sums = train_epoch(net, batches, epoch, progress, state, args, device, stage.frozen)

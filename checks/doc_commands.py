@@ -86,7 +86,8 @@ def parse_tag(text: str, where: str) -> dict:
     words = text.split()
     if not words or words[0] not in KINDS:
         raise ValueError(f"{where}: the tag <!-- commands: {text} --> does not start with one of {', '.join(KINDS)}")
-    tag, rest = {"kind": words[0]}, words[1:]
+    tag: dict[str, str | int] = {"kind": words[0]}
+    rest = words[1:]
     while rest and re.fullmatch(r"(exit|serve)=\d+", rest[0]):
         key, value = rest.pop(0).split("=")
         tag[key] = int(value)
@@ -104,8 +105,9 @@ def commands(root: Path) -> list[Command]:
         i, tag = 0, None
         while i < len(lines):
             line = lines[i]
-            if TAG.fullmatch(line.strip()):
-                tag = parse_tag(TAG.fullmatch(line.strip()).group(1), f"{page}:{i + 1}")
+            tagged = TAG.fullmatch(line.strip())
+            if tagged:
+                tag = parse_tag(tagged.group(1), f"{page}:{i + 1}")
             starts_block = line.startswith("    ") and line.strip() and (i == 0 or not lines[i - 1].strip())
             if not starts_block:
                 if line.strip() and not TAG.fullmatch(line.strip()):

@@ -15,6 +15,12 @@ FlopCounterMode does (train_flops: VGG16 at 224 px, 30.9 GFLOP forward and 92.6 
 backward, twice its 46.3 G multiply-adds). Writes OUT/benchmark.md and OUT/benchmark.json (per leg:
 its command, epochs, seconds, images/s, MFU; the GPU, torch, CUDA, the CPUs), and the runs' logs
 in OUT/runs/LEG/log.txt.
+
+--dry-run runs all of it but the GPU's work, on the CPU, tiny (DRY_RUN: SqueezeNet 1.1 at 32 px on
+40 images, no loader worker processes, each leg's --compile with TORCH_COMPILE_DISABLE=1, which
+leaves torch.compile's wrapper running the model eagerly, since inductor's compilation for a CPU
+costs minutes): the images drawn and written, the FLOP count, the legs launched and read back, the
+report; its figures are a CPU's and mean nothing for the GPU.
 """
 import argparse
 import json
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 
@@ -46,11 +53,25 @@ LEGS = {  # name: extra flags; the order is the order they run in
 # Seconds a leg needs at least (start-up, 2 epochs, the cache build or compilation): one that
 # cannot have them before the deadline is not started.
 LEG_SECONDS = {"jpeg": 60, "cache": 60, "cache-compile": 100, "jpeg-compile": 100}
-FULL = {"arch": "vgg16", "image_size": 224, "batch_size": 50, "images": 25000, "distinct": 2500, "size": 500}
-DRY_RUN = {"arch": "vgg16", "image_size": 32, "batch_size": 4, "images": 40, "distinct": 8, "size": 64}
 
 
-def _draw(task: tuple[int, int, int]) -> list[bytes]:
+@dataclass(frozen=True)
+class Shape:
+    """The job: the model, its input size and batch; the images written (`distinct` of them drawn,
+    about `size` px wide)."""
+    arch: str
+    image_size: int
+    batch_size: int
+    images: int
+    distinct: int
+    size: int
+
+
+FULL = Shape("vgg16", image_size=224, batch_size=50, images=25000, distinct=2500, size=500)
+DRY_RUN = Shape("squeezenet1_1", image_size=32, batch_size=4, images=40, distinct=8, size=64)
+
+
+def _draw(task: tuple[int, int, int, int]) -> list[bytes]:
     """JPEG bytes of `count` synthetic images of one class, drawn from `seed`."""
     from io import BytesIO
 
@@ -76,7 +97,7 @@ def write_images(data: Path, images: int, distinct: int, size: int) -> dict:
     per_task = max(1, distinct // 2 // cores)
     tasks = [(seed, label, per_task, size) for seed in range(max(1, distinct // 2 // per_task)) for label in (0, 1)]
     with ProcessPoolExecutor(cores) as pool:
-        drawn = {0: [], 1: []}
+        drawn: dict[int, list[bytes]] = {0: [], 1: []}
         for (_, label, _, _), encoded in zip(tasks, pool.map(_draw, tasks)):
             drawn[label] += encoded
     rows = ["filename,label"]
@@ -120,11 +141,11 @@ def train_flops(arch: str, image_size: int) -> tuple[int, int]:
     return forward.get_total_flops(), both.get_total_flops()
 
 
-def leg_command(name: str, shape: dict, data: Path, out: Path, workers: int, epochs: int = 2) -> list[str]:
+def leg_command(name: str, shape: Shape, data: Path, out: Path, workers: int, epochs: int = 2) -> list[str]:
     """train_single.py for the leg `name`."""
     flags = [flag.replace("{cache}", str(out / "cache")) for flag in LEGS[name]]
-    return [sys.executable, "train_single.py", "--data-dir", str(data), "--arch", shape["arch"], "--weights", "none",
-            "--image-size", str(shape["image_size"]), "--batch-size", str(shape["batch_size"]),
+    return [sys.executable, "train_single.py", "--data-dir", str(data), "--arch", shape.arch, "--weights", "none",
+            "--image-size", str(shape.image_size), "--batch-size", str(shape.batch_size),
             "--epochs", str(epochs), "--amp", "bf16", "--channels-last", "--workers", str(workers), *flags,
             "--checkpoint", str(out / "runs" / name / "best.pth"), "--plot", str(out / "runs" / name / "curves.png")]
 
@@ -145,8 +166,9 @@ def leg_figures(history: list[dict], peak: float | None, flops: float) -> dict:
             "blog epoch / this epoch": BLOG_EPOCH_SECONDS / last["seconds"], "val acc": last["val_acc"]}
 
 
-def run_leg(name: str, command: list[str], out: Path, seconds: float) -> tuple[str, float]:
-    """Run a leg for at most `seconds`; ("finished" | "stopped at the deadline" | "failed: LINE", wall)."""
+def run_leg(name: str, command: list[str], out: Path, seconds: float, env: dict | None = None) -> tuple[str, float]:
+    """Run a leg for at most `seconds` (`env`: variables added to this process's); ("finished" |
+    "stopped at the deadline" | "failed: LINE", wall)."""
     from gpu_selftest import failure_line, stop
     folder = out / "runs" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -155,7 +177,7 @@ def run_leg(name: str, command: list[str], out: Path, seconds: float) -> tuple[s
         log.write(" ".join(command) + "\n\n")
         log.flush()
         launch = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                  start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         try:
             code = launch.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -209,13 +231,13 @@ def write_report(out: Path, report: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-benchmark"))
     parser.add_argument("--deadline", type=float, default=None, help="seconds from now within which to end")
     parser.add_argument("--legs", default=",".join(LEGS), help="comma-separated, of " + ", ".join(LEGS))
     parser.add_argument("--dry-run", action="store_true",
-                        help=f"tiny ({DRY_RUN['images']} images of {DRY_RUN['size']} px, {DRY_RUN['arch']} at "
-                             f"{DRY_RUN['image_size']} px): the script end to end on a CPU")
+                        help=f"tiny ({DRY_RUN.images} images of {DRY_RUN.size} px, {DRY_RUN.arch} at "
+                             f"{DRY_RUN.image_size} px): the script end to end on a CPU")
     args = parser.parse_args()
     start = time.perf_counter()
     deadline = start + args.deadline if args.deadline else float("inf")
@@ -230,14 +252,16 @@ def main() -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data"
-    print(f"writing {shape['images']} JPEGs into {data}", flush=True)
-    written = write_images(data, shape["images"], shape["distinct"], shape["size"])
-    workers, why = loader_workers(shape["batch_size"], shape["image_size"], written["cores"])
+    print(f"writing {shape.images} JPEGs into {data}", flush=True)
+    written = write_images(data, shape.images, shape.distinct, shape.size)
+    workers, why = loader_workers(shape.batch_size, shape.image_size, written["cores"])
+    if args.dry_run:
+        workers, why = 0, "--dry-run: the loading in the training process"
     peak, peak_line = peak_flops()
-    forward, flops = train_flops(shape["arch"], shape["image_size"])
+    forward, flops = train_flops(shape.arch, shape.image_size)
     report = {"date": date.today().isoformat(), "machine": hardware(), "torch": torch.__version__,
               "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "peak": peak_line, "dry run": args.dry_run, "shape": shape, "data": written, "workers": workers,
+              "peak": peak_line, "dry run": args.dry_run, "shape": asdict(shape), "data": written, "workers": workers,
               "workers why": why, "blog epoch seconds": BLOG_EPOCH_SECONDS,
               "train GFLOP per image": flops / 1e9, "forward GFLOP per image": forward / 1e9,
               "legs": {}}
@@ -248,7 +272,8 @@ def main() -> int:
             report["legs"][name] = {"command": command, "outcome": f"not run: {left:.0f} s left before the deadline"}
         else:
             print(f"leg {name}: {' '.join(command)}", flush=True)
-            outcome, wall = run_leg(name, command, out, left)
+            # --dry-run: torch.compile's wrapper without its compilation (inductor's, for a CPU, takes minutes)
+            outcome, wall = run_leg(name, command, out, left, {"TORCH_COMPILE_DISABLE": "1"} if args.dry_run else None)
             history_file = out / "runs" / name / "history.json"
             history = json.loads(history_file.read_text()) if history_file.exists() else []
             report["legs"][name] = {"command": command, "outcome": outcome, "wall seconds": wall,

@@ -129,14 +129,14 @@ MUTATIONS = [
     ('src/progress.py', 'state.data_wait += time.perf_counter() - start',
      'state.data_wait += 0.0 * (time.perf_counter() - start)',
      ['tests/test_watch.py::test_data_wait_grows_with_a_slow_loader_while_the_model_time_does_not']),
-    ("src/transforms.py", "return torch.channels_last if args.channels_last else torch.preserve_format",
+    ("src/transforms.py", "return torch.channels_last if channels_last else torch.preserve_format",
      "return torch.preserve_format",
      ["tests/test_performance.py::test_channels_last_and_compile_take_effect_and_change_nothing"]),
     ("src/transforms.py", "images = images.contiguous(memory_format=torch.channels_last)", "images = images",
      ["tests/test_gpu_on_cpu_host_syncs.py::test_channels_last_reaches_the_model_through_the_loop"]),
-    ("train_single.py", "net = torch.compile(stage.net) if args.compile else stage.net", "net = stage.net",
+    ("train_single.py", "net = cast(nn.Module, torch.compile(stage.net)) if args.compile else stage.net", "net = stage.net",
      ["tests/test_performance.py::test_channels_last_and_compile_take_effect_and_change_nothing"]),
-    ('train_ddp.py', '                train_loader.sampler.set_epoch(epoch)\n',
+    ('train_ddp.py', '                train_loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # its DistributedSampler\n',
      '',
      ['tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans']),
     ("src/metrics.py", ".clamp(EPS, 1 - EPS)", "",
@@ -144,7 +144,7 @@ MUTATIONS = [
       "tests/test_modes.py::test_ddp_validation_metrics_are_what_one_process_computes"]),
     ("train_ddp.py", "    if rank == 0:\n        print(run_header(", "    if True:\n        print(run_header(",
      ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
-    ('src/state.py', '            if not is_first():\n                return False\n',
+    ('src/state.py', '            if not is_first():  # rank 0 alone builds and writes last.pth: no collective in it\n                return False\n',
      '            if False:\n                return False\n',
      ['tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans']),
     ("src/loaders.py", "table = from_rank_0(lambda: load_labels(data_dir, show))", "table = load_labels(data_dir, show)",
@@ -224,12 +224,12 @@ MUTATIONS = [
     ('src/checkpoint.py', '            load_optimizer(optimizer, state["optimizer"])',
      '            optimizer.load_state_dict(state["optimizer"])',
      ['tests/test_gpu_on_cpu_fused_optimizers.py::test_resume_places_a_cpu_checkpoints_adamw_state_for_fused_adamw']),
-    ('train_ddp.py', 'timeout=dist_timeout(args))  # a peer',
+    ('train_ddp.py', 'timeout=dist_timeout(args.dist_timeout))  # a peer',
      'timeout=__import__("datetime").timedelta(minutes=10))  # a peer',
      ['tests/test_gpu_on_cpu_hosts.py::test_dist_timeout_sets_the_process_group_and_the_cache_wait']),
-    ('train_accelerate.py', '        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])', '        kwargs_handlers=[InitProcessGroupKwargs()])',
+    ('train_accelerate.py', '        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])', '        kwargs_handlers=[InitProcessGroupKwargs()])',
      ['tests/test_gpu_on_cpu_hosts.py::test_dist_timeout_sets_the_process_group_and_the_cache_wait']),
-    ('train_ddp.py', 'data = labelled_data(args, dist_timeout(args).total_seconds())',
+    ('train_ddp.py', 'data = labelled_data(args, dist_timeout(args.dist_timeout).total_seconds())',
      'data = labelled_data(args)',
      ['tests/test_gpu_on_cpu_hosts.py::test_dist_timeout_sets_the_process_group_and_the_cache_wait']),
     ('src/cache.py', 'flag, WAIT_SECONDS if wait_seconds is None else wait_seconds)',
@@ -237,7 +237,7 @@ MUTATIONS = [
      ['tests/test_gpu_on_cpu_hosts.py::test_a_cache_wait_gives_up_after_dist_timeout']),
     ('src/cache.py', '    stem = f"train_{image_size}px.{key[:16]}"', '    stem = f"train_{image_size}px"',
      ['tests/test_gpu_on_cpu_hosts.py::test_nodes_with_other_copies_of_the_images_share_a_cache_folder']),
-    ('train_accelerate.py', '    check_launch()\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)\n    configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo\n', '    check_launch()\n    configure_numerics(args.deterministic)\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)\n',
+    ('train_accelerate.py', '    check_launch()\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)\n    configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo\n', '    check_launch()\n    configure_numerics(args.deterministic)\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)\n',
      ['tests/test_gpu_on_cpu_numerics.py::test_deterministic_survives_accelerates_tf32_for_dynamo']),
     ('src/tools/benchmark.py', '    optimizer = make_optimizer(model, script_args("", []), device)', '    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)',
      ['tests/test_gpu_on_cpu_numerics.py::test_the_benchmarks_ceilings_run_as_the_runs_do']),
@@ -278,9 +278,9 @@ MUTATIONS = [
     ('src/inference.py', '    share[[i - sampler.start for i in broken]] = float("nan")', '    pass',
      ['tests/test_predict.py::test_the_rows_of_files_that_cannot_be_decoded_are_nan',
       'tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
-    ('src/tools/predict.py', 'amp_dtype(args), args.channels_last, rank, world_size)', 'None, args.channels_last, rank, world_size)',
+    ('src/tools/predict.py', 'amp_dtype(args.amp), args.channels_last, rank, world_size)', 'None, args.channels_last, rank, world_size)',
      ['tests/test_predict.py::test_tta_amp_and_channels_last_are_applied']),
-    ('src/tools/predict.py', '            model.to(device, memory_format=memory_format(args))',
+    ('src/tools/predict.py', '            model.to(device).to(memory_format=memory_format(args.channels_last))',
      '            model.to(device)',
      ['tests/test_predict.py::test_tta_amp_and_channels_last_are_applied']),
     ('src/tools/predict.py', '                from_rank_0(lambda: check_output(args, files))',
@@ -290,7 +290,7 @@ MUTATIONS = [
      ['tests/test_predict.py::test_kaggle_test_folder_with_a_broken_image_is_refused']),
     ('src/tools/predict.py', '[str(file), f"{p[dog]:.6g}", result.classes[int(p.argmax())]]', '[str(file), f"{p[1 - dog]:.6g}", result.classes[int(p.argmax())]]',
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
-    ('src/cli.py', 'args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint', 'args.evaluate_file = args.checkpoint',
+    ('src/cli.py', 'evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint', 'evaluate_file = args.checkpoint',
      ['tests/test_evaluate.py::test_evaluate_reproduces_the_epoch_and_writes_nothing']),
     ('src/cli.py', '        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):', '        for flag in ():',
      ['tests/test_evaluate.py::test_evaluate_refuses_flags_that_write']),
@@ -325,9 +325,9 @@ MUTATIONS = [
      ['tests/test_export.py::test_a_wrong_export_is_refused_and_nothing_written']),
     ('src/tools/onnx_model.py', '    if info.get("sha256") != meta["best_pth_sha256"]:', '    if False:',
      ['tests/test_export.py::test_an_onnx_file_of_another_model_is_refused']),
-    ('src/tools/predict.py', '        best_json = None  # an ONNX file alone describes itself', '        pass',
+    ('src/tools/predict.py', '    best_json = None if args.checkpoint is None and not described.is_file() else described', '    best_json = described',
      ['tests/test_export.py::test_predict_onnx_runs_without_torch_and_gives_torchs_p_dog']),
-    ('src/tools/predict.py', '    if args.checkpoint is None and not best_json.is_file():', '    if True:',
+    ('src/tools/predict.py', '    best_json = None if args.checkpoint is None and not described.is_file() else described', '    best_json = None',
      ['tests/test_export.py::test_an_onnx_file_of_another_model_is_refused']),
     ('src/tools/predict.py', 'p = (p + session.run(None, {"images": np.ascontiguousarray(batch[..., ::-1])})[0]) / 2', 'p = (p + session.run(None, {"images": batch})[0]) / 2',
      ['tests/test_export.py::test_predict_onnx_tta_averages_the_mirror_images']),
@@ -360,7 +360,7 @@ MUTATIONS = [
     ('.gitignore', 'predictions.csv\n', '',
      ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
     # FSDP2 and accelerate's refusals.
-    ('train_fsdp.py', '        model.set_requires_gradient_sync(last)', '        model.set_requires_gradient_sync(True)',
+    ('train_fsdp.py', '        model.set_requires_gradient_sync(last)  # type: ignore[operator]', '        model.set_requires_gradient_sync(True)',
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),
     ('train_fsdp.py', '    broadcast_buffers(model)  # validate',
      '    pass  # validate',
@@ -395,7 +395,7 @@ MUTATIONS = [
      ['tests/test_fsdp.py::test_accelerate_refuses_a_sharding_plugin_it_was_asked_for']),
     ('src/accelerate_checks.py', 'if kind != DistributedType.NO and not kind.value.startswith("MULTI_"):', 'if False:',
      ['tests/test_fsdp.py::test_accelerate_trains_only_with_its_ddp']),
-    ('train_fsdp.py', '        model.set_requires_gradient_sync(last)\n        with torch.autocast(device.type, amp_dtype(args), enabled=args.amp != "no"):', '        model.set_requires_gradient_sync(last)\n        with torch.autocast(device.type, amp_dtype(args), enabled=False):',
+    ('train_fsdp.py', '        model.set_requires_gradient_sync(last)  # type: ignore[operator]  # an FSDPModule since fully_shard(model)\n        with torch.autocast(device.type, amp_dtype(args.amp), enabled=args.amp != "no"):', '        model.set_requires_gradient_sync(last)  # type: ignore[operator]  # an FSDPModule since fully_shard(model)\n        with torch.autocast(device.type, amp_dtype(args.amp), enabled=False):',
      ['tests/test_fsdp.py::test_amp_autocasts_as_in_the_other_modes']),
     ('src/fsdp.py', '    if not all(param.is_contiguous() for param in model.parameters()):', '    if False:',
      ['tests/test_fsdp.py::test_channels_last_is_refused_in_one_line']),
@@ -421,11 +421,11 @@ MUTATIONS = [
      'if is_sharded(state.optimizer)',
      ['tests/test_fsdp.py::test_only_rank_0_writes_and_prints_and_best_pth_is_the_plain_model']),
     # The diff is the tutorial: a stray line in a script (past the margin, three in train_ddp.py).
-    ('train_ddp.py', '    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,',
-     '    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=True,',
+    ('train_ddp.py', '    train_sampler: DistributedSampler[int] = DistributedSampler(train_set, num_replicas=world_size, rank=rank,',
+     '    train_sampler: DistributedSampler[int] = DistributedSampler(train_set, world_size, rank,',
      ['tests/test_scripts.py::test_the_distributed_sampler_is_written_as_torch_documents_it']),
-    ('train_fsdp.py', 'whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))',
-     'whole = None',
+    ('train_fsdp.py', 'whole = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))',
+     'whole = (None',
      ['tests/test_scripts.py::test_fsdp_shards_each_unit_and_the_root_and_gathers_best_pth_with_torchs_call']),
     # Hygiene: what the code imports is pinned.
     ('requirements.txt', 'numpy==2.4.6\n', '',
@@ -489,10 +489,10 @@ MUTATIONS = [
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run', 'gpu:resume']),
     ('checks/gpu_selftest.py', '                groups.add(os.getpgid(pid))', '                groups.add(launch.pid)',
      ['tests/test_gpu_selftest_logic.py::test_stop_ends_the_workers_that_torchrun_puts_in_sessions_of_their_own']),
-    ('checks/gpu_selftest.py', '        flags += ["--dist-timeout", str(run.dist_timeout())]', '        pass',
+    ('checks/gpu_selftest.py', '        flags += ["--dist-timeout", str(run.dist_timeout(cpu))]', '        pass',
      ['tests/test_gpu_selftest_logic.py::test_every_distributed_launch_times_out_its_collectives_well_before_its_limit']),
-    ('checks/gpu_selftest.py', 'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 1, 3, 90',
-     'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, TEARDOWN = 5, 5, 0',
+    ('checks/gpu_selftest.py', 'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, CPU_DIST_TIMEOUT, TEARDOWN = 1, 3, 10, 90',
+     'DIST_TIMEOUT, COMPILED_DIST_TIMEOUT, CPU_DIST_TIMEOUT, TEARDOWN = 5, 5, 10, 0',
      ['tests/test_gpu_selftest_logic.py::test_every_distributed_launch_times_out_its_collectives_well_before_its_limit']),
     ('checks/gpu_selftest.py', '        except RuntimeError as error:\n            result.add(str(error), failed=name)',
      '        except RuntimeError:\n            raise',
@@ -564,8 +564,8 @@ MUTATIONS = [
      ["tests/test_gpu_on_cpu_fused_optimizers.py::test_the_weight_average_leaves_out_the_steps_the_scaler_skips_under_fused_sgd"]),
     ("src/ema.py", "                module.reshard()", "                pass",
      ["tests/test_fsdp.py::test_fsdp_with_the_full_recipe_and_accumulate_matches_single"]),
-    ('src/checkpoint.py', 'average_state["model"] if weights == "average" else model_state',
-     'model_state',
+    ('src/checkpoint.py', 'chosen = average_state["model"] if weights == "average" and average_state is not None else model_state',
+     'chosen = model_state',
      ['tests/test_ema.py::test_best_pth_holds_the_average_when_it_validates_better']),
     ('src/checkpoint.py', '                average.load(getattr(model, "_orig_mod", model), state["average"])',
      '                pass',
@@ -613,7 +613,7 @@ MUTATIONS = [
      ['tests/test_diverged.py::test_every_float_flag_refuses_values_that_are_not_finite']),
     ('src/cli.py', '        if value > maximum:', '        if False:',
      ['tests/test_inputs.py::test_an_image_size_above_the_range_is_refused_as_a_flag']),
-    ('src/cli.py', '    args.workers = cap_workers(args.workers, available_cpus())\n', '',
+    ('src/cli.py', 'cap_workers(workers, available_cpus()))', 'workers)',
      ['tests/test_inputs.py::test_workers_above_the_cpus_are_capped_in_one_line']),
     ('src/cli.py', '    if args.resume and args.overwrite:', '    if False:',
      ['tests/test_outputs.py::test_a_new_run_does_not_replace_an_earlier_runs_files_unless_told']),
@@ -712,8 +712,8 @@ MUTATIONS = [
       'tests/test_reliability.py::test_killed_worker_is_restarted_and_the_job_finishes_the_same']),
     ('src/checkpoint.py', 'source = -max(held)[1]', 'source = -min(held)[1]',
      ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
-    ('src/checkpoint.py', 'held = [(epoch[:2], -rank) for rank, epoch in enumerate(epochs) if epoch is not None]',
-     'held = [(epoch[:2], rank) for rank, epoch in enumerate(epochs) if epoch is not None]',
+    ('src/checkpoint.py', 'held = [(epoch[:2], -rank, epoch[2]) for rank, epoch in enumerate(places) if epoch is not None]',
+     'held = [(epoch[:2], rank, epoch[2]) for rank, epoch in enumerate(places) if epoch is not None]',
      ['tests/test_two_ranks.py::test_every_rank_resumes_from_the_newest_last_pth_of_any_node']),
     ('src/inference.py', '    share[[i - sampler.start for i in broken]] = float("nan")',
      '    share[[i for i in broken]] = float("nan")',
@@ -844,7 +844,7 @@ MUTATIONS = [
     ('src/state.py', 'earlier = self.partial["train_seconds"] if self.partial else 0.0',
      'earlier = 0.0',
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
-    ('src/state.py', 'return bool(every) and self.run_step % every == 0 and self.step < self.steps_per_epoch',
+    ('src/state.py', 'return every is not None and self.run_step % every == 0 and self.step < self.steps_per_epoch',
      'return False',
      ['tests/test_stopping.py::test_step_checkpoints_hold_the_steps_and_change_nothing']),
     ('src/stopping.py', 'self.handlers = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}',
@@ -861,16 +861,16 @@ MUTATIONS = [
     ('src/errors.py', '    except Stopped:\n        return EXIT_STOPPED',
      '    except Stopped:\n        return 0',
      ['tests/test_reliability.py::test_ctrl_c_anywhere_then_resume_equals_the_straight_run']),
-    ('src/ranks.py', '            or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0)', ')',
+    ('src/ranks.py', '            or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0 or _restarted_by_ray)', ' or _restarted_by_ray)',
      ['tests/test_stopping.py::test_restarted_is_a_torchrun_restart_or_a_requeued_slurm_job',
       'tests/test_stopping.py::test_every_mode_resumes_a_mid_epoch_checkpoint_to_the_same_end']),
     ('src/heartbeat.py', '    if now - beat["time"] > STALE:', '    if False:',
      ['tests/test_hung_rank.py::test_the_line_names_the_ranks_that_did_not_arrive_and_the_lowest_other_rank_says_it',
       'tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout',
       'tests/test_hung_rank.py::test_with_a_stop_pending_a_rank_not_heard_from_for_stale_seconds_ends_the_others']),
-    ('src/heartbeat.py', '        if said is None and beat["order"] < mine["order"]:', '        if False:',
+    ('src/heartbeat.py', '        if said is None and beat is not None and beat["order"] < mine["order"]:', '        if False:',
      ['tests/test_hung_rank.py::test_the_line_names_the_ranks_that_did_not_arrive_and_the_lowest_other_rank_says_it']),
-    ('train_ddp.py', 'with watch_ranks(store, args, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:',
+    ('train_ddp.py', 'with watch_ranks(store, args.dist_timeout, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:',
      'with Heartbeat() as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:',
      ['tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout']),
     ('src/tools/chaos.py', '                os.kill(target, signal.SIGTERM if event["means"] == "sigterm" else signal.SIGINT)',
@@ -1192,7 +1192,7 @@ MUTATIONS = [
      ['tests/test_tracking.py::test_a_tracker_failing_during_the_run_is_one_warning']),
     ('src/tracking.py', '        if position + 7 + length > len(data):  # the last record of a process killed while writing it\n            return\n', '',
      ['tests/test_tracking.py::test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record']),
-    ('src/cli.py', '    check_tracking(parser, args)\n', '',
+    ('src/cli.py', '    check_tracking(parser, args.track, args.tracking_uri)\n', '',
      ['tests/test_tracking.py::test_tracking_flags_refused_when_parsed', 'tests/test_tracking.py::test_a_tracker_not_installed_is_refused_when_parsed']),
     ('src/fsdp.py', '    if not optimizer.state:  # nothing to gather (SGD without momentum keeps none)',
      '    if False:  # nothing to gather (SGD without momentum keeps none)',
@@ -1206,9 +1206,26 @@ MUTATIONS = [
     ('train_single.py', 'val_loader = DataLoader(Subset(dataset, data.val_idx), args.batch_size',
      'val_loader = DataLoader([TrainSplit(dataset, data.val_idx, args)[i][:2] for i in range(len(data.val_idx))], args.batch_size',
      ['tests/test_augment.py::test_validation_with_every_augmentation_flag_is_that_without_them_and_trainings_own']),
-    ('src/checkpoint.py', 'for key, value in vars(args).items() if key not in ("local_rank", "command", "mode")}}',
-     'for key, value in vars(args).items() if key not in ("local_rank", "command", "mode", *ADDED_LATER)}}',
+    ('src/checkpoint.py', 'for key, value in args.as_dict().items() if key not in ("local_rank", "command", "mode")}}',
+     'for key, value in args.as_dict().items() if key not in ("local_rank", "command", "mode", *ADDED_LATER)}}',
      ['tests/test_report.py::test_every_flag_shows_the_recipe_the_run_was_trained_with']),
+    # Found by mypy (issue 55): a last found by the scan and gone when it is read.
+    ('src/checkpoint.py', '    if state is None:\n        raise _gone(path)', '    if False:\n        raise _gone(path)',
+     ['tests/test_resume_rules.py::test_a_last_pth_removed_between_its_scan_and_its_read_is_one_line']),
+    ('src/checkpoint.py', '    if whole is None:\n        raise _gone(folder)', '    if False:\n        raise _gone(folder)',
+     ['tests/test_resume_rules.py::test_a_last_dcp_removed_between_its_scan_and_its_read_is_one_line']),
+    ('src/config.py', '        kept = {*self.flags, "command", "mode"}', '        kept = {field.name for field in dataclasses.fields(self)}',
+     ['tests/test_types.py::test_parse_args_records_the_flags_its_parser_has_as_the_namespace_did']),
+    ('src/config.py', '    ema_decay: float | None\n', '',
+     ['tests/test_types.py::test_every_flag_of_every_script_is_a_field_in_the_parsers_order']),
+    ('src/freeze.py', 'def frozen_until(args: Config) -> int:', 'def frozen_until(args) -> int:',
+     ['tests/test_types.py::test_every_function_that_takes_the_flags_annotates_them']),
+    # Escaped quotes: the text this entry quotes would otherwise occur twice in this file, here too.
+    ('checks/mutations.py', "return captured.decode(errors=\"replace\") if isinstance(captured, bytes) else captured or \"\"",
+     "return str(captured or \"\")",
+     ['tests/test_mutations.py::test_a_run_that_times_out_logs_its_output_as_text_and_names_what_failed']),
+    ('src/tools/chaos.py', '    if last is None:\n        raise UserError(f"{what} {folder} holds no last.pth', '    if False:\n        raise UserError(f"{what} {folder} holds no last.pth',
+     ['tests/test_chaos.py::test_a_folder_without_a_last_is_one_line_naming_its_flag']),
     ('src/tools/compare_recipes.py', '    for flag, value in MODERN_RECIPE.items():\n        modern += [flag, value]\n', '',
      ['tests/test_compare_recipes.py::test_runs_differ_only_in_the_recipe']),
     ('src/tools/compare_recipes.py', 'for before, name in zip(names, names[1:]):', 'for before, name in zip(names[:1] * len(names), names[1:]):',
@@ -1267,15 +1284,15 @@ MUTATIONS = [
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
     ('src/cli.py', '        if not (args.freeze or args.evaluate):\n            check_batch_norm(', '        if True:\n            check_batch_norm(',
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
-    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1', 'together = 1',
+    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if distributed and args.sync_bn else 1', 'together = 1',
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
-    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1', 'together = int(os.environ.get("WORLD_SIZE", "1")) if args.sync_bn else 1',
+    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if distributed and args.sync_bn else 1', 'together = int(os.environ.get("WORLD_SIZE", "1")) if args.sync_bn else 1',
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
     ('src/data_parallel.py', 'smallest = min(len(piece) for piece in torch.empty(args.batch_size).chunk(gpus))', 'smallest = args.batch_size',
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
     ('src/cli.py', '        if self.ranks and os.environ.get("RANK", "0") != "0":', '        if os.environ.get("RANK", "0") != "0":',
      ['tests/test_training_input.py::test_a_launchers_variables_left_in_a_one_process_run_change_nothing']),
-    ('src/stopping.py', 'if "TORCHELASTIC_RUN_ID" in os.environ or (dist.is_initialized() and dist.get_world_size() > 1):', 'if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", 1)) > 1:',
+    ('src/stopping.py', 'launched = "TORCHELASTIC_RUN_ID" in os.environ or (dist.is_initialized() and dist.get_world_size() > 1)', 'launched = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", 1)) > 1',
      ['tests/test_training_input.py::test_a_launchers_variables_left_in_a_one_process_run_change_nothing']),
     ('src/checkpoint.py', '"processes": dist.get_world_size() if dist.is_initialized() else 1,', '"processes": int(os.environ.get("WORLD_SIZE", 1)),',
      ['tests/test_training_input.py::test_a_launchers_variables_left_in_a_one_process_run_change_nothing']),
@@ -1316,7 +1333,7 @@ MUTATIONS = [
     # replaced whole, resumed at another number of processes and in another mode; the chaos check's world changes.
     ('train_fsdp.py', 'state.save_step(sums, write=dcp.async_save)', 'state.save_step(sums, write=dcp.save)',
      ['tests/test_scripts.py::test_fsdp_writes_last_with_torchs_distributed_checkpoint']),
-    ('src/sharded_checkpoint.py', 'value.to_local().to("cpu", copy=True)', 'value.to_local()',
+    ('src/checkpoint_writer.py', 'local = self._copy_tensor(value.to_local(), where)', 'local = value.to_local()',
      ['tests/test_sharded_checkpoint.py::test_a_step_checkpoint_is_written_while_training_goes_on_and_holds_its_step']),
     ('src/sharded_checkpoint.py', '        average = {"model": {key: averaged.get(key, value) for key, value in model.items()},',
      '        average = {"model": dict(model),',
@@ -1350,6 +1367,77 @@ MUTATIONS = [
      ['tests/test_sharded_checkpoint.py::test_a_folder_holding_a_last_dcp_holds_an_earlier_run']),
     ('src/outputs.py', '        sharded_checkpoint.remove(shards)\n', '',
      ['tests/test_sharded_checkpoint.py::test_a_folder_holding_a_last_dcp_holds_an_earlier_run']),
+    # A last.dcp: nothing read runs code, every part of one save, only a save's folders replaced, a failed save
+    # one line with the last checkpoint kept; its staging on the host (issues 56 and 60).
+    ('src/sharded_checkpoint.py', '        if (module, name) not in METADATA_GLOBALS:', '        if False:',
+     ['tests/test_sharded_checkpoint.py::test_a_crafted_metadata_runs_nothing_in_any_reader']),
+    ('src/sharded_checkpoint.py', '            loaded = torch.load(value, weights_only=True)',
+     '            loaded = torch.load(value, weights_only=False)',
+     ['tests/test_sharded_checkpoint.py::test_a_value_in_a_shard_is_loaded_without_running_code']),
+    ('src/sharded_checkpoint.py', '        dcp.load(shards, storage_reader=reader, planner=_Planner())',
+     '        dcp.load(shards, checkpoint_id=folder)',
+     ['tests/test_sharded_checkpoint.py::test_a_value_in_a_shard_is_loaded_without_running_code']),
+    ('src/sharded_checkpoint.py', 'planner=_WholePlanner(), no_dist=True)', 'planner=_EmptyStateDictLoadPlanner(), no_dist=True)',
+     ['tests/test_sharded_checkpoint.py::test_a_value_in_a_shard_is_loaded_without_running_code']),
+    ('src/sharded_checkpoint.py', '        if mark != save:', '        if mark is None:',
+     ['tests/test_sharded_checkpoint.py::test_a_part_of_another_save_is_refused_naming_it']),
+    ('src/sharded_checkpoint.py', '    if getattr(metadata.storage_meta, "save_id", None) != save:', '    if False:',
+     ['tests/test_sharded_checkpoint.py::test_a_part_of_another_save_is_refused_naming_it']),
+    ('src/sharded_checkpoint.py', '        save_id = f"{self.token}-{run_step}-{self.saves}"', '        save_id = f"{run_step}-{self.saves}"',
+     ['tests/test_sharded_checkpoint.py::test_a_part_of_another_save_is_refused_naming_it']),
+    ('src/sharded_checkpoint.py', '        shards = {**shards, SAVE: {str(rank): save_id}}', '        shards = dict(shards)',
+     ['tests/test_sharded_checkpoint.py::test_a_part_of_another_save_is_refused_naming_it']),
+    ('src/sharded_checkpoint.py', '    path = Path(folder) / METADATA\n    _regular(path)\n', '    path = Path(folder) / METADATA\n',
+     ['tests/test_sharded_checkpoint.py::test_a_last_dcp_without_metadata_is_one_line_and_no_library_traceback']),
+    ('src/tools/report.py', 'raise UserError(f"cannot read the weights of {run.folder}: {one_line(error)}") from None',
+     'raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__})") from None',
+     ['tests/test_sharded_checkpoint.py::test_a_last_dcp_without_metadata_is_one_line_and_no_library_traceback']),
+    ('src/outputs.py', '    sharded_checkpoint.check_ours(sharded_checkpoint.folder_of(args))', '    pass',
+     ['tests/test_sharded_checkpoint.py::test_a_users_folder_at_a_saves_name_is_refused_and_left_as_it_is']),
+    ('src/sharded_checkpoint.py', '        return all(entry.is_file(follow_symlinks=False) and SAVE_FILES.fullmatch(entry.name)\n'
+     '                   for entry in os.scandir(path))', '        return True',
+     ['tests/test_sharded_checkpoint.py::test_only_the_folders_a_save_wrote_are_removed_or_renamed',
+      'tests/test_sharded_checkpoint.py::test_a_users_folder_at_a_saves_name_is_refused_and_left_as_it_is']),
+    ('src/sharded_checkpoint.py', '    for path in (folder, folder.parent / PREVIOUS, *temporaries(folder)):\n        _remove(path)',
+     '    for path in (folder, folder.parent / PREVIOUS, *temporaries(folder)):\n        shutil.rmtree(path, ignore_errors=True)',
+     ['tests/test_sharded_checkpoint.py::test_only_the_folders_a_save_wrote_are_removed_or_renamed']),
+    ('src/sharded_checkpoint.py', '    if is_ours(previous):\n        if os.path.lexists(folder):',
+     '    if previous.is_dir():\n        if os.path.lexists(folder):',
+     ['tests/test_sharded_checkpoint.py::test_only_the_folders_a_save_wrote_are_removed_or_renamed']),
+    ('src/sharded_checkpoint.py', '            raise _behind(error) from None\n\n    def finish', '            raise\n\n    def finish',
+     ['tests/test_sharded_checkpoint.py::test_a_save_that_fails_on_one_rank_is_one_line_and_the_last_checkpoint_stays']),
+    ('src/sharded_checkpoint.py', '        if is_first():\n            _remove(new)', '        if False:\n            _remove(new)',
+     ['tests/test_sharded_checkpoint.py::test_a_full_disk_in_a_save_is_one_line_and_keeps_the_last_checkpoint',
+      'tests/test_sharded_checkpoint.py::test_fsdp_on_a_full_disk_ends_in_one_line_without_a_temporary']),
+    ('src/sharded_checkpoint.py', '            future.result()\n        except (Exception, CheckpointException) as error:',
+     '            future.result()\n        except ZeroDivisionError as error:',
+     ['tests/test_sharded_checkpoint.py::test_a_full_disk_in_a_save_is_one_line_and_keeps_the_last_checkpoint',
+      'tests/test_sharded_checkpoint.py::test_fsdp_on_a_full_disk_ends_in_one_line_without_a_temporary']),
+    ('src/checkpoint_writer.py', '            return DTensor(local, value._spec, requires_grad=False)',
+     '            return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, '
+     'stride=value.stride())',
+     ['tests/test_sharded_checkpoint.py::test_a_step_checkpoint_is_staged_on_the_host_in_buffers_kept_between_saves']),
+    ('src/checkpoint_writer.py', '        pinned = tensor.is_cuda', '        pinned = False',
+     ['tests/test_sharded_checkpoint.py::test_a_shard_on_a_gpu_is_staged_in_pinned_memory_and_written_after_its_copies']),
+    ('src/sharded_checkpoint.py', '                self.copied.wait()  # DCP', '                pass  # DCP',
+     ['tests/test_sharded_checkpoint.py::test_a_shard_on_a_gpu_is_staged_in_pinned_memory_and_written_after_its_copies']),
+    ('src/sharded_checkpoint.py', '        writer = _Writer(new, folder, save_id, training, replaces, self.copies)',
+     '        writer = _Writer(new, folder, save_id, training, replaces, HostCopies())',
+     ['tests/test_sharded_checkpoint.py::test_a_step_checkpoint_is_staged_on_the_host_in_buffers_kept_between_saves']),
+    # Rank 0 alone builds last.pth; FSDP gathers the whole model for a new best only (issue 60).
+    ('src/state.py', '        if not is_first():  # the one collective the save needs is behind: rank 0 alone builds and writes '
+     'last.pth\n            return\n',
+     '        last = self._last_state(step=self.step, partial=partial)\n        if not is_first():\n            return\n',
+     ['tests/test_checkpoint_writer.py::test_only_the_rank_that_writes_builds_last_pth']),
+    ('src/state.py', '            if not is_first():  # rank 0 alone builds and writes last.pth: no collective in it\n'
+     '                return False\n            last = self._last_state(model_state=model_state)\n',
+     '            last = self._last_state(model_state=model_state)\n            if not is_first():\n                return False\n',
+     ['tests/test_checkpoint_writer.py::test_only_the_rank_that_writes_builds_last_pth']),
+    ('train_fsdp.py', '                         if state.new_best(record) == "weights" else None)',
+     '                         if True else None)',
+     ['tests/test_fsdp.py::test_fsdp_gathers_the_whole_model_only_for_a_new_best']),
+    ('src/state.py', '        return weights if best["epoch"] == record["epoch"] else None', '        return weights',
+     ['tests/test_fsdp.py::test_fsdp_gathers_the_whole_model_only_for_a_new_best']),
     ('src/tools/chaos.py', 'world = rng.choice([world for world in WORLDS if world != previous])', 'world = rng.choice(WORLDS)',
      ['tests/test_chaos.py::test_each_stop_is_planned_in_the_steps_left_and_another_world']),
     ('src/tools/chaos.py', '"ends": all(min(a, b) <= limit for a, b, limit in zip(to_two, to_one, bound)),', '"ends": True,',
@@ -1376,8 +1464,8 @@ MUTATIONS = [
      ['tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout']),
     ('src/stopping.py', '                self.wakeup = (read, write, signal.set_wakeup_fd(write))', '                self.wakeup = (read, write, -1)',
      ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
-    ('train_accelerate.py', '    with watch_ranks(joined_store(), args, accelerator.device) as heartbeat',
-     '    with watch_ranks(None, args, accelerator.device) as heartbeat',
+    ('train_accelerate.py', '    with watch_ranks(joined_store(), args.dist_timeout, accelerator.device) as heartbeat',
+     '    with watch_ranks(None, args.dist_timeout, accelerator.device) as heartbeat',
      ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
     ('src/datasets.py', '    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)) + main_module())', '    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)))',
      ['tests/test_loaders.py::test_a_fresh_fork_server_imports_the_main_scripts_modules_once']),
@@ -1399,7 +1487,7 @@ MUTATIONS = [
     # measures with, against an independent norm; the chaos check's verdict; a loader worker left
     # alive at exit. (The constant PrefixStore prefix is the src/process_group.py entry above, caught
     # now that the restart test checks that an attempt's store shows none of the dead one's keys.)
-    ('src/tools/agreement.py', '.sum() for k in a).sqrt().item()', '.sum() for k in a).item()',
+    ('src/tools/agreement.py', '    return total.sqrt().item()', '    return total.item()',
      ['tests/test_modes.py::test_distance_is_the_euclidean_norm_of_every_weight_difference']),
     ('src/tools/chaos.py', 'return weights == 0 and average == 0 and same_history',
      'return weights == 0 or average == 0 or same_history',
@@ -1427,8 +1515,8 @@ MUTATIONS = [
      ['tests/test_tool_outputs.py::test_an_onnx_file_whose_format_is_another_tools_is_not_exports']),
 
     # survivors of a blind audit, 2026-12-05 (training)
-    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1',
-     'together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") else 1',
+    ('src/cli.py', 'together = int(os.environ.get("WORLD_SIZE", "1")) if distributed and args.sync_bn else 1',
+     'together = int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1',
      ['tests/test_training_input.py::test_a_micro_batch_that_batch_norm_cannot_normalise_is_refused_before_any_work']),
     ('src/stopping.py', 'self.requested = self.requested or signum', 'self.requested = signum',
      ['tests/test_stopping.py::test_a_second_signal_before_the_stop_is_acted_on_keeps_the_first']),
@@ -1518,11 +1606,11 @@ MUTATIONS = [
     ('src/loaders.py', '        start_worker_server()', '        pass',
      ['tests/test_loaders.py::test_labelled_data_starts_the_workers_server_before_the_model_when_there_are_workers']),
     # Issue 60: the normalisation in place.
-    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean).div_(std)',
-     '    return images.float().div_(255).sub_(mean).div_(std)',
+    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean_t).div_(std_t)',
+     '    return images.float().div_(255).sub_(mean_t).div_(std_t)',
      ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
-    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean).div_(std)',
-     '    return images.to(torch.float32, copy=True).sub_(mean).div_(255).div_(std)',
+    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean_t).div_(std_t)',
+     '    return images.to(torch.float32, copy=True).sub_(mean_t).div_(255).div_(std_t)',
      ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
     # Issue 60: the benchmark against a plain training loop (--reference), the CPU of a process tree.
     ('src/tools/benchmark.py', '                todo += children.get(pid, [])', '                pass',
@@ -1535,6 +1623,104 @@ MUTATIONS = [
      ['tests/test_benchmark.py::test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images']),
     ('src/tools/plain_loop.py', '                              pin_memory=pinned, drop_last=True)', '                              pin_memory=pinned)',
      ['tests/test_benchmark.py::test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images']),
+    # Ray Train (train_ray.py): each Ray-specific line switched off.
+    ('train_ray.py', '    if checkpoint and rank == 0:  # Ray Train restarted', '    if checkpoint and rank == -1:  # Ray Train restarted',
+     ['tests/test_ray.py::test_a_lost_worker_costs_only_the_steps_since_the_last_save']),
+    ('train_ray.py', 'ray.train.report({"step": state.run_step}, checkpoint=ray.train.Checkpoint.from_directory(folder) if folder else None)',
+     'ray.train.report({"step": state.run_step}, checkpoint=None)',
+     ['tests/test_ray.py::test_a_lost_worker_costs_only_the_steps_since_the_last_save']),
+    ('train_ray.py', 'failure_config=ray.train.FailureConfig(max_failures=args.max_failures)',
+     'failure_config=ray.train.FailureConfig(max_failures=0)',
+     ['tests/test_ray.py::test_a_lost_worker_costs_only_the_steps_since_the_last_save']),
+    ('src/ray_worker.py', '        mark_restarted_by_ray()', '        pass',
+     ['tests/test_ray.py::test_a_lost_worker_costs_only_the_steps_since_the_last_save']),
+    ('src/ray_worker.py', '    if reported is None or (last_position(here.parent) or (-1, -1)) >= reported:',
+     '    if True:',
+     ['tests/test_ray.py::test_a_lost_worker_costs_only_the_steps_since_the_last_save']),
+    ('train_ray.py', '    with stops_to_workers(control):', '    with contextlib.nullcontext():',
+     ['tests/test_ray.py::test_a_stop_on_the_driver_ends_every_worker_at_a_step_and_goes_on_in_another_mode']),
+    ('src/ray_worker.py', '                signals.requested = signals.requested or number', '                pass',
+     ['tests/test_ray.py::test_a_stop_on_the_driver_ends_every_worker_at_a_step_and_goes_on_in_another_mode']),
+    ('src/stopping.py', 'PYTHON_DRIVEN = ("train_ray.py",)', 'PYTHON_DRIVEN = ()',
+     ['tests/test_ray.py::test_a_stop_on_the_driver_ends_every_worker_at_a_step_and_goes_on_in_another_mode']),
+    ('src/ray_worker.py', '        outcome["exit"] = EXIT_STOPPED', '        outcome["exit"] = 0',
+     ['tests/test_ray.py::test_a_worker_ends_on_bad_input_or_a_stop_without_failing_so_ray_does_not_restart_it',
+      'tests/test_ray.py::test_a_stop_on_the_driver_ends_every_worker_at_a_step_and_goes_on_in_another_mode']),
+    ('src/ray_worker.py', '            outcome["error"] = one_line(error)', '            pass',
+     ['tests/test_ray.py::test_a_worker_ends_on_bad_input_or_a_stop_without_failing_so_ray_does_not_restart_it']),
+    ('src/ray_driver.py', '    use_gpu = resources.get("GPU", 0) > 0', '    use_gpu = False',
+     ['tests/test_ray.py::test_more_workers_than_the_cluster_has_is_one_line_before_any_work']),
+    ('src/ray_driver.py', '    if not found:', '    if False:',
+     ['tests/test_ray.py::test_without_ray_installed_one_line_says_what_to_install']),
+    ('src/progress.py', 'disable=not (self.show and self.bars))', 'disable=not self.show)',
+     ['tests/test_ray.py::test_ray_trains_what_torchrun_trains_and_rank_0_alone_writes']),
+    ('src/cli.py', '    if args.evaluate and ray:', '    if False:',
+     ['tests/test_ray.py::test_evaluate_is_left_to_the_scripts_without_a_cluster']),
+    # Both sides of the boundaries of check_batches and its neighbours (a blind audit's survivor: the first).
+    ('src/loaders.py', 'if len(data.val_idx) < processes:', 'if len(data.val_idx) <= processes:',
+     ['tests/test_loaders.py::test_as_many_validation_images_as_processes_are_accepted_and_one_fewer_refused']),
+    ('src/devices.py', '    if free < need:\n', '    if free <= need:\n',
+     ['tests/test_loaders.py::test_a_dev_shm_with_exactly_what_the_workers_need_is_accepted_and_a_byte_less_refused']),
+    ('src/loaders.py', 'if n_val < 1 or n_val >= n:', 'if n_val <= 1 or n_val >= n:',
+     ['tests/test_loaders.py::test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused']),
+    ('src/loaders.py', 'if n_val < 1 or n_val >= n:', 'if n_val < 1 or n_val > n:',
+     ['tests/test_loaders.py::test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused']),
+
+    # What only a GPU runs, run or read on the CPU, and make test-gpu's checks of this round's
+    # features (issues 55 and 60): our threads on their rank's GPU, the self-test's code on the CPU.
+    ('src/heartbeat.py', '            torch.cuda.set_device(self.device)\n', '',
+     ['tests/test_gpu_on_cpu_cuda_paths.py::test_the_heartbeat_thread_sets_its_ranks_gpu_before_it_asks_an_event',
+      'gpu:gpu0']),
+    ('src/heartbeat.py', '                self.device = torch.device("cuda", torch.cuda.current_device())', '                pass',
+     ['tests/test_gpu_on_cpu_cuda_paths.py::test_a_heartbeat_given_cuda_without_an_index_uses_the_main_threads_gpu']),
+    ('src/checkpoint_writer.py', '        torch.cuda.set_device(self.device)  # the event', '        pass  #',
+     ['tests/test_gpu_on_cpu_cuda_paths.py::test_the_checkpoint_writer_thread_sets_the_gpu_of_its_copies_before_it_waits_for_them']),
+    ('src/stopping.py', 'self.hosts = [torch.zeros(1, pin_memory=True) for _ in range(2)] if self.on_gpu else []',
+     'self.hosts = [torch.zeros(1) for _ in range(2)] if self.on_gpu else []',
+     ['tests/test_gpu_on_cpu_cuda_paths.py::test_the_stop_agreement_under_nccl_reads_each_flag_from_pinned_memory_behind_an_event']),
+    ('src/freeze.py', '    if arrived is not None:\n        arrived.synchronize()', '    if False:\n        arrived.synchronize()',
+     ['tests/test_gpu_on_cpu_cuda_paths.py::test_the_feature_caches_copy_is_stored_after_its_event']),
+    # The three defects that kept make test-gpu from passing on any GPU (issue 55): each fails check 1 on the CPU.
+    ('checks/gpu_selftest.py', '    from src.loaders import loader_options\n', '    from src.loaders import loader_options, run_loaders\n',
+     ['tests/test_gpu_on_cpu_selftest.py::test_check_1s_pinned_part_builds_what_a_gpu_pins_and_the_writers_file_holds_the_saved_value']),
+    ('checks/gpu_selftest.py', '    progress = Progress(args, _bare_state(args, device), batch_images=4, device=device)',
+     '    progress = Progress(args, None, 1, 4, device)',
+     ['tests/test_gpu_on_cpu_selftest.py::test_check_1s_pinned_part_builds_what_a_gpu_pins_and_the_writers_file_holds_the_saved_value']),
+    ('checks/gpu_selftest.py', '    from src.fsdp import fsdp_units\n', '    from src.fsdp import fsdp_units, shard_model\n',
+     ['tests/test_gpu_on_cpu_selftest.py::test_check_1s_fsdp_memory_part_shards_as_train_fsdp_does_and_steps_under_each_amp']),
+    # The self-test's own logic and hooks.
+    ('tests/hooks/sitecustomize.py', '        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]) if _trained() else None)',
+     '        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]))',
+     ['tests/test_gpu_selftest_logic.py::test_a_launcher_or_a_fork_server_writes_no_record_under_a_ranks_name']),
+    ('tests/hooks/sitecustomize.py', '            _TRAINING["ran"] = True', '            pass',
+     ['tests/test_gpu_selftest_logic.py::test_a_launcher_or_a_fork_server_writes_no_record_under_a_ranks_name']),
+    ('tests/hooks/sitecustomize.py', '        kind = "soft" if target.is_floating_point() else "hard"', '        kind = "hard"',
+     ['tests/test_gpu_selftest_logic.py::test_the_targets_hook_logs_each_kind_of_target_once']),
+    ('checks/gpu_selftest.py', '        off = lerp_off(averages[0], params, averages[1], 1 - decay_at(counts[0], 0.9))',
+     '        off = lerp_off(averages[0], params, averages[1], 1 - decay_at(counts[0] + 1, 0.9))',
+     ['tests/test_gpu_selftest_logic.py::test_the_ema_check_computes_each_steps_average_again_and_catches_another_decay']),
+    ('checks/gpu_selftest.py', '                         contexts == [rank], f"{name} rank {rank}"',
+     '                         rank in contexts, f"{name} rank {rank}"', ['tests/test_gpu_selftest_logic.py::test_gpu0_needs_each_rank_on_its_own_gpu_alone']),
+    ('checks/gpu_selftest.py', '{held / 2**20:.0f} MiB then, allowed {0.05 * held / 2**20:.0f})"), more <= 0.05 * held',
+     '{held / 2**20:.0f} MiB then, allowed {0.05 * held / 2**20:.0f})"), more <= held',
+     ['tests/test_gpu_selftest_logic.py::test_the_peak_verdict_allows_a_twentieth_of_what_the_rank_held']),
+    # This round's features, each caught by its make test-gpu check (and on the CPU where the CPU can show it).
+    ('src/checkpoint_writer.py', '            local = self._copy_tensor(value.to_local(), where)',
+     '            local = value.to_local().clone()', ['gpu:steps']),
+    ('src/sharded_checkpoint.py', '        shards["average"] = average_shards(model, average)', '        pass',
+     ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:steps']),
+    ('src/checkpoint_writer.py', '        self.event.record()', '        pass', ['gpu:gpu']),
+    ('src/ema.py', '            weight = (1 - decay_at(t, self.decay)) * (1 - skip)',
+     '            weight = (1 - decay_at(t + 1, self.decay)) * (1 - skip)', ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:ema']),
+    ('src/tracking.py', 'values = {f"epoch/{key}": value for key, value in numbers(record).items() if key != "epoch"}',
+     'values = {f"epoch/{key}": value for key, value in numbers(record).items() if key not in ("epoch", "val_acc")}',
+     ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:track']),
+    ('src/batch_norm.py', '        dist.all_reduce(rows)\n', '', ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:syncbn']),
+    ('src/heartbeat.py', '    dump = getattr(c10d, "_dump_nccl_trace" if dist.get_backend() == "nccl" else "_dump_fr_trace", None)',
+     '    dump = None', ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:stop']),
+    ('src/dropout.py', '        h = j + -1640531527  # + GOLDEN, mod 2^32', '        h = j + -1640531526  # + GOLDEN, mod 2^32',
+     ['tests/test_gpu_on_cpu_selftest.py::test_the_draws_check_compares_tritons_masks_with_the_cpus_in_the_interpreter', 'gpu:draws']),
+    ('src/augment.py', '    if not mixers:\n        return None', '    if True:\n        return None', ['tests/test_gpu_on_cpu_selftest.py::test_every_check_of_make_test_gpu_runs_on_the_cpu_and_passes', 'gpu:draws']),
 ]
 
 
@@ -1629,6 +1815,12 @@ def scratch_copy() -> Path:
     return folder
 
 
+def _text(captured: bytes | str | None) -> str:
+    """What a timed-out subprocess.run captured: bytes whatever its text=True said (as subprocess's
+    documentation of TimeoutExpired says), None where it captured nothing."""
+    return captured.decode(errors="replace") if isinstance(captured, bytes) else captured or ""
+
+
 def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
     """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds, the tests that
     failed); its output goes to log."""
@@ -1640,7 +1832,7 @@ def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[
                                 env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
         output, code = result.stdout + result.stderr, result.returncode
     except subprocess.TimeoutExpired as expired:
-        output, code = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", -1
+        output, code = f"{_text(expired.stdout)}{_text(expired.stderr)}\ntimed out after {timeout:.0f} s", -1
     log.write_text(" ".join(command) + "\n\n" + output)
     shutil.rmtree(basetemp, ignore_errors=True)
     # pytest's exit codes: 0 all passed, 1 some failed, 2 interrupted or errors in collection, 4 usage, 5 none collected.
@@ -1664,7 +1856,7 @@ def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tu
         outcome = ("failed" if failed
                    else "passed" if all(verdicts.get(key) == "passed" for key in keys) else "error")
     except subprocess.TimeoutExpired as expired:
-        output, outcome = f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {timeout:.0f} s", "error"
+        output, outcome = f"{_text(expired.stdout)}{_text(expired.stderr)}\ntimed out after {timeout:.0f} s", "error"
     except (OSError, ValueError, KeyError) as error:
         output, outcome = f"{output}\nno report: {error}", "error"
     log.write_text(" ".join(command) + "\n\n" + output)
@@ -1676,7 +1868,7 @@ def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool
     failed), "failed" as soon as one fails; "no GPU" when it names GPU checks only and there is
     none here."""
     cpu_tests, keys = split(tests)
-    outcome, seconds, failed = "passed", 0.0, []
+    outcome, seconds, failed = "passed", 0.0, list[str]()
     if cpu_tests:
         outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout)
     if keys and outcome == "passed":
@@ -1767,8 +1959,8 @@ def main() -> int:
             shutil.rmtree(copy, ignore_errors=True)
 
     print("\n| # | mutation | tests | result | seconds |\n|---|---|---|---|---|")
-    for number, (mutation, tests, said, seconds) in enumerate(rows, 1):
-        print(f"| {number} | {mutation} | {tests} | {said} | {seconds:.0f} |")
+    for number, (mutation, named, said, seconds) in enumerate(rows, 1):
+        print(f"| {number} | {mutation} | {named} | {said} | {seconds:.0f} |")
     caught = sum(said == "caught" for _, _, said, _ in rows)
     skipped = sum(said == "no GPU" for _, _, said, _ in rows)
     print(f"\n{caught} of {len(rows) - skipped} caught" + (f" ({skipped} for a GPU only, not run here)" if skipped else "")

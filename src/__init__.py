@@ -1,4 +1,4 @@
-"""The training library: what the five train_*.py scripts share. Each script calls its mode's own
+"""The training library: what the six train_*.py scripts share. Each script calls its mode's own
 torch or accelerate API itself; what guards those calls, and what every mode does alike, is here.
 The commands around training are in src/tools/ (they import this library; the scripts never
 import them). One module per subject, no import circle:
@@ -18,6 +18,7 @@ The run
     profiling.py      --profile: torch.profiler's trace and its table
     errors.py         how a command ends: one-line errors (exit 2), a stop (75), the group after an error
     cli.py            the flags of every training script
+    config.py         the run's flags as one typed object (Config), which every module reading a flag takes
 Data
     datasets.py       the images, their labels, and the processes of the loader workers
     loaders.py        the split, the validation shards, the loader options, skipping finished steps
@@ -43,6 +44,8 @@ The processes
     fsdp.py           FSDP2's units, validation on shards, whole tensors for checkpoints, bytes held
     data_parallel.py  nn.DataParallel with --amp's dtype and channels-last replicas
     accelerate_checks.py  what train_accelerate.py refuses before any work
+    ray_driver.py     train_ray.py's driver: Ray installed, --address, --num-workers, stops sent on, how it ended
+    ray_worker.py     train_ray.py's workers: ending without failing, the driver's stops, reporting and restoring last.pth
     devices.py        the device, its numerics, CPUs and workers, the machine's name
 Using a model
     inference.py      best.pth with its best.json, probabilities for files, --evaluate

@@ -24,7 +24,6 @@ back as it was. Each draw has a stream of its own, so that each is independent o
 of dropout's (src/dropout.py, stream 1), and switching one on changes none of the others.
 Validation, --evaluate and predict never augment.
 """
-import argparse
 import contextlib
 import math
 from typing import Iterator
@@ -34,6 +33,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
+from src.config import Config
 from src.dropout import sample_key
 from src.seeds import derive_seed
 from src.transforms import IMAGENET_MEAN
@@ -103,9 +103,9 @@ def partner(seed: int, epoch: int, index: int, position: int, n: int) -> int:
     return drawn + (drawn >= position)
 
 
-def policy(args: argparse.Namespace) -> v2.Transform | None:
+def policy(args: Config) -> v2.Transform | None:
     """--auto-augment's transform, with the reference's settings; None without it."""
-    name = getattr(args, "auto_augment", None)
+    name = args.auto_augment
     if name is None:
         return None
     if name == "ta_wide":
@@ -117,32 +117,32 @@ def policy(args: argparse.Namespace) -> v2.Transform | None:
     raise ValueError(f"--auto-augment {name!r}: not a policy (src.cli.POLICIES)")
 
 
-def eraser(args: argparse.Namespace) -> v2.RandomErasing | None:
+def eraser(args: Config) -> v2.RandomErasing | None:
     """--random-erase P's transform (the reference's scale and ratio); None without it."""
-    p = getattr(args, "random_erase", 0.0)
+    p = args.random_erase
     return v2.RandomErasing(p=p, value=list(ERASE_FILL)) if p > 0 else None
 
 
-def mixer(args: argparse.Namespace) -> v2.Transform | None:
+def mixer(args: Config) -> v2.Transform | None:
     """v2.MixUp, v2.CutMix or, with both alphas, the reference's RandomChoice of the two; None
     without either. It takes a batch of two (the sample, its partner) and two labels."""
     mixers = []
-    if getattr(args, "mixup_alpha", 0.0) > 0:
+    if args.mixup_alpha > 0:
         mixers.append(v2.MixUp(alpha=args.mixup_alpha, num_classes=2))
-    if getattr(args, "cutmix_alpha", 0.0) > 0:
+    if args.cutmix_alpha > 0:
         mixers.append(v2.CutMix(alpha=args.cutmix_alpha, num_classes=2))
     if not mixers:
         return None
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
-def augments(args: argparse.Namespace) -> list[str]:
+def augments(args: Config) -> list[str]:
     """The flags on that change a training image from epoch to epoch or mix it with another."""
-    on = {"--augment": getattr(args, "augment", False),
-          "--auto-augment": getattr(args, "auto_augment", None) is not None,
-          "--random-erase": getattr(args, "random_erase", 0.0) > 0,
-          "--mixup-alpha": getattr(args, "mixup_alpha", 0.0) > 0,
-          "--cutmix-alpha": getattr(args, "cutmix_alpha", 0.0) > 0}
+    on = {"--augment": args.augment,
+          "--auto-augment": args.auto_augment is not None,
+          "--random-erase": args.random_erase > 0,
+          "--mixup-alpha": args.mixup_alpha > 0,
+          "--cutmix-alpha": args.cutmix_alpha > 0}
     return [flag for flag, value in on.items() if value]
 
 
@@ -161,7 +161,7 @@ def mix(first: torch.Tensor, second: torch.Tensor, labels: tuple[int, int],
     return images[0].round().clamp(0, 255).to(torch.uint8), targets[0].float()
 
 
-class TrainSplit(Dataset):
+class TrainSplit(Dataset[tuple[torch.Tensor, int | torch.Tensor, int]]):
     """The training images: item `position` is (image, target, key) of the data set's sample
     indices[position] in the epoch that set_epoch gave, where
 
@@ -173,9 +173,9 @@ class TrainSplit(Dataset):
     `dataset[index]` is (uint8 image, int label); `args` holds the run's flags.
     """
 
-    def __init__(self, dataset: Dataset, indices: list[int], args: argparse.Namespace):
+    def __init__(self, dataset: Dataset, indices: list[int], args: Config):
         self.dataset, self.indices, self.seed = dataset, list(indices), args.seed
-        self.crop = getattr(args, "augment", False)
+        self.crop = args.augment
         self.policy, self.eraser, self.mixer = policy(args), eraser(args), mixer(args)
         # In shared memory: a persistent loader worker keeps the copy of this object it started
         # with (fork or spawn), and reads the epoch that set_epoch writes in the main process.

@@ -58,7 +58,7 @@ def synced_batch_norm(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> t
     if x.numel() == 0:  # a shape: known on the host
         raise ValueError("--sync-bn: a rank's micro-batch is empty; every rank needs at least one sample")
     tracked = bn.track_running_stats and bn.running_mean is not None
-    if tracked:
+    if tracked and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
     return _SyncBatchNorm.apply(x, bn.weight, bn.bias, bn.running_mean if tracked else None,
                                 bn.running_var if tracked else None,

@@ -134,7 +134,7 @@ class MappedArray(Dataset):
     def __init__(self, path: Path, labels: list[int], row_shape: tuple, dtype, key: str = ""):
         self.path, self.labels, self.key = Path(path), list(labels), key
         self.shape, self.dtype = (len(self.labels), *row_shape), np.dtype(dtype)
-        self._array = None  # opened lazily in each loader worker
+        self._array: np.memmap | None = None  # opened lazily in each loader worker
 
     def __getstate__(self) -> dict:  # a memmap would be pickled as a full copy of the data
         return {**self.__dict__, "_array": None}

@@ -15,13 +15,14 @@ import os
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from src import sharded_checkpoint
+from src.config import Config
 from src.datasets import CLASSES
 from src.devices import hardware
 from src.divergence import check_finite_weights, refuse_non_finite
@@ -31,6 +32,9 @@ from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, outp
 from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+if TYPE_CHECKING:  # src.fsdp loads FSDP's modules, which a run without them does not need
+    from src.fsdp import WholeModel, WholeOptimizer
 
 # Recipe flags younger than some last.pth files, with their defaults: a last.pth without the key was
 # trained with the default, which it then resumes with.
@@ -51,7 +55,7 @@ def flag_of(key: str) -> str:
     return FLAGS.get(key, "--" + key.replace("_", "-"))
 
 
-def run_info(args, global_batch: int, data: str) -> dict:
+def run_info(args: Config, global_batch: int, data: str) -> dict:
     """What identifies this run: best.json's content, and what --resume must find unchanged.
 
     `data` is the digest of the label table (labelled_data); global_batch includes --accumulate.
@@ -63,7 +67,7 @@ def run_info(args, global_batch: int, data: str) -> dict:
             **{key: getattr(args, key) for key in RECIPE_FLAGS}, **run_context(args)}
 
 
-def run_context(args) -> dict:
+def run_context(args: Config) -> dict:
     """What the report shows and --resume does not compare (a last.pth resumes in another mode):
     the mode (the script's name: train_ddp.py is "ddp"), the processes, when, rank 0's machine
     and every flag."""
@@ -72,10 +76,10 @@ def run_context(args) -> dict:
             "started": datetime.now().isoformat(timespec="seconds"),
             "hardware": hardware() if is_first() else "",  # rank 0 asks for GPU 0's name: its own
             "flags": {key: value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-                      for key, value in vars(args).items() if key not in ("local_rank", "command", "mode")}}
+                      for key, value in args.as_dict().items() if key not in ("local_rank", "command", "mode")}}
 
 
-def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: dict,
+def write_epoch(args: Config, history: list[dict], info: dict, model_state: dict, last: dict,
                 average_state: dict | None = None) -> bool:
     """Write the files of a finished epoch (rank 0): best.pth if it is the best so far, best.json,
     last.pth (`last`, last_state's), history.json and the plot; True if it is the best so far.
@@ -91,29 +95,35 @@ def write_epoch(args, history: list[dict], info: dict, model_state: dict, last: 
     return is_best
 
 
-def write_best(args, history: list[dict], info: dict, model_state: dict, average_state: dict | None) -> bool:
+def write_best(args: Config, history: list[dict], info: dict, model_state: dict | None,
+               average_state: dict | None) -> bool:
     """best.pth and best.json if the last epoch of `history` is the best so far (write_epoch's
-    first files); whether it is."""
+    first files); whether it is. `model_state` may be None where best.pth is not to hold the
+    weights (FSDP gathers them for a new best only)."""
     paths = output_paths(args)
     best, weights = best_choice(history, args.best_by)
     is_best = best["epoch"] == history[-1]["epoch"]
     if is_best:
         # best.json holds its digest: predict checks the pair (the only file whose hash is used).
-        digest = atomic_torch_save(average_state["model"] if weights == "average" else model_state, paths["best"],
-                                   hashed=True)
+        if weights == "average" and average_state is None:  # best_choice offers an average only where the records hold one
+            raise ValueError("the history holds --ema-decay's average but the run keeps none")
+        if weights == "weights" and model_state is None:
+            raise ValueError("a new best of the weights without their whole state_dict")
+        chosen = average_state["model"] if weights == "average" and average_state is not None else model_state
+        digest = atomic_torch_save(chosen, paths["best"], hashed=True)
         atomic_write_text(paths["info"], json.dumps(
             {**info, "epoch": history[-1]["epoch"], "weights": weights, "sha256": digest}, indent=2))
     return is_best
 
 
-def write_history(args, history: list[dict]) -> None:
+def write_history(args: Config, history: list[dict]) -> None:
     """history.json and the plot (write_epoch's last files)."""
     paths = output_paths(args)
     atomic_write_text(paths["history"], history_text(history))
     atomic_write(paths["plot"], lambda file: plot_history(history, file))
 
 
-def last_state(history: list[dict], model_state: dict, optimizer_state: dict, average_state: dict | None,
+def last_state(history: list[dict], model_state: dict | None, optimizer_state: dict | None, average_state: dict | None,
                scaler, schedule, info: dict, step: int = 0, partial: dict | None = None) -> dict:
     """last.pth's content after the epochs in `history` and `step` optimizer steps of the next one;
     `partial` (step > 0): each rank's metric sums of those steps (one row per rank) and their
@@ -184,26 +194,53 @@ def _newest_last(path: Path, sharded: bool = False) -> tuple[int, dict | None]:
     for epoch in epochs:
         if isinstance(epoch, UserError):
             raise UserError(str(epoch), quiet=not is_first())
-    held = [(epoch[:2], -rank) for rank, epoch in enumerate(epochs) if epoch is not None]
+    places = [epoch for epoch in epochs if not isinstance(epoch, UserError)]  # all of them: raised above
+    held = [(epoch[:2], -rank, epoch[2]) for rank, epoch in enumerate(places) if epoch is not None]
     if not held:
         return 0, None
     source = -max(held)[1]
-    found = Path(epochs[source][2])
+    found = Path(max(held)[2])
     if found == path:
-        return source, from_rank(source, lambda: {**_read_last(path), "from": _where(path)})
+        return source, from_rank(source, lambda: _read_found(path))
     return source, from_rank(source, lambda: _read_folder(found, sharded))
 
 
-def _read_folder(folder: Path, sharded: bool) -> dict:
-    """A whole last.dcp as _newest_last sends it."""
+def _read_found(path: Path) -> dict:
+    """The last.pth that _newest_last found, as it sends it."""
+    state = _read_last(path)
+    if state is None:
+        raise _gone(path)
+    return {**state, "from": _where(path)}
+
+
+def _gone(path: Path) -> UserError:
+    """A last that _newest_last found and that is gone when it is read (deleted, or a run of the
+    same folder moved it): one line, not a traceback."""
+    return UserError(f"cannot resume from {_where(path)}: it was removed while this run started; start the run again")
+
+
+def _read_folder(folder: Path, sharded: bool, resuming: bool = True) -> dict:
+    """A whole last.dcp as _newest_last sends it (`resuming`: its error says so)."""
     whole = sharded_checkpoint.whole_folder(folder)
+    if whole is None:
+        raise _gone(folder)
     try:
         if sharded:
             return {**sharded_checkpoint.read_training(whole), "from": _where(folder), "shards": str(whole)}
         return {**sharded_checkpoint.read_whole(whole), "from": _where(folder)}
     except (Exception, CheckpointException) as error:  # a torn or foreign folder: many exception types
-        raise UserError(f"cannot resume from {_where(folder)} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over") from None
+        if not resuming:
+            raise UserError(f"cannot read {_where(folder)} ({_why(error)})") from None
+        raise UserError(f"cannot resume from {_where(folder)} ({_why(error)}); delete it to start over") from None
+
+
+def _why(error: BaseException) -> str:
+    """What is wrong with a last that cannot be read, on one line: a last.dcp's part that is not of
+    its save says so itself (sharded_checkpoint.Unreadable); other errors with their type."""
+    error = sharded_checkpoint.unwrapped(error)
+    if isinstance(error, sharded_checkpoint.Unreadable):
+        return one_line(error)
+    return f"{type(error).__name__}: {one_line(error)}"
 
 
 def last_position(folder: Path) -> tuple[int, int] | None:
@@ -226,16 +263,16 @@ def read_last(folder: Path) -> dict | None:
         return None
     if Path(found[2]) == path:
         return _read_last(path)
-    return _read_folder(Path(found[2]), sharded=False)
+    return _read_folder(Path(found[2]), sharded=False, resuming=False)
 
 
-def _best_files(args) -> tuple[bytes | None, str | None]:
+def _best_files(args: Config) -> tuple[bytes | None, str | None]:
     paths = output_paths(args)
     best, info = paths["best"], paths["info"]
     return (best.read_bytes() if best.exists() else None, info.read_text() if info.exists() else None)
 
 
-def _copy_to_rank_0(args, state: dict, source: int) -> None:
+def _copy_to_rank_0(args: Config, state: dict, source: int) -> None:
     """Rank 0 on another node than the newest last.pth: bring the run's files here, where this
     run writes its next ones, so that this folder holds the whole run (best.pth may be from an
     epoch this node never saw). Every rank takes part in the broadcast."""
@@ -266,7 +303,7 @@ def _shown(key: str, value) -> str:
     return str(value)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer(optimizer: "torch.optim.Optimizer | WholeOptimizer", saved: dict) -> None:
     """optimizer.load_state_dict(saved), keeping this device's kernel choice (fused on a GPU, not
     on a CPU), which the fp16 scaler relies on. The choice goes into the saved groups before
     loading: load_state_dict places AdamW's `step` tensors by the saved groups' flags
@@ -305,7 +342,8 @@ class Resumed(NamedTuple):
     tracked_ids: dict | None = None
 
 
-def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, schedule, average=None,
+def load_last(args: Config, info: dict, model: "torch.nn.Module | WholeModel",
+              optimizer: "torch.optim.Optimizer | WholeOptimizer", scaler, schedule, average=None,
               shards=None) -> Resumed:
     """With --resume (or in a worker that torchrun restarted), load last.pth (or last.dcp) into
     model, optimizer, the weight average, scaler and schedule; returns the history so far and the
@@ -362,8 +400,8 @@ def load_last(args, info: dict, model: torch.nn.Module, optimizer, scaler, sched
         tracked_ids = _tracked_ids(saved)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, CheckpointException) as error:
         # an older or foreign last, or a last.dcp that lacks a piece
-        raise UserError(f"cannot resume from {state['from']} ({type(error).__name__}: {one_line(error)}); "
-                        "delete it to start over", quiet=not is_first()) from None
+        raise UserError(f"cannot resume from {state['from']} ({_why(error)}); delete it to start over",
+                        quiet=not is_first()) from None
     if source != 0 and "shards" not in state:  # a last.dcp is where every node sees it already
         _copy_to_rank_0(args, state, source)
     if announce:

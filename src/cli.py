@@ -1,14 +1,21 @@
-"""The command-line flags shared by all five training scripts."""
+"""The command-line flags shared by all six training scripts."""
 import argparse
+import dataclasses
 import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from src.config import Config
 from src.errors import UserError, before_a_silent_exit
 from src.tracking import BACKENDS
+
+if TYPE_CHECKING:
+    import torch
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -19,7 +26,7 @@ class OneLineParser(argparse.ArgumentParser):
 
     ranks = False
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         # Under a launcher every rank parses the same flags: rank 0 alone says what is wrong.
         if self.ranks and os.environ.get("RANK", "0") != "0":
             before_a_silent_exit()
@@ -27,7 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def at_least(minimum: int):
+def at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:
@@ -49,7 +56,7 @@ RA_MAGNITUDES = (0, 30)
 AUGMIX_SEVERITIES = (1, 10)
 
 
-def between(minimum: int, maximum: int):
+def between(minimum: int, maximum: int) -> Callable[[str], int]:
     """An int in [minimum, maximum]."""
     low = at_least(minimum)
 
@@ -71,7 +78,7 @@ def _finite(text: str) -> float:
     return value
 
 
-def _fraction(low_open: bool, high_open: bool):
+def _fraction(low_open: bool, high_open: bool) -> Callable[[str], float]:
     """A float in [0, 1], each end included unless it is open."""
     def parse(text: str) -> float:
         value = _finite(text)
@@ -100,7 +107,7 @@ def _positive(text: str) -> float:
     return value
 
 
-def build_parser(description: str, amp: bool = True, distributed: bool = False,
+def build_parser(description: str, amp: bool = True, distributed: bool = False, ray: bool = False,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -209,22 +216,39 @@ def build_parser(description: str, amp: bool = True, distributed: bool = False,
                             help="mixed precision with torch.autocast (fp16 adds a gradient scaler)")
     if distributed:
         add_dist_timeout(parser, "in a collective, or for its node's --cache build")
+    if ray:
+        add_ray_flags(parser.add_argument_group("Ray Train (train_ray.py)").add_argument)
     # torch.distributed.launch passes this (and sets LOCAL_RANK, which the scripts read).
     parser.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
+def config_from(namespace: argparse.Namespace, command: list[str], mode: str, workers: int) -> Config:
+    """The Config of a parsed namespace of build_parser: its flags, `workers` resolved."""
+    parsed = {**vars(namespace), "workers": workers}
+    return Config(**parsed, command=command, mode=mode, flags=tuple(vars(namespace)))
+
+
+def defaults(argv: list[str] | None = None, amp: bool = True, distributed: bool = False, **changes: Any) -> Config:
+    """The Config of a training script's flags at their defaults (or as `argv` gives them),
+    `changes` set over them, without parse_args's checks: for the commands that run part of a
+    training run (benchmark, report) and for tests. --workers's default: 0 (the loading in the
+    calling process)."""
+    namespace = build_parser("", amp=amp, distributed=distributed).parse_args(argv or [])
+    config = config_from(namespace, ["train_single.py", *(argv or [])], "single",
+                         namespace.workers if namespace.workers is not None else 0)
+    return dataclasses.replace(config, **changes)
+
+
 def parse_args(description: str, argv: list[str] | None = None, script: str | None = None,
-               **options) -> argparse.Namespace:
+               amp: bool = True, distributed: bool = False, ray: bool = False) -> Config:
     """The flags of a training script: argv (sys.argv[1:] when None), `script` its file (for the
-    messages, the mode it records and the command that goes on after a stop). `args.command` is
-    the command line as typed (the script and argv); `args.mode` the script's name without
-    "train_" ("ddp")."""
+    messages, the mode it records and the command that goes on after a stop). `.command` is the
+    command line as typed (the script and argv); `.mode` the script's name without "train_" ("ddp")."""
     argv = sys.argv[1:] if argv is None else list(argv)
     name = Path(script).name if script else Path(sys.argv[0]).name
-    parser = build_parser(description, prog=name, **options)
+    parser = build_parser(description, amp=amp, distributed=distributed, ray=ray, prog=name)
     args = parser.parse_args(argv)
-    args.command, args.mode = [name, *argv], Path(name).stem.removeprefix("train_")
     if args.freeze and args.freeze_epochs:
         parser.error("--freeze trains the last layer only in every epoch; --freeze-epochs K only "
                      "in the first K: pass one of them")
@@ -233,14 +257,18 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
                      f"{args.epochs}, so the learning rate would never reach --lr")
     if args.resume and args.overwrite:
         parser.error("--resume continues the run beside --checkpoint, --overwrite replaces it: pass one of them")
-    check_tracking(parser, args)
+    check_tracking(parser, args.track, args.tracking_uri)
+    if args.evaluate and ray:
+        parser.error("--evaluate validates without a cluster: run it with train_ddp.py or train_single.py, which "
+                     "read train_ray.py's checkpoints")
+    evaluate_file = None
     if args.evaluate:
         for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):
-            if getattr(args, flag):
+            if getattr(args, flag):  # the namespace's: the Config is made below
                 parser.error(f"--evaluate trains nothing and writes nothing: drop --{flag.replace('_', '-')}")
         # The file to validate: the model is built without weights (nothing to download) and that
         # file is loaded into it (src.inference.load_evaluated).
-        args.evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
+        evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint
         args.weights = "none"
     from src.models import check_batch_norm, check_dropout, check_image_size  # here, not above: they load torchvision
     try:
@@ -249,38 +277,56 @@ def parse_args(description: str, argv: list[str] | None = None, script: str | No
         # A micro-batch of one image per process (the last incomplete batch is dropped: only
         # --batch-size counts), unless batch norm runs in eval mode (--freeze, --evaluate) or
         # over several processes (--sync-bn under a launcher).
-        together = int(os.environ.get("WORLD_SIZE", "1")) if options.get("distributed") and args.sync_bn else 1
+        together = int(os.environ.get("WORLD_SIZE", "1")) if distributed and args.sync_bn else 1
+        together = args.num_workers if ray and args.sync_bn else together
         if not (args.freeze or args.evaluate):
             check_batch_norm(args.arch, args.image_size, args.batch_size * together, f"--batch-size {args.batch_size}")
     except UserError as error:
         parser.error(str(error))
     from src.devices import available_cpus
-    if args.workers is None:
+    workers = args.workers
+    if workers is None:
         from src.devices import default_workers
-        args.workers = default_workers()
-    args.workers = cap_workers(args.workers, available_cpus())
-    return args
+        workers = default_workers()
+    config = config_from(args, [name, *argv], Path(name).stem.removeprefix("train_"),
+                         cap_workers(workers, available_cpus()))
+    config.evaluate_file = evaluate_file
+    return config
 
 
 # A URI starts with its scheme (RFC 3986): a plain path would be MLflow's file store, which it refuses.
 URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 
 
-def check_tracking(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_tracking(parser: argparse.ArgumentParser, track: list[str] | None, uri: str | None) -> None:
     """What can be known of --track and --tracking-uri before anything starts: the URI's form, that
     it goes with --track mlflow, the trackers' packages. Whether the store answers: src.tracking."""
     import importlib.util
-    uri = args.tracking_uri
     if uri is not None:
-        if "mlflow" not in (args.track or []):
+        if "mlflow" not in (track or []):
             parser.error("argument --tracking-uri: it is MLflow's store: add --track mlflow, or drop it")
         if not URI_SCHEME.match(uri):
             parser.error(f"argument --tracking-uri: {uri!r} is not a URI: pass http(s)://HOST:PORT, "
                          "sqlite:///PATH/mlflow.db or another database's URI")
-    for name in dict.fromkeys(args.track or []):
+    for name in dict.fromkeys(track or []):
         if importlib.util.find_spec(name) is None:
             parser.error(f"argument --track: {name} is not installed in this environment: "
                          "pip install -r requirements.txt")
+
+
+def add_ray_flags(add: Callable[..., argparse.Action]) -> None:
+    """train_ray.py's own flags: its workers, its cluster, where Ray Train keeps the checkpoints."""
+    add("--num-workers", type=at_least(1), default=1,
+        help="training processes that Ray Train starts, one CPU each, or one GPU each where the cluster has GPUs")
+    add("--address", default=None,
+        help="a running Ray cluster: HOST:PORT of its head (ray start --head), ray://HOST:PORT or auto "
+             "(default: RAY_ADDRESS, else a Ray instance started on this machine for the run)")
+    add("--storage-path", metavar="PATH", default=None,
+        help="where Ray Train keeps the reported checkpoints: a folder every node sees, or a URI such as "
+             "s3://BUCKET/PATH (default: the folder ray/ beside --checkpoint)")
+    add("--max-failures", type=at_least(-1), default=3,
+        help="times Ray Train restarts the workers after one is lost (each time from the last checkpoint; "
+             "-1: no limit)")
 
 
 def add_dist_timeout(parser: argparse.ArgumentParser, waits_for: str) -> None:
@@ -301,17 +347,17 @@ def cap_workers(workers: int, cpus: int, flag: str = "--workers") -> int:
     return cpus
 
 
-def dist_timeout(args: argparse.Namespace) -> timedelta:
-    """--dist-timeout, for the process group and for the processes that wait for their node's
-    cache: neither wait outlasts the other."""
-    return timedelta(minutes=args.dist_timeout)
+def dist_timeout(minutes: float) -> timedelta:
+    """--dist-timeout (`minutes`), for the process group and for the processes that wait for their
+    node's cache: neither wait outlasts the other."""
+    return timedelta(minutes=minutes)
 
 
 AMP_DTYPES = {"no": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
-def amp_dtype(args: argparse.Namespace):
-    """The torch dtype that --amp asks autocast for, or None for full precision."""
+def amp_dtype(amp: str) -> "torch.dtype | None":
+    """The torch dtype that --amp (`amp`) asks autocast for, or None for full precision."""
     import torch
-    name = AMP_DTYPES[getattr(args, "amp", "no")]
+    name = AMP_DTYPES[amp]
     return getattr(torch, name) if name else None

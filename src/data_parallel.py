@@ -18,6 +18,7 @@ forward and backward. The replicas here are made channels-last again, once per f
 import torch
 import torch.nn as nn
 
+from src.config import Config
 from src.devices import check_bf16
 from src.dropout import sample_keys, set_samples
 from src.errors import UserError
@@ -67,7 +68,7 @@ def keep_memory_format(module: nn.Module, replica: nn.Module) -> None:
                 setattr(copy, name, getattr(copy, name).contiguous(memory_format=torch.channels_last))
 
 
-def check_data_parallel(args) -> None:
+def check_data_parallel(args: Config) -> None:
     """Refuse --compile on 2+ GPUs and --amp bf16 where a GPU lacks it, and say how many GPUs
     DataParallel splits each batch over (--evaluate: one)."""
     gpus = torch.cuda.device_count()

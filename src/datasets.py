@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pandas as pd
 import torch
@@ -114,8 +114,8 @@ def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = Non
     not in `listed`): no label rule covers them, or (csv_file) train.csv does not list them, as
     when images were added after `prepare` wrote it. None when every file is used."""
     train_dir = Path(data_dir) / "train"
-    listed = {Path(name).as_posix() for name in listed}
-    unused = sorted((name for name in train_files(train_dir) if name not in listed), key=natural_key)
+    known = {Path(name).as_posix() for name in listed}
+    unused = sorted((name for name in train_files(train_dir) if name not in known), key=natural_key)
     if not unused:
         return None
     if csv_file is not None:
@@ -219,7 +219,7 @@ class DogCatDataset(Dataset):
     def __len__(self) -> int:
         return len(self.frame)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:  # a PIL image without a transform
         row = self.frame.iloc[index]
         image = open_rgb(self.root_dir / row["filename"], self.draft_size)
         if self.transform is not None:
@@ -235,7 +235,8 @@ class DogCatTestDataset(Dataset):
         self.root_dir = Path(root_dir)
         if not self.root_dir.is_dir():
             raise UserError(f"test folder {self.root_dir} not found: put Kaggle's test/ images there")
-        self.files, self.others = {}, []  # id -> its file's name; what is not an N.jpg image
+        self.files: dict[int, str] = {}  # id -> its file's name
+        self.others: list[str] = []  # what is not an N.jpg image
         for path in sorted(self.root_dir.iterdir(), key=lambda p: natural_key(p.name)):
             if not (path.suffix.lower() in IMAGE_SUFFIXES and path.stem.isdigit() and path.stem.isascii()):
                 self.others.append(path.name + ("/" if path.is_dir() else ""))
@@ -254,7 +255,7 @@ class DogCatTestDataset(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:  # a PIL image without a transform
         image_id = self.ids[index]
         image = open_rgb(self.root_dir / self.files[image_id], self.draft_size)
         if self.transform is not None:
@@ -313,7 +314,7 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     if threading_main():
         handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
         try:
-            if _can_serve_from_a_fork() and forkserver._forkserver._forkserver_pid is None and one_thread():
+            if _can_serve_from_a_fork() and _server_state()._forkserver_pid is None and one_thread():
                 _serve_from_a_fork()
             forkserver.ensure_running()  # a server there and alive: nothing; else a fresh one
         finally:
@@ -329,12 +330,18 @@ def one_thread() -> bool:
     return threading.active_count() == 1
 
 
+def _server_state() -> Any:
+    """multiprocessing.forkserver's ForkServer object, whose state (_forkserver_address,
+    _forkserver_alive_fd, _forkserver_pid) is private: typeshed declares none of it, so Any."""
+    from multiprocessing import forkserver
+    return getattr(forkserver, "_forkserver", None)
+
+
 def _can_serve_from_a_fork() -> bool:
     """Whether this Python's multiprocessing.forkserver is the one _serve_from_a_fork drives: its
     server's state in the attributes, and main() as CPython 3.11 to 3.13 define them (3.14 adds
     an authentication key)."""
-    from multiprocessing import forkserver
-    server = getattr(forkserver, "_forkserver", None)
+    server = _server_state()
     return (hasattr(os, "fork") and sys.version_info < (3, 14)
             and all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd",
                                                        "_forkserver_pid")))
@@ -350,7 +357,7 @@ def _serve_from_a_fork() -> None:
     touch (and copy) every page it shares with this process."""
     from multiprocessing import connection, forkserver, resource_tracker, util
     resource_tracker.ensure_running()  # the workers share this process's tracker, as with a fresh server
-    address = connection.arbitrary_address("AF_UNIX")
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # private: not in typeshed
     listener = socket.socket(socket.AF_UNIX)
     try:
         listener.bind(address)
@@ -373,7 +380,7 @@ def _serve_from_a_fork() -> None:
         os.close(alive_r)
     finally:
         listener.close()
-    server = forkserver._forkserver
+    server = _server_state()
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 

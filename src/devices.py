@@ -49,8 +49,8 @@ def _cgroup_cpu_quota(root: Path) -> float | None:
     for v1 in ("cpu", "cpu,cpuacct"):
         try:
             quota = int((root / v1 / "cpu.cfs_quota_us").read_text())
-            period = int((root / v1 / "cpu.cfs_period_us").read_text())
-            return quota / period if quota > 0 else None
+            microseconds = int((root / v1 / "cpu.cfs_period_us").read_text())
+            return quota / microseconds if quota > 0 else None
         except (OSError, ValueError):
             continue
     return None

@@ -323,14 +323,14 @@ def per_sample(model: nn.Module) -> nn.Module:
     return model
 
 
-_units: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+_units: "weakref.WeakKeyDictionary[nn.Module, list[SampleDropout | SampleStochasticDepth]]" = weakref.WeakKeyDictionary()
 
 
-def units(model: nn.Module) -> list[nn.Module]:
+def units(model: nn.Module) -> list[SampleDropout | SampleStochasticDepth]:
     """The per-sample dropout layers of model (or of the wrapper holding it), in unit order."""
     found = _units.get(model)
     if found is None:
-        found = sorted((m for m in model.modules() if isinstance(m, (SampleDropout, SampleStochasticDepth))),
+        found = sorted([m for m in model.modules() if isinstance(m, (SampleDropout, SampleStochasticDepth))],
                        key=lambda m: m.unit)
         _units[model] = found
     return found

@@ -19,7 +19,7 @@ rank averages its own shards (DTensors), with no collective; the whole average i
 when it is saved, like the weights.
 """
 import contextlib
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar, overload
 
 import torch
 import torch.nn as nn
@@ -29,6 +29,10 @@ from torch.distributed.tensor import DTensor
 T = TypeVar("T")
 
 
+@overload
+def decay_at(updates: int, decay: float) -> float: ...
+@overload
+def decay_at(updates: torch.Tensor, decay: float) -> torch.Tensor: ...
 def decay_at(updates: int | torch.Tensor, decay: float) -> float | torch.Tensor:
     """The decay of the update after `updates` earlier ones (a number, or a tensor on the device)."""
     ratio = (1 + updates) / (10 + updates)
@@ -41,7 +45,7 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, decay: float | None):
         self.model, self.decay, self.updates = model, decay, 0
-        self.skipped = None  # on the device: the updates among `updates` whose step the fp16 scaler skipped
+        self.skipped: torch.Tensor | None = None  # on the device: the updates among `updates` whose step the fp16 scaler skipped
         self.params = [p for p in model.parameters()] if decay else []
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.params]
@@ -59,6 +63,8 @@ class WeightAverage:
         found_inf: what the fp16 scaler hands a fused optimizer whose step it calls also when it
         skips it (nonzero then); the decay and the weight are then computed on the device, in
         float64 as the host computes them, and a skipped step adds nothing and is not counted."""
+        if self.decay is None:  # off: no hook calls it
+            return
         if found_inf is None and self.skipped is None:
             torch._foreach_lerp_(self.average, [p.detach() for p in self.params], 1 - decay_at(self.updates, self.decay))
         else:

@@ -17,7 +17,6 @@ Stages: consecutive epochs that train the same thing from the same data. Without
 --freeze-epochs one stage holds every epoch; with them the frozen epochs come first, training the
 last layer alone, from the backbone's cached outputs where they can be cached.
 """
-import argparse
 import hashlib
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -30,6 +29,7 @@ from tqdm import tqdm
 
 from src.augment import augments
 from src.cache import MappedArray, ensure_array
+from src.config import Config
 from src.datasets import worker_options
 from src.models import head_of
 from src.ranks import is_first
@@ -44,7 +44,7 @@ def set_frozen(model: nn.Module, frozen: bool) -> None:
     head_of(model)[1].requires_grad_(True)
 
 
-def frozen_until(args: argparse.Namespace) -> int:
+def frozen_until(args: Config) -> int:
     """The number of epochs, from the first, that train the last layer only."""
     return args.epochs if args.freeze else min(args.freeze_epochs, args.epochs)
 
@@ -89,7 +89,7 @@ def _store(array: np.ndarray, copy: tuple, start: int) -> None:
 
 
 @torch.no_grad()
-def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Dataset,
+def backbone_outputs(args: Config, model: nn.Module, dataset: Dataset,
                      device: torch.device, workers: int, show: bool = True) -> MappedArray | None:
     """The feature cache of a frozen stage, built if needed; None to train from the images."""
     if not args.cache:
@@ -103,6 +103,8 @@ def backbone_outputs(args: argparse.Namespace, model: nn.Module, dataset: Datase
             print(f"--freeze with {' '.join(changing)} trains from the images: the backbone's outputs change "
                   "with every augmented or mixed image, so they are not cached")
         return None
+    if not isinstance(dataset, MappedArray):  # with --cache the run's images are the pixel cache (labelled_data)
+        raise TypeError(f"the feature cache is built from the pixel cache (a MappedArray), not a {type(dataset).__name__}")
     was_training = model.training
     model.eval()
     try:
@@ -154,7 +156,7 @@ class Stage(NamedTuple):
     data: Dataset  # images (uint8), or the backbone outputs (float32 vectors)
 
 
-def epoch_stages(args: argparse.Namespace, model: nn.Module, dataset: Dataset, start: int,
+def epoch_stages(args: Config, model: nn.Module, dataset: Dataset, start: int,
                  device: torch.device, cache_features: bool = True) -> Iterator[Stage]:
     """The epochs from `start` on, in one stage or two: frozen ones first (all with --freeze, the
     first K with --freeze-epochs K), then the rest (all of them without either flag). Each stage

@@ -20,7 +20,7 @@ import contextlib
 import math
 import re
 import types
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 
 from src.ema import WeightAverage
 from src.errors import UserError
+from src.loaders import ShardSampler
 
 # Below this many parameters (4 MB in float32) a unit's three collectives a step cost more in
 # latency than gathering its weights with the next unit up saves.
@@ -139,16 +140,16 @@ def _calling(forward):
 def _sequence(name: str, children: list[nn.Module], sharded: set[int]):
     """nn.Sequential's forward over `children`: the units and the modules holding units (their
     ids in `sharded`) called as they are, each run of the others between them compiled as one."""
-    steps = []
+    runs: list[nn.Module | list[nn.Module]] = []
     for child in children:
         if id(child) in sharded:
-            steps.append(child)
-        elif steps and isinstance(steps[-1], list):
-            steps[-1].append(child)
+            runs.append(child)
+        elif runs and isinstance(runs[-1], list):
+            runs[-1].append(child)
         else:
-            steps.append([child])
-    steps = [torch.compile(_own_code(_chain(step), f"{name}.{index}")) if isinstance(step, list) else step
-             for index, step in enumerate(steps)]
+            runs.append([child])
+    steps: list[Callable[..., Any]] = [torch.compile(_own_code(_chain(step), f"{name}.{index}"))
+                                       if isinstance(step, list) else step for index, step in enumerate(runs)]
 
     @torch.compiler.disable(recursive=False)  # a loop that breaks the graph: dynamo would skip it anyway
     def forward(x):
@@ -183,6 +184,8 @@ def forwards_to_match(model: nn.Module, inputs: torch.Tensor, loader: DataLoader
     as many; the unpadded validation shards (src.loaders.ShardSampler) differ by up to a sample,
     so a rank may have a batch less. The largest shard is known on every rank: no collective.
     """
+    if not isinstance(loader.sampler, ShardSampler) or loader.batch_size is None:
+        raise TypeError("forwards_to_match: a validation loader of batches over a ShardSampler")
     most = math.ceil(loader.sampler.largest / loader.batch_size)
     for _ in range(most - len(loader)):
         model(inputs)
@@ -203,7 +206,7 @@ def whole_model(model: nn.Module) -> dict:
     so no rank holds more than one whole tensor on the device). Never the live tensors: in a world
     of one on the CPU, torch's gather hands back the parameters themselves (a one-shard DTensor's
     full_tensor() is a view, and the CPU offload copies nothing), which the next step changes."""
-    state = get_model_state_dict(model, options=OPTIONS)
+    state: dict[str, Any] = get_model_state_dict(model, options=OPTIONS)
     live = {tensor.untyped_storage().data_ptr() for tensor in _local_tensors(model)}
     return {key: value.clone() if value.untyped_storage().data_ptr() in live else value
             for key, value in state.items()}
@@ -222,7 +225,7 @@ def whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         # (torch/distributed/checkpoint/state_dict.py _init_optim_state), which the weight
         # average's step hook would count as an update at every save
         return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
-    by_name = get_optimizer_state_dict(model, optimizer, options=OPTIONS)  # keyed by parameter name
+    by_name: dict[str, Any] = get_optimizer_state_dict(model, optimizer, options=OPTIONS)  # keyed by parameter name
     if not by_name:
         return {}
     number = {name: i for i, name in enumerate(_names(model, optimizer))}
@@ -267,7 +270,7 @@ class WholeOptimizer:
     def load_state_dict(self, state: dict) -> None:
         names = _names(self.model, self.optimizer)
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
-        by_name = {"state": {names[i]: dict(saved) for i, saved in state["state"].items()},
+        by_name: dict[str, Any] = {"state": {names[i]: dict(saved) for i, saved in state["state"].items()},
                    "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
                                     for group in state["param_groups"]]}
         with requiring_grad(params, [i in state["state"] for i in range(len(params))]):
@@ -326,7 +329,7 @@ def rank_bytes(optimizer: torch.optim.Optimizer, whole: bool = False) -> dict[st
 def watch_rank_bytes(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
     """A dict that every optimizer step updates, at the step that held the most, with this rank's
     bytes ("rank": rank_bytes) and the whole model's ("whole")."""
-    held = {"rank": {}, "whole": {}}
+    held: dict[str, dict[str, int]] = {"rank": {}, "whole": {}}
 
     def after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         now = rank_bytes(optimizer)

@@ -10,7 +10,10 @@ and at least every BEAT seconds: a rank that is stopped or dead stops writing, a
 main thread keeps writing the same place. On a GPU the host runs ahead of the device (NCCL's
 collectives do not make it wait), so the place written is the device's: at() also records a CUDA
 event, and the thread writes the place of the last event the GPU has reached (query(), no wait),
-or the host's where the GPU has done everything queued. When this rank's place has not changed for
+or the host's where the GPU has done everything queued. The thread makes this rank's GPU its own
+before it asks any event (torch.cuda.set_device, as torch's pin-memory thread does): a new thread's
+CUDA calls go to GPU 0, where every rank would otherwise open a CUDA context of its own (hundreds of
+MB each on GPU 0). When this rank's place has not changed for
 nearly --dist-timeout (it waits in a collective), the thread reads every rank's beat: the ranks
 whose beat is stale, or whose place is behind this rank's, did not arrive. The lowest rank among
 the others says so in one line, and they end with exit code 1 before the collective's own timeout
@@ -29,7 +32,10 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # torch is imported where a GPU is watched: the heartbeat of a CPU run does without it
+    import torch
 
 BEAT = 2.0  # seconds between two writes of a rank's place, at most
 LOOK = 0.25  # seconds: the thread looks at the place this often, and writes it when it changed
@@ -68,8 +74,10 @@ class Heartbeat:
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
         self.cuda = getattr(device, "type", None) == "cuda"
+        self.device = device  # this rank's GPU: the thread's CUDA calls go there
         self.recording = False  # CUDA events are recorded while the thread reads them
-        self.recorded = collections.deque()  # (place, its event), oldest first: places the GPU has not reached
+        # (place, its event), oldest first: places the GPU has not reached
+        self.recorded: collections.deque[tuple[tuple, torch.cuda.Event]] = collections.deque()
         self.reached = self.place  # the last place the GPU has reached
         # When a stop signal came (time.monotonic()), None before: StopSignals.pending_since.
         self.stop_pending: Callable[[], float | None] | None = None
@@ -78,7 +86,7 @@ class Heartbeat:
         """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step`
         of `epoch`, counted from 0; `loading`: waiting for that batch's data; index END: the pass is
         over). Two assignments: cheap enough for every micro-batch."""
-        if phase == "training":
+        if phase == "training" and epoch is not None:
             self.epoch = epoch
         self.place = place = (phase, self.epoch if epoch is None else epoch, index, step, loading)
         self.changed = time.monotonic()
@@ -95,6 +103,9 @@ class Heartbeat:
             self.at("starting")
             self.done.clear()
             self.recording = self.cuda
+            if self.cuda and self.device.index is None:  # "cuda": the GPU this (main) thread uses
+                import torch
+                self.device = torch.device("cuda", torch.cuda.current_device())
             self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
             self.thread.start()
         return self
@@ -120,6 +131,9 @@ class Heartbeat:
     def _run(self) -> None:
         store, rank, timeout_s = self.store, self.rank, self.timeout_s
         written, when, moved, looked = None, 0.0, time.monotonic(), 0.0
+        if self.cuda:  # before the first event is asked: this thread's CUDA calls on this rank's GPU
+            import torch
+            torch.cuda.set_device(self.device)
         try:
             while not self.done.is_set():
                 place, now = self.where(), time.monotonic()
@@ -174,12 +188,14 @@ def judge(beats: list[dict | None], rank: int, now: float, timeout_s: float) -> 
     """(the line naming the ranks that did not arrive, whether this rank prints it), or (None, False)
     when every rank is where this one is and answering (then the wait is not theirs to explain)."""
     mine = beats[rank]
+    if mine is None:
+        raise ValueError(f"judge: rank {rank}'s own beat is missing")  # every rank writes its own before judging
     missing = {}  # rank: what is known of it
     for other, beat in enumerate(beats):
         if other == rank:
             continue
         said = _silent(other, beat, now)
-        if said is None and beat["order"] < mine["order"]:
+        if said is None and beat is not None and beat["order"] < mine["order"]:
             said = f"rank {other} did not arrive: it is still at {beat['where']}, last heard {now - beat['time']:.0f} s ago"
         if said is not None:
             missing[other] = said
@@ -198,9 +214,9 @@ def judge_stop(beats: list[dict | None], rank: int, now: float) -> tuple[str | N
                if other != rank and (said := _silent(other, beat, now)) is not None}
     if not missing:
         return None, False
-    printer = min(r for r in range(len(beats)) if r not in missing)
+    printer, mine = min(r for r in range(len(beats)) if r not in missing), beats[rank]
     line = (f"stop: {'; '.join(missing.values())}: no step can be agreed without it, so the others end now, "
-            f"last.pth as last saved (the others were at {beats[rank]['where'] if beats[rank] else 'their start'})")
+            f"last.pth as last saved (the others were at {mine['where'] if mine else 'their start'})")
     return line, printer == rank
 
 

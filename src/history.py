@@ -1,6 +1,7 @@
 """The per-epoch history: its records, the best epoch by --best-by, and history.json's text."""
 import json
 
+from src.config import Config
 from src.divergence import check_finite_loss
 from src.metrics import summarize
 
@@ -38,7 +39,7 @@ def epoch_record(*, epoch: int, train_sums, val_sums, train_seconds: float, val_
     return record
 
 
-def done_line(history: list[dict], args, seconds: float) -> str:
+def done_line(history: list[dict], args: Config, seconds: float) -> str:
     """The line a run ends with: its time and the epoch (and weights) of best.pth."""
     best, weights = best_choice(history, args.best_by)
     which = ", the weight average" if weights == "average" else ""
@@ -81,11 +82,13 @@ def choices(record: dict) -> list[tuple[dict, str]]:
 def best_choice(history: list[dict], best_by: str) -> tuple[dict, str]:
     """The first (epoch, weights or their average) that nothing later beats by --best-by: what
     best.pth holds, as (the record with that choice's validation fields, "weights" or "average")."""
-    best = None
+    best: tuple[dict, str] | None = None
     for record in history:
         for offered in choices(record):
             if is_better(offered[0], best and best[0], best_by):
                 best = offered
+    if best is None:
+        raise ValueError("best_choice: the history holds no epoch")
     return best
 
 

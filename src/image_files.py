@@ -89,8 +89,8 @@ def decode(path: Path, size: int) -> np.ndarray:
         warnings.simplefilter("ignore")  # Pillow warns about odd EXIF data in real photos
         with Image.open(path) as image:
             image.draft("RGB", (size, size))  # libjpeg decodes at 1/2, 1/4 or 1/8 scale if that still covers size
-            image = to_rgb(image).resize((size, size), Image.BILINEAR)
-    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1).copy()
+            rgb = to_rgb(image).resize((size, size), Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1).copy()
 
 
 def some(names: list, count: int = 3) -> str:

@@ -7,6 +7,7 @@ nothing is written; the scripts return before their epoch loop once it is done).
 import json
 import math
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from src.cli import IMAGE_SIZES
+from src.config import Config
 from src.datasets import CLASSES, DogCatTestDataset, worker_options
 from src.divergence import ADVICE, check_finite_weights
 from src.errors import UserError
@@ -89,7 +91,16 @@ def check_info(info, path: Path) -> None:
         raise UserError(f"{path}: {problem}; fix it, or retrain to have it written again")
 
 
-def load_state(model: torch.nn.Module, state: dict, path: Path, what: str) -> torch.nn.Module:
+class LoadsState(Protocol):
+    """What a state_dict is loaded into: a module, or a sharded one's src.fsdp.WholeModel."""
+
+    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+M = TypeVar("M", bound=LoadsState)
+
+
+def load_state(model: M, state: dict, path: Path, what: str) -> M:
     """model.load_state_dict(state), or a UserError saying that `path` is not `what`."""
     try:
         model.load_state_dict(state)
@@ -170,9 +181,9 @@ def predict_files(model: torch.nn.Module, info: dict, files: list[Path], device:
     share[[i - sampler.start for i in broken]] = float("nan")
     if world_size == 1:
         return share, broken
-    shares = [None] * world_size if rank == 0 else None
-    dist.gather_object((share, broken), shares, dst=0)  # every rank takes part
-    if rank != 0:
+    shares: list[tuple[torch.Tensor, dict[int, str]]] | None = [(share, broken)] * world_size if rank == 0 else None
+    dist.gather_object((share, broken), shares, dst=0)  # every rank takes part; rank 0's list is filled
+    if shares is None:
         return None
     return torch.cat([s for s, _ in shares]), {i: why for _, b in shares for i, why in b.items()}
 
@@ -198,7 +209,7 @@ def submission_text(ids: list[int], p_dog) -> str:
     return csv_text(["id", "label"], ([i, f"{min(max(float(p), EPS), 1 - EPS):.6f}"] for i, p in zip(ids, p_dog)))
 
 
-def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
+def load_evaluated(args: Config, info: dict, model: LoadsState) -> str:
     """--evaluate: load the file to validate (args.evaluate_file, see src.cli) into `model`;
     returns how the record names it.
 
@@ -209,6 +220,8 @@ def load_evaluated(args, info: dict, model: torch.nn.Module) -> str:
     only rank 0's node has it.
     """
     from src.checkpoint import flag_of  # here: predict does not need the training side
+    if args.evaluate_file is None:
+        raise ValueError("load_evaluated runs with --evaluate alone (src.cli.parse_args sets evaluate_file)")
     path = Path(args.evaluate_file)
 
     def read() -> tuple[dict, str]:

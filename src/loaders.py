@@ -10,6 +10,7 @@ shards (ShardSampler), the loader options, the checks of a batch against the dat
 skipping of a resumed epoch's finished steps.
 """
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,7 +18,8 @@ import pandas as pd
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from src.cache import cached
+from src.cache import MappedArray, cached
+from src.config import Config
 from src.datasets import DogCatDataset, check_both_classes, load_labels, start_worker_server, worker_options
 from src.devices import check_shared_memory
 from src.errors import UserError
@@ -54,7 +56,7 @@ class ShardSampler(Sampler[int]):
         return self.stop - self.start
 
 
-def loader_options(args, device: torch.device) -> dict:
+def loader_options(args: Config, device: torch.device) -> dict:
     """The DataLoader options every loader of a training script shares: --workers, pinned batches
     for a GPU, where the workers start (src.datasets.worker_options).
 
@@ -67,7 +69,7 @@ def loader_options(args, device: torch.device) -> dict:
     return {**options, "persistent_workers": True, **worker_options()} if args.workers else options
 
 
-def check_batches(data: "Data", args, processes: int = 1) -> None:
+def check_batches(data: "Data", args: Config, processes: int = 1) -> None:
     """Refuse, before any work, a global batch larger than the training split, fewer validation
     images than processes, or a /dev/shm too small for the loader workers' batches (each process's
     workers hold micro-batches of --batch-size, also under accelerate, which cuts each loader batch)."""
@@ -87,7 +89,7 @@ class _SkipBatches(BatchSampler):
     """A batch sampler that leaves out the first `skip` batches of another: their indices are
     never handed to the workers, so no image of theirs is read."""
 
-    def __init__(self, batches: BatchSampler, skip: int):
+    def __init__(self, batches: Sampler[list[int]] | Iterable[list[int]], skip: int):
         self.batches, self.skip = batches, skip
 
     def __iter__(self):
@@ -96,7 +98,7 @@ class _SkipBatches(BatchSampler):
                 yield batch
 
     def __len__(self) -> int:
-        return max(0, len(self.batches) - self.skip)
+        return max(0, len(self.batches) - self.skip)  # type: ignore[arg-type]  # a DataLoader's batch sampler has a length
 
 
 def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
@@ -105,6 +107,8 @@ def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
     Its sampler stays the same object: set_epoch on it still applies."""
     if not batches:
         return loader
+    if loader.batch_sampler is None:  # a loader of single samples (batch_size=None) has no batches to skip
+        raise ValueError("skip_first_batches: the loader has no batch sampler")
     return DataLoader(loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, batches),
                       num_workers=loader.num_workers, pin_memory=loader.pin_memory, generator=loader.generator,
                       **({"multiprocessing_context": loader.multiprocessing_context,
@@ -127,7 +131,7 @@ class Data(NamedTuple):
     digest: str  # of the label table: --resume refuses other data
 
 
-def labelled_data(args, wait_seconds: float | None = None) -> Data:
+def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
     """The labelled images of --data-dir resized to --image-size (or their --cache), and the split.
 
     Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
@@ -139,14 +143,15 @@ def labelled_data(args, wait_seconds: float | None = None) -> Data:
     if args.workers:  # before the label scan and the model: the workers' server overlaps them, and holds neither
         start_worker_server()
     table = from_rank_0(lambda: load_labels(data_dir, show))
-    if not getattr(args, "evaluate", False):  # validating on one class is a fair question; training on it is not
+    if not args.evaluate:  # validating on one class is a fair question; training on it is not
         try:
             check_both_classes(table, data_dir)
         except UserError as error:  # every rank has the table: rank 0 says it
             raise UserError(str(error), quiet=not show) from None
-    dataset = labelled_images(data_dir, args.image_size, show, table)
+    images = labelled_images(data_dir, args.image_size, show, table)
+    dataset: DogCatDataset | MappedArray = images
     if args.cache:
-        dataset = cached(dataset, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
+        dataset = cached(images, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
     train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
     # surrogateescape: names that are not UTF-8 (read from disk that way) hash as their bytes
     digest = hashlib.sha256(table.to_csv(index=False).encode("utf-8", "surrogateescape")).hexdigest()

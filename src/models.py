@@ -27,7 +27,7 @@ NUM_CLASSES = 2
 # vit_h_14: its default weights (IMAGENET1K_SWAG_E2E_V1) are for 518 px, and torchvision builds it
 # at that size to load them; without this, best.pth of --weights default would not load into the
 # 224 px model that get_model builds by default.
-_MODEL_KWARGS = {
+_MODEL_KWARGS: dict[str, dict[str, object]] = {
     "googlenet": {"aux_logits": False, "transform_input": True},
     "inception_v3": {"aux_logits": False, "transform_input": True},
     "vit_h_14": {"image_size": 518},
@@ -136,7 +136,7 @@ def _drop_aux(model: nn.Module) -> nn.Module:
     """googlenet or inception_v3 without its auxiliary classifiers, as torchvision's builders leave
     it after loading ImageNet weights with aux_logits=False; any other model as it is."""
     if getattr(model, "aux_logits", False):
-        model.aux_logits = False
+        setattr(model, "aux_logits", False)  # a bool: Module's __setattr__ is annotated for tensors and modules
         for name in _AUX_MODULES:
             if hasattr(model, name):
                 setattr(model, name, None)
@@ -155,10 +155,14 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     its state_dict loads into that model.
     """
     name, layer = head_of(model)
+    new: nn.Module
     if isinstance(layer, nn.Linear):
         new = nn.Linear(layer.in_features, num_classes)
-    else:
-        new = nn.Conv2d(layer.in_channels, num_classes, layer.kernel_size, layer.stride, layer.padding)
+    elif isinstance(layer, nn.Conv2d):
+        shape = (layer.kernel_size, layer.stride, layer.padding)  # Conv2d annotates them tuple[int, ...]
+        new = nn.Conv2d(layer.in_channels, num_classes, *shape)  # type: ignore[arg-type]  # and takes them as 2-tuples
+    else:  # head_of finds the last Linear or Conv2d
+        raise TypeError(f"{name} is a {type(layer).__name__}, not a Linear or Conv2d layer")
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, new)
     return model

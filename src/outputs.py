@@ -33,9 +33,11 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, cast
 
+from src.config import Config
 from src.errors import UserError, one_line
 
 Named = tuple[str, Path]  # (how the user names it: a flag, or what it is; the path)
@@ -89,8 +91,8 @@ def _inside(real: str, folder_real: str) -> bool:
     return real == folder_real or real.startswith(folder_real.rstrip(os.sep) + os.sep)
 
 
-def check_outputs(files: list[Named], folders: list[Named] = (), inputs: list[Named] = (),
-                  input_folders: list[Named] = (), advice: str | None = None) -> None:
+def check_outputs(files: Sequence[Named], folders: Sequence[Named] = (), inputs: Sequence[Named] = (),
+                  input_folders: Sequence[Named] = (), advice: str | None = None) -> None:
     """Refuse, in one line, an output file or folder that exists as something else (a device, a
     pipe, a link, a file where a folder is meant), an output file that is another output (of
     `files` or `folders`), one of the `inputs`, or inside one of the `input_folders`. `advice`:
@@ -99,13 +101,14 @@ def check_outputs(files: list[Named], folders: list[Named] = (), inputs: list[Na
         check_file_target(flag, path, *([advice] if advice else []))
     for flag, path in folders:
         check_folder_target(flag, path)
-    by_path, by_inode = {}, {}
+    by_path: dict[str, Named] = {}
+    by_inode: dict[tuple[int, int], Named] = {}
     for what, path in inputs:
         real, inode = _identity(path)
         by_path.setdefault(real, (what, path))
         if inode is not None:
             by_inode.setdefault(inode, (what, path))
-    seen = []
+    seen: list[tuple[str, Path, str, tuple[int, int] | None]] = []
     for flag, path in [*files, *folders]:
         real, inode = _identity(path)
         for other_flag, other, other_real, other_inode in seen:
@@ -135,10 +138,11 @@ class _WriteRecorder:
     what is written."""
 
     def __init__(self, file: BinaryIO, hashed: bool):
-        self.file, self.error = file, None
+        self.file: BinaryIO = file
+        self.error: OSError | None = None
         self.sha256 = hashlib.sha256() if hashed else None
 
-    def write(self, data) -> int:
+    def write(self, data: bytes) -> int:
         try:
             written = self.file.write(data)
         except OSError as error:
@@ -182,7 +186,7 @@ def temporaries(path: Path) -> list[Path]:
     return [folder / name for name in names if name.startswith(prefix) and name.endswith(".tmp")]
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None], hashed: bool = False) -> str | None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], object], hashed: bool = False) -> str | None:
     """write(file) into a temporary file beside path, then rename it onto path: path holds the
     old or the new content, never half of one. `hashed`: returns the sha256 of what was written
     (None without: hashing a GB of checkpoint costs seconds that only a checked file repays).
@@ -198,11 +202,11 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None], hashed: bool = F
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes it private; outputs get the usual mode
         with os.fdopen(fd, "wb") as raw:
             file = _WriteRecorder(raw, hashed)
-            write(file)
+            write(cast(BinaryIO, file))  # a stand-in for the file: torch.save and write() call its write()
             raw.flush()
             os.fsync(raw.fileno())  # the data is on disk before the rename makes it the file
         os.replace(tmp, path)
-        return file.sha256.hexdigest() if hashed else None
+        return file.sha256.hexdigest() if file.sha256 is not None else None
     except BaseException as error:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
@@ -227,9 +231,9 @@ def atomic_torch_save(obj, path: Path, hashed: bool = False) -> str | None:
     return atomic_write(path, lambda file: torch.save(obj, file), hashed)
 
 
-def atomic_write_text(path: Path, text: str) -> str:
+def atomic_write_text(path: Path, text: str) -> None:
     # surrogateescape: file names that are not UTF-8 (read from disk that way) are written back as they were
-    return atomic_write(path, lambda file: file.write(text.encode("utf-8", "surrogateescape")))
+    atomic_write(path, lambda file: file.write(text.encode("utf-8", "surrogateescape")))
 
 
 def probe_folder(folder: Path) -> None:
@@ -397,7 +401,7 @@ def run_file(path: Path) -> str | None:
 
 
 def check_tool_output(flag: str, path: Path, ours: Callable[[Path], bool], what: str, overwrite: bool,
-                      inputs: list[Named] = (), advice: str = "name a new file or a regular one") -> None:
+                      inputs: Sequence[Named] = (), advice: str = "name a new file or a regular one") -> None:
     """The one rule of the tools' output files (predict's CSV, export's ONNX file, the report),
     checked before any work:
 
@@ -470,14 +474,14 @@ OUTPUT_FLAGS = {"best": "--checkpoint", "info": "--checkpoint (its .json)", "las
                 "history": "--checkpoint (history.json beside it)", "plot": "--plot"}
 
 
-def output_paths(args) -> dict[str, Path]:
+def output_paths(args: Config) -> dict[str, Path]:
     folder = Path(args.checkpoint).parent
     return {"best": Path(args.checkpoint), "info": Path(args.checkpoint).with_suffix(".json"),
             "last": folder / "last.pth", "history": folder / "history.json", "plot": Path(args.plot)}
 
 
 @contextlib.contextmanager
-def lock_outputs(args) -> Iterator[None]:
+def lock_outputs(args: Config) -> Iterator[None]:
     """A training run's outputs, checked before any work, and their folder locked for the run.
 
     Refuses outputs that are not regular files, or that are inputs or other outputs of the run,
@@ -498,7 +502,7 @@ def lock_outputs(args) -> Iterator[None]:
             lock.release()
 
 
-def _try_outputs(args) -> RunLock:
+def _try_outputs(args: Config) -> RunLock:
     paths = output_paths(args)
     data = Path(args.data_dir)
     weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
@@ -508,6 +512,8 @@ def _try_outputs(args) -> RunLock:
                   input_folders=[("--data-dir's train/", data / "train")]
                   + ([("--cache", Path(args.cache))] if args.cache else []))
     check_run_outputs(paths)  # before anything is made: a refusal leaves every folder as it was
+    from src import sharded_checkpoint  # here: it loads torch
+    sharded_checkpoint.check_ours(sharded_checkpoint.folder_of(args))  # FSDP's folders: a user's is never replaced
     if args.profile:
         from src.profiling import check_profile_folder  # here: it loads torch
         check_profile_folder(args)
@@ -532,7 +538,6 @@ def _try_outputs(args) -> RunLock:
     for path in paths.values():
         for stale in temporaries(path):  # from a run killed while saving
             stale.unlink(missing_ok=True)
-    from src import sharded_checkpoint  # here: it loads torch
     sharded_checkpoint.repair(sharded_checkpoint.folder_of(args))  # FSDP's last.dcp, after a crash in a save
     return lock
 
@@ -600,7 +605,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_overwrite(args, paths: dict[str, Path]) -> None:
+def _check_overwrite(args: Config, paths: dict[str, Path]) -> None:
     """A new run does not replace an earlier run's files without being told: --resume continues
     that run (from its last.pth: a folder of best.pth and history.json alone has nothing to go on
     from, and a new run would replace them), --overwrite replaces it. (torchrun's restarted

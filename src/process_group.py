@@ -14,13 +14,13 @@ too).
 - NCCL for one rank per GPU, gloo on the CPU and for ranks sharing a GPU
   (src.devices.process_group_backend).
 """
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 
 from src.cli import dist_timeout
+from src.config import Config
 from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
 from src.heartbeat import Heartbeat
@@ -54,32 +54,34 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
-def process_device(args: argparse.Namespace) -> torch.device:
-    """This process's GPU (its LOCAL_RANK; checked: one GPU per process, bfloat16 where asked) or the
-    CPU, with --deterministic's numerics set."""
+def process_device(deterministic: bool, amp: str = "no") -> torch.device:
+    """This process's GPU (its LOCAL_RANK; checked: one GPU per process, bfloat16 where --amp
+    asks) or the CPU, with --deterministic's numerics set."""
     rank = local_rank()
     check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return training_device(getattr(args, "deterministic", False), getattr(args, "amp", "no"), rank)
+    return training_device(deterministic, amp, rank)
 
 
-def torchrun_store(args: argparse.Namespace) -> tuple[dist.Store, int, int]:
+def torchrun_store(minutes: float) -> tuple[dist.Store, int, int]:
     """(store, rank, world size) for dist.init_process_group: torchrun's rendezvous with a key prefix
-    per restart attempt, or an in-memory store for a world of one without a launcher."""
+    per restart attempt (waiting --dist-timeout `minutes`), or an in-memory store for a world of one
+    without a launcher."""
     if not launched():
         return dist.HashStore(), 0, 1
     check_launcher_variables()
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=dist_timeout(args)))
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=dist_timeout(minutes)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"attempt{attempt}", store), rank, world_size
 
 
-def watch_ranks(store: dist.Store | None, args: argparse.Namespace, device: torch.device | None = None) -> Heartbeat:
-    """The watch that names a rank that stops answering (src/heartbeat.py): use it as a context
-    manager inside the process group's life. `device`: on a GPU it tells the places the GPU has
-    reached. Without a store or a process group of 2+, it only keeps the place."""
+def watch_ranks(store: dist.Store | None, minutes: float, device: torch.device | None = None) -> Heartbeat:
+    """The watch that names a rank that stops answering (src/heartbeat.py) after --dist-timeout
+    `minutes`: use it as a context manager inside the process group's life. `device`: on a GPU it
+    tells the places the GPU has reached. Without a store or a process group of 2+, it only keeps
+    the place."""
     if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return Heartbeat()
-    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), dist_timeout(args).total_seconds(), device)
+    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), dist_timeout(minutes).total_seconds(), device)
 
 
 def joined_store() -> dist.Store | None:
@@ -94,19 +96,19 @@ def joined_store() -> dist.Store | None:
     return dist.PrefixStore(f"attempt{attempt}", dist.distributed_c10d._get_default_store())
 
 
-def join_process_group(args: argparse.Namespace) -> tuple[int, int, torch.device, Heartbeat]:
+def join_process_group(minutes: float, amp: str = "no") -> tuple[int, int, torch.device, Heartbeat]:
     """For a command whose one process needs no collective (predict): without a launcher (or in a
-    world of one) join nothing; else join the launcher's group. Returns (rank, world size, device,
-    its heartbeat, not started)."""
-    device = process_device(args)
+    world of one) join nothing; else join the launcher's group, waiting --dist-timeout `minutes`.
+    Returns (rank, world size, device, its heartbeat, not started)."""
+    device = process_device(False, amp)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, device, Heartbeat()
-    store, rank, world_size = torchrun_store(args)
+    store, rank, world_size = torchrun_store(minutes)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
-                            timeout=dist_timeout(args))
-    return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(args).total_seconds(), device)
+                            timeout=dist_timeout(minutes))
+    return rank, world_size, device, Heartbeat(store, rank, world_size, dist_timeout(minutes).total_seconds(), device)
 
 
 # The flags each node may give its own value, left out of check_same_flags: places on the node's
@@ -119,7 +121,7 @@ PER_NODE = ("data_dir", "cache", "checkpoint", "plot", "log_dir", "tracking_uri"
             "command", "local_rank")
 
 
-def check_same_flags(args) -> None:
+def check_same_flags(args: Config) -> None:
     """Refuse, in one line naming each flag and which ranks gave which value, ranks launched with
     different flags (two nodes started by hand, one with --lr 0.01 and one with --lr 0.5): they
     would train silently with rank 0's record of its own, or fail in a collective (another
@@ -133,11 +135,11 @@ def check_same_flags(args) -> None:
                         "same flags (paths and --workers may differ per node)", quiet=not is_first())
 
 
-def compared_flags(args) -> dict:
+def compared_flags(args: Config) -> dict:
     """This rank's flags as check_same_flags compares them: PER_NODE left out, the script by its
     file name, a --weights file by its content (its path is the node's)."""
-    mine = {key: value for key, value in vars(args).items() if key not in PER_NODE}
-    if "mode" in mine and getattr(args, "command", None):
+    mine = {key: value for key, value in args.as_dict().items() if key not in PER_NODE}
+    if args.command:
         mine["mode"] = args.command[0]
     if mine.get("weights") not in (None, "default", "none"):
         try:
@@ -189,7 +191,7 @@ def _by_value(everyone: list[dict], key: str) -> list[tuple]:
 def _ranks(ranks: list[int]) -> str:
     """"rank 1", "ranks 0-3, 6" """
     spans, start = [], ranks[0]
-    for before, rank in zip(ranks, ranks[1:] + [None]):
+    for before, rank in zip(ranks, [*ranks[1:], -1]):  # -1: past the last (a rank is never before + 1 = -1)
         if rank != before + 1:
             spans.append(f"{start}-{before}" if before > start else f"{start}")
             start = rank

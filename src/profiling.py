@@ -42,7 +42,6 @@ nothing but communicate (the all-reduce not hidden behind backward); "idle" is t
 kernel ran (e.g. waiting for data). On a GPU the host columns are mostly launch time: the host runs
 ahead of the GPU, so the GPU columns say where the time went.
 """
-import argparse
 import bisect
 import collections
 import json
@@ -54,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from src.config import Config
 from src.errors import UserError
 
 WAIT, WARMUP, ACTIVE = 2, 2, 6  # steps skipped, warmed up (profiled but discarded), recorded
@@ -137,7 +137,8 @@ def _sweep(window: tuple[float, float], spans: Iterable[tuple[float, float, tupl
             changes[end].append((key, -1))
     changes.setdefault(low, [])
     changes.setdefault(high, [])
-    active, pieces = collections.Counter(), []
+    active: collections.Counter = collections.Counter()
+    pieces = []
     times = sorted(changes)
     for time, following in zip(times, times[1:]):
         for key, delta in changes[time]:
@@ -187,7 +188,8 @@ def breakdown(events: list, device_index: int | None = None) -> dict | None:
 
     phases = sorted(phase for window in windows for phase in _phases(window, host, training))
     rank = {"data wait": 0, "communication": 1, "optimizer": 2, "backward": 3, "busy": 4, "reducer": 4}
-    spans = [(start, end, (7, phase)) for start, end, phase in phases]  # 7: below everything
+    # 7: below everything; a communication key holds collective()'s kind, None where it knows none
+    spans: list[tuple[float, float, tuple[int, str | None]]] = [(start, end, (7, phase)) for start, end, phase in phases]
     for e in host:
         role = _role(e.name)
         if role == "step":
@@ -200,7 +202,9 @@ def breakdown(events: list, device_index: int | None = None) -> dict | None:
             continue  # other threads: the pin-memory thread, DataParallel's replica threads
         spans.append((e.time_range.start, e.time_range.end, key))
 
-    seconds, kinds, in_flight = collections.Counter(), collections.Counter(), 0.0
+    seconds: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    in_flight = 0.0
     for window in windows:
         for start, end, keys in _sweep(window, spans):
             length = (end - start) / 1e6
@@ -267,7 +271,9 @@ def _device_breakdown(events: list, host: list, windows: list, phases: list, ind
     for kernel in work:
         label, kind = category(kernel)
         spans.append((kernel.time_range.start, kernel.time_range.end, (order[label], kind or label)))
-    seconds, kinds, in_flight = collections.Counter(), collections.Counter(), 0.0
+    seconds: collections.Counter[str] = collections.Counter()
+    kinds: collections.Counter[str] = collections.Counter()
+    in_flight = 0.0
     for window in windows:
         for start, end, keys in _sweep(window, spans):
             length = (end - start) / 1e6
@@ -326,7 +332,7 @@ def table(result: dict, where: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_folder(args: argparse.Namespace) -> Path:
+def profile_folder(args: Config) -> Path:
     """Where --profile writes: `profile/` in --log-dir, or in the checkpoint's folder."""
     return (Path(args.log_dir) if args.log_dir else Path(args.checkpoint).parent) / "profile"
 
@@ -340,7 +346,7 @@ def is_profile(folder: Path) -> bool:
     return isinstance(figures, dict) and figures.get("trace") == TRACE and isinstance(figures.get("schedule"), dict)
 
 
-def check_profile_folder(args: argparse.Namespace) -> None:
+def check_profile_folder(args: Config) -> None:
     """Refuse, at the start of a run with --profile, a profile folder that is not a folder (the
     profile was written after its steps, and failed there, the epoch's work lost), or one holding
     the files --profile writes that an earlier profile did not write (a user's profile.md would be
@@ -358,7 +364,7 @@ def check_profile_folder(args: argparse.Namespace) -> None:
 class Profiler:
     """Profiles a few training steps of the first training pass; one per run, on rank 0."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device):
+    def __init__(self, args: Config, device: torch.device):
         self.folder = profile_folder(args)
         self.device = device
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -367,8 +373,9 @@ class Profiler:
             # failed with code 35" (and its start/stop lines) when a trace stops; level 6 is
             # above all of them. Read when the first trace starts; a value the user set is kept.
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-        self.profile, self.plan = None, None
-        self.waits = []  # the loop's data-wait clock at each step boundary, for profile.json
+        self.profile: torch.profiler.profile | None = None
+        self.plan: tuple[int, int, int] | None = None  # (wait, warmup, active) of the profiler's schedule
+        self.waits: list[float] = []  # the loop's data-wait clock at each step boundary, for profile.json
         self.done, self.stopped = False, False
 
     def step(self, data_wait: float, batches: int | None = None) -> None:
@@ -400,6 +407,8 @@ class Profiler:
         self.done = True
 
     def _action(self, step: int) -> ProfilerAction:
+        if self.plan is None:  # the profiler that calls it is made after the plan
+            raise RuntimeError("--profile: the schedule is read before it is planned")
         wait, warmup, active = self.plan
         if step < wait:
             return ProfilerAction.NONE
@@ -426,6 +435,8 @@ class Profiler:
         if result is None:
             print(f"--profile: no step recorded; trace {trace}")
             return
+        if self.plan is None:
+            raise RuntimeError("--profile: a trace is written before the schedule is planned")
         wait, warmup, _ = self.plan
         first = wait + warmup  # the waits list holds the clock at the start of each profiler step
         if len(self.waits) > first:

@@ -10,7 +10,6 @@ running metric sums that are started every --log-every optimizer steps without b
 once the GPU has made them; data wait is host time spent in the loader's `next()`, a place where
 the loop waits anyway.
 """
-import argparse
 import collections
 import time
 from typing import Callable, Iterator
@@ -19,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from src.config import Config
 from src.fsdp import bytes_line, is_sharded, watch_rank_bytes
 from src.heartbeat import END
 from src.metrics import COUNT, LOSS
@@ -28,7 +28,7 @@ from src.ranks import is_first
 Log = Callable[[dict, int], None]  # log(values, step), as accelerate's trackers' log
 
 
-def run_header(args, data, device, processes: int = 1) -> str:
+def run_header(args: Config, data, device, processes: int = 1) -> str:
     """The line a run starts with: model, device, images and batch."""
     where = str(device) if processes == 1 else f"{processes} x {device.type}"
     return (f"{args.arch} on {where}: {len(data.train_idx)} train / {len(data.val_idx)} val images, "
@@ -69,13 +69,14 @@ class Progress:
     """What a run shows and records as it goes; one per run. Its training() and validation() iterate
     over a loader's batches, timing the waits for data and showing the running loss and images/s."""
 
-    def __init__(self, args: argparse.Namespace, state, batch_images: int, device: torch.device,
-                 log: Log | None = None):
+    def __init__(self, args: Config, state, batch_images: int, device: torch.device,
+                 log: Log | None = None, bars: bool = True):
         """`state`: the run's src.state.TrainingState (the optimizer, the steps of an epoch, where a
         resumed epoch goes on, the heartbeat, the epoch's data-wait clock); `batch_images`: the
         images of one micro-batch over all processes; `log`: where TensorBoard's step and epoch
         scalars go (accelerate's TensorBoard tracker's log; by default TensorBoard in --log-dir);
-        the step metrics go to the state's tracker too (--track)."""
+        the step metrics go to the state's tracker too (--track). `bars`: draw progress bars (rank
+        0's; not where the output is forwarded line by line, as Ray forwards its workers')."""
         self.args, self.state, self.batch_images, self.device, self.show = args, state, batch_images, device, is_first()
         self.tensorboard = TensorBoard(args.log_dir) if log is None else None
         self.log = log or self.tensorboard
@@ -87,6 +88,7 @@ class Progress:
         self.buffers = [torch.zeros(4, pin_memory=pinned) for _ in range(4)]
         self.copies = 0  # copies started: the next one goes into buffers[copies % 4]
         self.title = ""
+        self.bars = bars
 
     def training(self, loader: DataLoader, epoch: int, sums: torch.Tensor) -> Iterator[tuple[int, tuple]]:
         """(micro-batch index in the epoch, batch) for the epoch's training micro-batches from the
@@ -114,10 +116,10 @@ class Progress:
         accumulate = self.args.accumulate if training else 1
         every = self.args.log_every * accumulate  # micro-batches between reports
         phase = "training" if training else "validating the average" if desc.endswith("average") else "validating"
-        pending = collections.deque()  # copies of sums in flight: (host copy, event, micro-batch, time)
+        pending: collections.deque[tuple] = collections.deque()  # copies of sums in flight: (host copy, event, micro-batch, time)
         # the last copy that arrived: (sums, micro-batch, time); a resumed epoch's finished steps' sums
         last = (state.partial["sums"], first, None) if training and first and state.partial else None
-        bar = tqdm(total=total, initial=first, desc=desc, leave=False, disable=not self.show)
+        bar = tqdm(total=total, initial=first, desc=desc, leave=False, disable=not (self.show and self.bars))
         iterator = iter(loader)
         try:
             for index in range(first, total):

@@ -6,7 +6,7 @@ takes part in every collective. Without a process group (one device, DataParalle
 one) the one process is the first.
 """
 import os
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -30,7 +30,7 @@ def gather(value: T) -> list[T]:
     """Every rank's value, in rank order, on every rank ([value] without a process group)."""
     if not dist.is_initialized():
         return [value]
-    values = [None] * dist.get_world_size()
+    values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
 
@@ -50,7 +50,7 @@ def from_rank(source: int, make: Callable[[], T]) -> T:
     source showing the traceback). Without a process group it is just make()."""
     if not dist.is_initialized():
         return make()
-    box = [None]
+    box: list[Any] = [None]
     if dist.get_rank() == source:
         try:
             box = [make()]
@@ -75,9 +75,21 @@ class _Failed:
         self.name = name
 
 
+# Set in a Ray Train worker that Ray started anew after a lost one (src.ray_worker.on_this_worker):
+# Ray says it through the checkpoint it hands back, not through the environment.
+_restarted_by_ray = False
+
+
 def restarted() -> bool:
-    """Whether torchrun restarted this worker (--max-restarts) or SLURM requeued its job (sbatch
-    --requeue, docs/slurm/train.sbatch): it resumes from last.pth. A first start does neither."""
+    """Whether torchrun restarted this worker (--max-restarts), SLURM requeued its job (sbatch
+    --requeue, docs/slurm/train.sbatch) or Ray Train restarted its workers: it resumes from
+    last.pth. A first start does none of these."""
     return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-            or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0)
+            or int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0 or _restarted_by_ray)
+
+
+def mark_restarted_by_ray() -> None:
+    """This process is a Ray Train worker that Ray started after a lost one (restarted() from now)."""
+    global _restarted_by_ray
+    _restarted_by_ray = True
 

@@ -5,7 +5,6 @@ micro-batches of --accumulate).
 Every piece counts optimizer steps, never processes or micro-batches, so each mode takes the
 same steps with the same learning rates.
 """
-import argparse
 import math
 
 import torch
@@ -13,10 +12,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from src.config import Config
 from src.devices import gpu_choices
 
 
-def make_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, args: Config, device: torch.device) -> torch.optim.Optimizer:
     """--optimizer over every parameter; weight decay on weights, not on biases or normalisation.
 
     Frozen parameters (--freeze) are in it too but get no gradient, and the optimizers skip a
@@ -73,7 +73,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str) -> 
     return 1.0
 
 
-def make_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+def make_schedule(optimizer: torch.optim.Optimizer, args: Config,
                   steps: int) -> LambdaLR:
     """--lr-schedule with --warmup-epochs, stepped once per optimizer step; `steps` per epoch."""
     total, warmup = args.epochs * steps, round(args.warmup_epochs * steps)

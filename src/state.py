@@ -19,26 +19,28 @@ Every rank calls the saves; rank 0 alone writes the files that are not shards.
 """
 import contextlib
 import time
-from typing import Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from src import checkpoint, sharded_checkpoint
 from src.checkpoint_writer import CheckpointWriter
+from src.config import Config
 from src.errors import Stopped
-from src.fsdp import broadcast_buffers, is_sharded, whole_average
+from src.fsdp import WholeModel, WholeOptimizer, broadcast_buffers, is_sharded, whole_average
 from src.heartbeat import Heartbeat
 from src.history import best_choice, epoch_record
 from src.outputs import output_paths
 from src.ranks import from_rank_0, is_first
 from src.stopping import StopSignals, how_to_go_on, signal_name
+from src.tracking import Tracker
 
 
 class TrainingState:
     """What a run trains and where it is; see the module's docstring."""
 
-    def __init__(self, args, info: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, args: Config, info: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scaler, schedule, average, steps_per_epoch: int, heartbeat: Heartbeat | None = None):
         self.args, self.info = args, info
         self.model, self.optimizer, self.scaler, self.schedule, self.average = model, optimizer, scaler, schedule, average
@@ -46,11 +48,12 @@ class TrainingState:
         self.heartbeat = heartbeat or Heartbeat()
         self.history: list[dict] = []
         self.epoch, self.step = 0, 0  # epochs finished; optimizer steps done in the next one
-        self.partial = None  # a resumed epoch's finished steps: this rank's sums, their seconds and data wait
+        self.partial: dict | None = None  # a resumed epoch's finished steps: this rank's sums, their seconds and data wait
         self.began = time.time()  # when this process began the current epoch's training
         self.data_wait = 0.0  # seconds this process waited for its training data in the current epoch
         self.signals: StopSignals | None = None
-        self.tracker, self.tracked_ids = None, None  # --track: the run's Tracker; last.pth's ids of its runs
+        self.tracker: Tracker | None = None  # --track: the run's Tracker
+        self.tracked_ids: dict | None = None  # last.pth's ids of its tracked runs
         self.writer = CheckpointWriter()  # rank 0's step checkpoints (last.pth), in the background
         self.shard_writer = sharded_checkpoint.ShardWriter()  # FSDP's last.dcp, one save at a time
 
@@ -60,9 +63,10 @@ class TrainingState:
         """--resume (or a worker that torchrun restarted, a requeued SLURM job): last.pth into the
         model, optimizer, scaler, schedule and weight average; the history and the place in the
         epoch it stopped in. Without last.pth, nothing."""
-        model, optimizer, shards = self.model, self.optimizer, None
+        model: torch.nn.Module | WholeModel = self.model
+        optimizer: torch.optim.Optimizer | WholeOptimizer = self.optimizer
+        shards = None
         if is_sharded(self.optimizer):  # each rank loads its pieces: of a last.dcp, or of any mode's last.pth
-            from src.fsdp import WholeModel, WholeOptimizer
             model, optimizer = WholeModel(self.model), WholeOptimizer(self.model, self.optimizer)
             shards = self._load_shards
         resumed = checkpoint.load_last(self.args, self.info, model, optimizer, self.scaler, self.schedule, self.average,
@@ -103,7 +107,7 @@ class TrainingState:
         """Whether --save-every-steps asks for last.pth after this step (an epoch's last step is
         saved by the epoch's end, after validation)."""
         every = self.args.save_every_steps
-        return bool(every) and self.run_step % every == 0 and self.step < self.steps_per_epoch
+        return every is not None and self.run_step % every == 0 and self.step < self.steps_per_epoch
 
     def save_step(self, sums: torch.Tensor, write: Callable | None = None) -> None:
         """last.pth here, inside the epoch; best.pth, history.json and the plot stay those of the last
@@ -115,10 +119,10 @@ class TrainingState:
         if is_sharded(self.optimizer):
             self._save_shards(write, step=self.step, partial=partial)
             return
-        last = self._last_state(step=self.step, partial=partial)
-        if is_first():
-            self.heartbeat.at("saving")
-            self.writer.save(last, output_paths(self.args)["last"])
+        if not is_first():  # the one collective the save needs is behind: rank 0 alone builds and writes last.pth
+            return
+        self.heartbeat.at("saving")
+        self.writer.save(self._last_state(step=self.step, partial=partial), output_paths(self.args)["last"])
 
     def record(self, train_sums: torch.Tensor, val_sums: torch.Tensor, average_sums: torch.Tensor | None,
                train_seconds: float, val_seconds: float) -> dict:
@@ -128,6 +132,14 @@ class TrainingState:
         return epoch_record(epoch=self.epoch, train_sums=train_sums, val_sums=val_sums, average_sums=average_sums,
                             train_seconds=earlier + train_seconds, val_seconds=val_seconds,
                             data_wait_seconds=self.data_wait, lr=self.optimizer.param_groups[0]["lr"])
+
+    def new_best(self, record: dict) -> str | None:
+        """What best.pth will hold once the finished epoch's `record` joins the history: "weights" or
+        "average" where the epoch is the best so far (by --best-by), None where best.pth stays as it
+        is. The same on every rank (the records' validation sums are every rank's, all-reduced): a
+        gather for best.pth, a collective, is made on every rank or on none."""
+        best, weights = best_choice([*self.history, record], self.args.best_by)
+        return weights if best["epoch"] == record["epoch"] else None
 
     def save_epoch(self, record: dict, model_state: dict | None = None, write: Callable | None = None) -> bool:
         """The epoch is finished: its record joins the history, and rank 0 writes best.pth if it
@@ -141,9 +153,9 @@ class TrainingState:
         if is_sharded(self.optimizer):
             is_best = self._save_epoch_shards(model_state, write)
         else:
-            last = self._last_state(model_state=model_state)
-            if not is_first():
+            if not is_first():  # rank 0 alone builds and writes last.pth: no collective in it
                 return False
+            last = self._last_state(model_state=model_state)
             self.heartbeat.at("saving")
             self.writer.wait()  # a step's last.pth still being written must not land after this one
             is_best = checkpoint.write_epoch(self.args, self.history, self.info, last["model"], last, last["average"])
@@ -151,13 +163,18 @@ class TrainingState:
             self.tracker.log_epoch(record)  # after its files: a stop between them logs it at the resume
         return is_best
 
-    def _save_epoch_shards(self, model_state: dict, write: Callable | None) -> bool:
-        """save_epoch under FSDP: best.pth and best.json first (rank 0; the whole weight average
-        gathered only where best.pth is to hold it), then last.dcp, then history.json and the
-        plot: a last that has the epoch comes after the best.pth that weighed it."""
+    def _save_epoch_shards(self, model_state: dict | None, write: Callable | None) -> bool:
+        """save_epoch under FSDP: best.pth and best.json first (rank 0; the whole weights or their
+        average gathered only where best.pth is to hold them: the script gathers the weights, see
+        new_best), then last.dcp, then history.json and the plot: a last that has the epoch comes
+        after the best.pth that weighed it."""
         model = getattr(self.model, "_orig_mod", self.model)
         best, weights = best_choice(self.history, self.args.best_by)
-        average = whole_average(model, self.average) if weights == "average" and best["epoch"] == self.epoch else None
+        new_best = best["epoch"] == self.epoch
+        if new_best and weights == "weights" and model_state is None:  # each rank holds pieces: only the script's
+            raise ValueError("save_epoch of a new best of a sharded model needs its whole state_dict "
+                             "(get_model_state_dict)")
+        average = whole_average(model, self.average) if new_best and weights == "average" else None  # every rank
         is_best = False
         if is_first():
             self.heartbeat.at("saving")
@@ -198,7 +215,7 @@ class TrainingState:
 
     # Track (--track, src/tracking.py).
 
-    def track(self, tracker, accelerator=None) -> None:
+    def track(self, tracker: Tracker, accelerator: Any = None) -> None:
         """Starts the run's tracked runs (rank 0's `tracker`; the others' tracks nothing), or after
         resume() continues those last.pth names, logging the resumed epochs they lack; their ids
         go into every last.pth and best.json from here on, and save_epoch logs each epoch.
@@ -259,7 +276,8 @@ class TrainingState:
 
             from src.progress import close_bars
             close_bars()
-            print(f"stopped by {signal_name(self.signals.agreed)} {where}; {how_to_go_on(self.args.command)}", file=sys.stderr, flush=True)
+            agreed = self.signals.agreed if self.signals is not None else 0  # stop_agreed() set them
+            print(f"stopped by {signal_name(agreed)} {where}; {how_to_go_on(self.args.command)}", file=sys.stderr, flush=True)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         raise Stopped()

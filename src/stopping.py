@@ -60,7 +60,8 @@ class StopSignals:
         # Host copies for the agreements in flight, made once: allocating pinned memory in a step could wait.
         self.hosts = [torch.zeros(1, pin_memory=True) for _ in range(2)] if self.on_gpu else []
         self.checks = 0
-        self.pending = collections.deque()  # agreements in flight, oldest first: (tensor, what to wait for)
+        # Agreements in flight, oldest first: (tensor, what to wait for: the copy's event or the all-reduce).
+        self.pending: collections.deque[tuple[torch.Tensor, torch.cuda.Event | dist.Work]] = collections.deque()
         self.agreed = 0  # the signal every rank agreed to stop on
         self.terminals: list[int] = []  # the descriptors of the output that went to a terminal
         self.waits = 0  # agreements read before they were done (waited for)
@@ -178,6 +179,10 @@ def signal_name(number: int) -> str:
     return signal.Signals(number).name
 
 
+# The scripts whose processes run under a driver started with python (Ray Train's workers).
+PYTHON_DRIVEN = ("train_ray.py",)
+
+
 def how_to_go_on(command: list[str]) -> str:
     """The command that goes on: `command` (the script and its arguments) with --resume in place of
     --overwrite (under a launcher: its arguments, to give the same launcher), and what goes on by
@@ -185,8 +190,10 @@ def how_to_go_on(command: list[str]) -> str:
     arguments = [argument for argument in command if argument != "--overwrite"]
     arguments += [] if "--resume" in arguments else ["--resume"]
     # Under a launcher (torchrun's variable), or in a process group of several: not a WORLD_SIZE
-    # left in the environment of a one-process script.
-    if "TORCHELASTIC_RUN_ID" in os.environ or (dist.is_initialized() and dist.get_world_size() > 1):
+    # left in the environment of a one-process script. Not train_ray.py's workers, in Ray Train's
+    # group: the command that goes on is their driver's, `python train_ray.py`.
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or (dist.is_initialized() and dist.get_world_size() > 1)
+    if launched and os.path.basename(arguments[0]) not in PYTHON_DRIVEN:
         how = f"to go on, launch the same way: {shlex.join(arguments)}"
     else:
         how = f"to go on: python {shlex.join(arguments)}"

@@ -45,8 +45,8 @@ saved MLflow id reaches it as `run_id` (mlflow.start_run(run_id=...) sets it RUN
 artifact folder as `logging_dir` (a new experiment's artifact_location); the W&B id as `id` with
 `resume="allow"`, the folder as `dir`, the mode as `mode`.
 """
-import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import secrets
@@ -55,9 +55,11 @@ import string
 import struct
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
+from src.config import Config
 from src.errors import EXIT_STOPPED, UserError, one_line
 
 BACKENDS = ("mlflow", "wandb")
@@ -79,9 +81,9 @@ ADVICE = ("a server's http(s)://HOST:PORT, a database such as sqlite:///PATH/mlf
           "--tracking-uri for the store beside --checkpoint")
 
 
-def requested(args) -> list[str]:
+def requested(args: Config) -> list[str]:
     """The backends that --track names, each once, in the order given."""
-    return list(dict.fromkeys(getattr(args, "track", None) or []))
+    return list(dict.fromkeys(args.track or []))
 
 
 def default_uri(folder: Path) -> str:
@@ -156,10 +158,14 @@ class _MLflow:
         from mlflow import MlflowClient
         self.uri, self.source = uri, source
         self.artifacts = _artifact_root(uri)
-        self.run_id, self.epochs, self.last_step, self.accelerated, self.started = None, set(), 0, None, False
+        self.run_id = ""  # start() sets it
+        self.epochs: set[int] = set()
+        self.last_step, self.started = 0, False
+        self.accelerated: Any = None  # accelerate's MLflowTracker (unannotated), under accelerate
         try:
-            if sqlite_file(uri) is not None:  # SQLite makes the file, not its folder
-                sqlite_file(uri).parent.mkdir(parents=True, exist_ok=True)
+            database = sqlite_file(uri)
+            if database is not None:  # SQLite makes the file, not its folder
+                database.parent.mkdir(parents=True, exist_ok=True)
             with _environment(CHECK_REQUEST, override=True):
                 self.client = MlflowClient(tracking_uri=uri)
                 self.client.search_experiments(max_results=1)
@@ -179,7 +185,7 @@ class _MLflow:
             kwargs["logging_dir"] = self.artifacts
         return kwargs
 
-    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
+    def start(self, saved_id: str | None, context: dict, history: Sequence[dict], accelerator: Any) -> str:
         from mlflow.entities import Param
         if accelerator is not None:  # MLflowTracker.start() created or resumed the run
             self.accelerated = accelerator.get_tracker("mlflow")
@@ -251,7 +257,8 @@ class _MLflow:
                     if active is not None and active.info.run_id == self.run_id:
                         mlflow.end_run(status)  # accelerate's end_training() then finds no run to end
                 finally:
-                    mlflow.set_tracking_uri(self.previous_uri)  # set by init_kwargs: no later run inherits it
+                    # set by init_kwargs: no later run inherits it (None, the environment's unset, unsets it)
+                    mlflow.set_tracking_uri(self.previous_uri)  # type: ignore[arg-type]  # annotated str | Path
                     self.accelerated = None
             self.client.set_terminated(self.run_id, status)
 
@@ -294,8 +301,12 @@ class _WandB:
         import wandb
         self.wandb, self.folder = wandb, Path(folder)
         self.mode = os.environ.get("WANDB_MODE") or "offline"
-        self.run, self.run_id, self.epochs, self.last_step = None, None, set(), 0
-        self.accelerated, self.started = None, False
+        self.run: Any = None  # start()'s: wandb.init's Run, or accelerate's tracker of it (unannotated)
+        self.run_id = ""  # init_kwargs() sets it
+        self.epochs: set[int] = set()
+        self.last_step = 0
+        self.accelerated: Any = None
+        self.started = False
         if self.mode not in ("offline", "dryrun", "disabled"):
             try:
                 logged_in = wandb.login(prompt=False, verify=False)
@@ -314,7 +325,7 @@ class _WandB:
                 "name": run_name(context), "config": parameters(context) if saved_id is None else None,
                 "settings": self.wandb.Settings(silent=True, console="off")}
 
-    def start(self, saved_id: str | None, context: dict, history: list[dict], accelerator) -> str:
+    def start(self, saved_id: str | None, context: dict, history: Sequence[dict], accelerator: Any) -> str:
         if accelerator is not None:
             self.run = accelerator.get_tracker("wandb", unwrap=True)
             self.accelerated = accelerator.get_tracker("wandb")
@@ -407,7 +418,7 @@ def wandb_records(path: Path):
         pieces += data[position + 7:position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a full record, or a record's last piece
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # protobuf makes its classes at import
             record.ParseFromString(pieces)
             pieces = b""
             yield record
@@ -436,15 +447,17 @@ def wandb_logged(folder: Path, run_id: str) -> tuple[set[int], int]:
 class Tracker:
     """The run's trackers (--track), on rank 0 / the main process; without --track it does nothing."""
 
-    def __init__(self, args, folder: Path | None = None):
+    def __init__(self, args: Config, folder: Path | None = None):
         """Checks each store now, before any work: a UserError (one line, exit 2) if one cannot be
         used. `folder`: where the default stores go (by default --checkpoint's folder)."""
         self.folder = Path(folder if folder is not None else Path(args.checkpoint).parent)
-        self.backends, self.ids, self.failed = {}, {}, set()
+        self.backends: dict[str, _MLflow | _WandB] = {}
+        self.ids: dict[str, str] = {}
+        self.failed: set[str] = set()
         names = requested(args)
         for name in names:
             if name == "mlflow":
-                uri, source = getattr(args, "tracking_uri", None), "--tracking-uri"
+                uri, source = args.tracking_uri, "--tracking-uri"
                 if not uri and os.environ.get("MLFLOW_TRACKING_URI"):
                     uri, source = os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
                 if not uri:
@@ -467,7 +480,7 @@ class Tracker:
         saved = saved_ids or {}
         return {name: backend.init_kwargs(saved.get(name), context) for name, backend in self.backends.items()}
 
-    def start(self, saved_ids: dict | None, context: dict, history: list[dict] = (), accelerator=None) -> dict:
+    def start(self, saved_ids: dict | None, context: dict, history: Sequence[dict] = (), accelerator: Any = None) -> dict:
         """Starts each run, or continues the saved one (`saved_ids`: last.pth's, None for a new
         run), and logs the epochs of `history` (the resumed records) that it lacks. `context`:
         src.checkpoint.run_context(args) (or run_info, which holds it): a new run logs its flags,
@@ -507,7 +520,7 @@ class Tracker:
             if self._guarded(backend, lambda: backend.log(named, step, "optimizer_step")):
                 backend.last_step = step
 
-    def finish(self, status: str, artifacts: list[Path] = ()) -> None:
+    def finish(self, status: str, artifacts: Sequence[Path] = ()) -> None:
         """Ends each run with `status` ("FINISHED", "KILLED": stopped on a signal, "FAILED": an
         error), after logging the files of `artifacts` that exist (best.pth, best.json, the curves).
         Call it before accelerate's end_training(), which would end the runs as finished."""
@@ -538,7 +551,7 @@ class Tracker:
 
 
 @contextlib.contextmanager
-def rank_0_tracker(args) -> Iterator[Tracker]:
+def rank_0_tracker(args: Config) -> Iterator[Tracker]:
     """with rank_0_tracker(args) as tracker: the run's Tracker on rank 0 / the main process, its
     stores checked now (a UserError on every rank: rank 0's), one that tracks nothing elsewhere.
     When the block ends the tracked runs end with it: FINISHED with best.pth, best.json and the
@@ -549,7 +562,7 @@ def rank_0_tracker(args) -> Iterator[Tracker]:
     from src.ranks import from_rank_0  # here: it loads torch.distributed
     made = []
     from_rank_0(lambda: made.append(Tracker(args)))  # nothing is sent: every rank learns of an error
-    tracker = made[0] if made else Tracker(argparse.Namespace(checkpoint=args.checkpoint))  # no --track
+    tracker = made[0] if made else Tracker(dataclasses.replace(args, track=None))  # no --track
     try:
         yield tracker
     except (Stopped, KeyboardInterrupt):

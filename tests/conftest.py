@@ -15,6 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -108,12 +110,14 @@ def made_once(folder: Path):
         done.touch()
 
 
-# The files that take longest (measured with --durations, 2026-12-05), first: with -n 2 each worker
-# takes whole files (--dist loadfile) in collection order, and a long file taken last would leave
-# the other worker idle at the end. The rest keep their order.
-LONGEST_FIRST = ["test_sync_bn.py", "test_fsdp.py", "test_modes.py", "test_reliability.py", "test_stopping.py",
-                 "test_performance.py", "test_freeze.py", "test_arch_walk.py", "test_recipe.py", "test_benchmark.py",
-                 "test_chaos.py", "test_hung_rank.py", "test_dropout.py", "test_report.py", "test_two_ranks.py"]
+# The files that take longest (measured with --durations, 2026-12-05; the GPU proof's dry run in
+# test_gpu_on_cpu_selftest.py, 2026-12-06), first: with -n 2 each worker takes whole files (--dist
+# loadfile) in collection order, and a long file taken last would leave the other worker idle at
+# the end. The rest keep their order.
+LONGEST_FIRST = ["test_gpu_on_cpu_selftest.py", "test_ray.py", "test_sync_bn.py", "test_fsdp.py", "test_modes.py",
+                 "test_reliability.py", "test_stopping.py", "test_performance.py", "test_freeze.py",
+                 "test_arch_walk.py", "test_recipe.py", "test_benchmark.py", "test_chaos.py", "test_hung_rank.py",
+                 "test_dropout.py", "test_report.py", "test_two_ranks.py"]
 
 
 # make test-fast (-m "not slow") leaves out, whoever wrote them, the tests that train or start
@@ -290,6 +294,121 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         if _is_slow(item, seen):
             item.add_marker(pytest.mark.slow)
+
+
+# TEST_COST_LOG=path: each test appends a JSON line to path: its id, its seconds, the CPU seconds
+# (user + system) of the test process and of the processes it waited for, setup and teardown
+# included (a shared run counts to the first test that needs it), and the commands it started
+# (a launcher, a script, a spawned rank, a fork server of loader workers).
+# `python checks/suite_cost.py path` sums them by file.
+_STARTED: list[str] = []
+
+
+def started_command(args) -> str:
+    """What a started process is, in a few words: "torchrun", "accelerate launch", "python SCRIPT",
+    "python -m MODULE", "python -c", "spawned rank", "fork server", or its program's name."""
+    args = [str(arg) for arg in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+    names = [Path(arg).name for arg in args]
+    if "torchrun" in names[:3]:
+        return "torchrun"
+    if "accelerate" in names[:3] and "launch" in args:
+        return "accelerate launch"
+    if names and names[0].startswith("python"):
+        rest = [arg for arg in args[1:] if arg not in ("-u", "-B", "-X", "importtime", "-s", "-E")]
+        if any("forkserver" in arg for arg in rest):
+            return "fork server"
+        if any("spawn_main" in arg or "resource_tracker" in arg for arg in rest):
+            return "spawned rank" if any("spawn_main" in arg for arg in rest) else "resource tracker"
+        if rest[:1] == ["-m"]:
+            return f"python -m {rest[1]}" if len(rest) > 1 else "python -m"
+        if rest[:1] == ["-c"]:
+            return "python -c"
+        return f"python {Path(rest[0]).name}" if rest else "python"
+    return names[0] if names else "?"
+
+
+def subreaper() -> bool:
+    """Make this process the one that orphaned descendants are handed to (Linux's
+    PR_SET_CHILD_SUBREAPER), so that their CPU time is counted here once reaped; False elsewhere."""
+    import ctypes
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans() -> None:
+    """Reap the ended processes handed to this one, which nobody here waits for: its ended
+    children that it did not start itself (those stay for their Popen or Process to wait for)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid() and not _started_here(int(entry.name)):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry.name), 0)
+
+
+_STARTED_PIDS: set[int] = set()
+
+
+def _started_here(pid: int) -> bool:
+    """Whether pid is a process this one started itself (its Popen or spawn waits for it)."""
+    return pid in _STARTED_PIDS
+
+
+if os.environ.get("TEST_COST_LOG"):
+    import multiprocessing.util
+    import resource
+
+    _popen_init = subprocess.Popen.__init__
+    _spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+    def _recorded_popen(self, args, *more, **options):
+        _STARTED.append(started_command(args))
+        _popen_init(self, args, *more, **options)
+        _STARTED_PIDS.add(self.pid)
+
+    def _recorded_spawn(path, args, passfds):
+        _STARTED.append(started_command(args))
+        pid = _spawnv_passfds(path, args, passfds)
+        _STARTED_PIDS.add(pid)
+        return pid
+
+    _fork = os.fork
+
+    def _recorded_fork():
+        pid = _fork()
+        if pid:
+            _STARTED_PIDS.add(pid)
+        return pid
+
+    os.fork = _recorded_fork
+    subprocess.Popen.__init__ = _recorded_popen
+    multiprocessing.util.spawnv_passfds = _recorded_spawn
+    # The processes that outlive their parent (a loader workers' fork server, once its training
+    # process has ended) are handed to this one and reaped here: their CPU seconds count too.
+    reaper = subreaper()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        def cpu(who):
+            usage = resource.getrusage(who)
+            return usage.ru_utime + usage.ru_stime
+        _STARTED.clear()
+        start = (time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN))
+        yield
+        if reaper:
+            reap_orphans()
+        end = (time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN))
+        record = {"test": item.nodeid, "seconds": end[0] - start[0], "cpu": end[1] - start[1],
+                  "children_cpu": end[2] - start[2], "started": list(_STARTED),
+                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+        with open(os.environ["TEST_COST_LOG"], "a") as log:
+            log.write(json.dumps(record) + "\n")
 
 
 # A loader's iterator that a test leaves in a reference cycle (a stop raised through a generator
@@ -834,6 +953,58 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 0))
     return fake
+
+
+class CudaCalls:
+    """A stand-in for CUDA's current device, which is per thread (a new thread's is 0, as CUDA's
+    runtime has it), and for torch.cuda's calls on it: set_device, current_device, and Event's
+    record, query and synchronize. Each call is recorded as (the thread's name, the call, the
+    device current in that thread then)."""
+
+    def __init__(self):
+        self.local = threading.local()
+        self.calls: list[tuple[str, str, int]] = []
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def set_device(self, device) -> None:
+        self.local.device = device.index if isinstance(device, torch.device) else int(device)
+        self.called("set_device")
+
+    def called(self, what: str) -> None:
+        self.calls.append((threading.current_thread().name, what, self.current_device()))
+
+    def of(self, thread: str) -> list[tuple[str, int]]:
+        """(call, device) of each call made in the thread named `thread`, in order."""
+        return [(what, device) for name, what, device in self.calls if name == thread]
+
+
+@pytest.fixture
+def cuda_calls(monkeypatch) -> CudaCalls:
+    """torch.cuda's set_device, current_device and Event replaced by a CudaCalls that records,
+    per thread, on which device each call was made (CUDA runs a thread's calls on its current
+    device, GPU 0 unless the thread set another)."""
+    calls = CudaCalls()
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            calls.called("Event")
+
+        def record(self, stream=None) -> None:
+            calls.called("record")
+
+        def query(self) -> bool:
+            calls.called("query")
+            return True
+
+        def synchronize(self) -> None:
+            calls.called("synchronize")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", calls.current_device)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return calls
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ Dvoretzky-Kiefer-Wolfowitz bound at the same false-alarm rate; the draws are see
 passes passes every time. Where a draw is torchvision's, a spy on the v2 transform records what it
 drew (and, for the policies' operations, skips applying them: the draw is under test, not the
 image kernels)."""
-import argparse
 import collections
 import json
 import math
@@ -27,7 +26,9 @@ import train_single
 from src import augment as aug
 from src import checkpoint
 from src.augment import ERASE_FILL, TrainSplit, augment, crop_params, partner
-from src.cli import parse_args
+from src.cache import MappedArray
+from src.cli import defaults, parse_args
+from src.config import Config
 from src.dropout import sample_key
 from src.errors import UserError
 from src.freeze import backbone_outputs
@@ -44,11 +45,9 @@ def _within(count: float, n: int, p: float) -> bool:
     return abs(count - n * p) < 6 * math.sqrt(n * p * (1 - p))
 
 
-def _flags(**changes) -> argparse.Namespace:
+def _flags(**changes) -> Config:
     """The recipe's flags as the command line gives them (every augmentation off), changed."""
-    defaults = dict(seed=7, augment=False, auto_augment=None, ra_magnitude=9, augmix_severity=3,
-                    random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0)
-    return argparse.Namespace(**{**defaults, **changes})
+    return defaults(**{"seed": 7, **changes})
 
 
 def _images(n: int, size: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
@@ -581,8 +580,8 @@ def test_a_last_pth_older_than_the_flags_resumes_with_their_defaults(tmp_path):
         _resume(tmp_path, "--mixup-alpha", "0.2", drop=added)
 
 
-class _Pixels(Dataset):
-    """A few uint8 images with the pixel cache's `labels`."""
+class _Pixels(MappedArray):
+    """A few uint8 images with the pixel cache's `labels`, in memory."""
 
     def __init__(self):
         self.items = _images(6, 32)

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import src.checkpoint_writer
 import src.outputs
+from src.cli import defaults
 from src.errors import exit_on_error
 from src.profiling import Profiler, breakdown, schedule_for
 from src.progress import Progress
@@ -350,8 +351,8 @@ def _state(args, model, optimizer, steps: int):
 @pytest.mark.parametrize("batches, steps", [(12, 6), (4, 1)])
 def test_profile_fits_the_pass(tmp_path, batches, steps):
     """Through the training loop's Steps: a pass too short for the usual schedule gets a shorter one."""
-    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1, epochs=1,
-                           accumulate=1)
+    args = defaults(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1, epochs=1,
+                    accumulate=1)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(2 * batches, 4), torch.zeros(2 * batches, dtype=torch.long))
@@ -371,8 +372,8 @@ def test_the_profile_finds_the_data_wait_the_loop_clocked(tmp_path):
     profiler's "data wait" ranges, which src/progress.py opens inside the same clocked interval,
     hold that time but for the range's own entry and exit (microseconds a step). A renamed range
     gives 0 (the mode runs of test_watch wait about 15 ms in all: too little to tell)."""
-    args = SimpleNamespace(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1, epochs=1,
-                           accumulate=1)
+    args = defaults(profile=True, log_dir=None, checkpoint=str(tmp_path / "best.pth"), log_every=1, epochs=1,
+                    accumulate=1)
     model = torch.nn.Linear(3 * 8 * 8, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     progress = Progress(args, _state(args, model, optimizer, 12), 2, torch.device("cpu"))
@@ -391,7 +392,7 @@ def test_the_profile_finds_the_data_wait_the_loop_clocked(tmp_path):
 
 def test_profile_cut_short_by_the_end_of_the_pass(tmp_path):
     """Without the pass's length: the default schedule, and the pass ends while it records."""
-    profiler = Profiler(SimpleNamespace(log_dir=str(tmp_path), checkpoint="unused"), torch.device("cpu"))
+    profiler = Profiler(defaults(log_dir=str(tmp_path), checkpoint="unused"), torch.device("cpu"))
     x = torch.ones(3, requires_grad=True)
     for _ in range(6):  # steps 0, 1 skipped, 2, 3 warm-up, 4, 5 recorded but not yet saved
         with torch.profiler.record_function("data wait"):

@@ -139,3 +139,20 @@ def test_the_verdict_passes_only_the_same_weights_average_and_history():
     assert not ended_as_straight(tiny, 0.0, True)
     assert not ended_as_straight(0.0, tiny, True)
     assert not ended_as_straight(0.0, 0.0, False)
+
+
+@pytest.mark.parametrize("missing", ["--reference", "--alone", "--far"])
+def test_a_folder_without_a_last_is_one_line_naming_its_flag(missing, tmp_path):
+    """--reference, --alone or --far naming a folder that holds no last (a typo, a run that never
+    saved): a TypeError traceback ('NoneType' object is not subscriptable) before; now one line."""
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    torch.save({"epoch": 1, "step": 0, "info": {}}, ran / "last.pth")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    folders = {flag: (empty if flag == missing else ran) for flag in ("--reference", "--alone", "--far")}
+    with pytest.raises(UserError, match=rf"^{missing} {re.escape(str(empty))} holds no last.pth or last.dcp: pass the "
+                                        "output folder of a finished run$"):
+        if missing == "--reference":
+            compare(ran, empty)
+        verdict(ran, folders["--reference"], folders["--alone"], folders["--far"])

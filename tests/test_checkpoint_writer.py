@@ -153,3 +153,44 @@ def test_a_tensor_saved_again_in_another_dtype_is_written_in_its_new_dtype(tmp_p
     writer.wait()
     saved = torch.load(tmp_path / "last.pth", weights_only=True)["w"]
     assert saved.dtype == torch.float64 and torch.equal(saved, exact)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
+    """A step checkpoint and an epoch's save of a whole model (DDP's), in a world of two (torch's
+    fake process group, this process its rank `rank`; collectives counted, not run): rank 1 takes
+    part in the one collective the saves need (the all_gather of every rank's metric sums) and
+    builds nothing of last.pth: no state_dict of the model, the optimizer, the scaler or the weight
+    average (which swaps the average in and copies it to the host), nothing written. The control:
+    rank 0 builds each once per save and writes the files."""
+    import torch.distributed as dist
+    args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", "--ema-decay", "0.9", *outputs(tmp_path)])
+    model, _, optimizer, scaler, _, state = _tiny(args, 6)
+    built = []
+
+    def counted(owner, name: str, label: str) -> None:
+        made = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: built.append(label) or made(*a, **k))
+    for owner, name, label in ((model, "state_dict", "model"), (optimizer, "state_dict", "optimizer"),
+                               (scaler, "state_dict", "scaler"),
+                               (state.average, "state_dict", "average"), (checkpoint, "last_state", "last.pth")):
+        counted(owner, name, label)
+    gathers, all_gather = [], dist.all_gather
+    monkeypatch.setattr(dist, "all_gather", lambda *a, **k: gathers.append(1) or all_gather(*a, **k))
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=2)
+    try:
+        state.step = 2
+        state.save_step(torch.zeros(4))
+        state.save_epoch(epoch_record(epoch=0, train_sums=torch.tensor([1.0, 1.0, 2.0, 1.0]),
+                                      val_sums=torch.tensor([1.0, 1.0, 2.0, 1.0]), average_sums=None,
+                                      train_seconds=1.0, val_seconds=1.0, data_wait_seconds=0.0, lr=0.001))
+        state.writer.wait()
+    finally:
+        dist.destroy_process_group()
+    assert len(gathers) == 1
+    if rank == 1:
+        assert built == [] and sorted(p.name for p in tmp_path.iterdir()) == []
+    else:
+        # the average's state_dict reads the model's with the average swapped in
+        assert built == ["model", "optimizer", "average", "model", "last.pth", "scaler"] * 2, built
+        assert {"best.pth", "last.pth", "history.json"} <= {p.name for p in tmp_path.iterdir()}

@@ -11,14 +11,16 @@ from src.cli import parse_args
 from src.outputs import output_paths
 
 # Flags whose value is a path a command writes (a file, or a folder it fills).
-OUTPUT_FLAGS = ("--cache", "--checkpoint", "--plot", "--log-dir", "--out-dir", "--output", "-d", "-p")
+OUTPUT_FLAGS = ("--cache", "--checkpoint", "--plot", "--log-dir", "--out-dir", "--output", "--storage-path", "-d", "-p")
 # What the tools write without flags: predict's --output, the benchmark's and the recipe
 # comparison's --out-dir, make test-gpu's report, the synthetic set of make demo.
 TOOL_DEFAULTS = ["submission.csv", "predictions.csv", "model/best.onnx", "benchmark/", "compare/", "gpu-selftest/", "data/synthetic/"]
 
 
 def _written(words: list[str]) -> list[str]:
-    paths = [value for flag, value in zip(words, words[1:]) if flag in OUTPUT_FLAGS]
+    """The paths a command writes inside the clone (an absolute one, a cluster's volume in
+    docs/multi-node.md, is outside it: git never shows it)."""
+    paths = [value for flag, value in zip(words, words[1:]) if flag in OUTPUT_FLAGS and not value.startswith("/")]
     if words[:3] == ["python", "-m", "src.tools.synthetic"]:
         paths.append(words[3] + "/")  # its folder argument
     return paths

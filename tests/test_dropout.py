@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.ops import StochasticDepth
 
 from src import dropout
+from src.cli import defaults
 from src.models import build_model
 
 M32 = 0xFFFFFFFF
@@ -256,13 +257,12 @@ def test_per_process_masks_would_end_outside_the_tolerance(runs, far):
 def test_the_loader_hands_each_sample_its_key_for_its_epoch():
     """TrainSplit gives each training sample sample_key(seed, epoch, index in the data set): other
     epochs draw other masks, every rank and --workers value the same ones."""
-    from types import SimpleNamespace
 
     import train_ddp
     from src.loaders import Data
     dataset = [(torch.zeros(3, 4, 4, dtype=torch.uint8), i % 2) for i in range(12)]
     train = [1, 3, 4, 6, 8, 9, 10, 11]
-    args = SimpleNamespace(batch_size=2, seed=7, workers=0, augment=False, accumulate=1)
+    args = defaults(batch_size=2, seed=7, workers=0, augment=False, accumulate=1)
     seen = {}
     for epoch in (0, 1):
         for rank in (0, 1):

@@ -3,13 +3,13 @@ step (not per micro-batch, not on a step the fp16 scaler skips), swapped in and 
 saved and picked for best.pth by --best-by; in every mode, the full recipe's runs (conftest's
 RECIPE, with --accumulate) keep the same average (tests/test_recipe.py compares them)."""
 import json
-from argparse import Namespace
 
 import pytest
 import torch
 import torch.nn as nn
 from conftest import MICRO, PROCESSES, recipe_run, weights
 
+from src.cli import defaults
 from src.ema import WeightAverage, decay_at
 from src.history import best_choice
 from src.state import TrainingState
@@ -84,7 +84,7 @@ def test_best_pth_holds_the_average_when_it_validates_better(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     average = WeightAverage(model, optimizer, 0.9)
     average.average = [torch.full_like(p, 7.0) for p in average.average]
-    args = Namespace(checkpoint=str(tmp_path / "best.pth"), plot=str(tmp_path / "c.png"), best_by="val_acc")
+    args = defaults(checkpoint=str(tmp_path / "best.pth"), plot=str(tmp_path / "c.png"), best_by="val_acc")
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = TrainingState(args, {"arch": "x"}, model, optimizer, None, schedule, average, 1)
     picked = []

@@ -43,7 +43,7 @@ import train_accelerate
 import train_fsdp
 import train_single
 from src.accelerate_checks import check_accelerator
-from src.cli import parse_args
+from src.cli import defaults, parse_args
 from src.errors import end_process_group
 from src.fsdp import fsdp_units, rank_bytes
 from src.loaders import Data
@@ -315,7 +315,7 @@ def test_every_rank_runs_as_many_validation_forwards(images, batch):
     dataset = [(torch.zeros(1), 0) for _ in range(images)]
     for world_size in (2, 3):
         data = Data(dataset, [0] * batch * world_size, list(range(images)), "")
-        args = SimpleNamespace(batch_size=batch, seed=0, workers=0, augment=False)
+        args = defaults(batch_size=batch, seed=0, workers=0, augment=False)
         loaders = [train_fsdp.loaders(dataset, data, args, torch.device("cpu"), rank, world_size)[1]
                    for rank in range(world_size)]
         forwards = []
@@ -576,3 +576,27 @@ def test_the_whole_model_is_a_copy_that_the_next_step_leaves_as_it_was():
         assert all(torch.equal(saved[key], before[key]) for key in saved)
     finally:
         end_process_group()
+
+
+def test_fsdp_gathers_the_whole_model_only_for_a_new_best(tiny_data, tmp_path, world_of_one, monkeypatch, capsys):
+    """train_fsdp.py gathers the whole weights onto rank 0 (get_model_state_dict with full_state_dict,
+    a collective) for best.pth only in an epoch that is the best so far: over three epochs
+    validated at accuracy 0.5, 0.25 and 0.75 (the epochs' training and validation stood in for: the
+    choice is under test), epochs 1 and 3, and best.json names epoch 3."""
+    from conftest import TINY
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    gathered, get_model_state_dict = [], train_fsdp.get_model_state_dict
+
+    def counted(model, *args, options: StateDictOptions | None = None, **kwargs):
+        gathered.append(options is not None and options.full_state_dict)
+        return get_model_state_dict(model, *args, options=options, **kwargs)
+    accuracies = iter([0.5, 0.25, 0.75])
+    monkeypatch.setattr(train_fsdp, "get_model_state_dict", counted)
+    monkeypatch.setattr(train_fsdp, "train_epoch", lambda *args, **kwargs: torch.tensor([22.4, 16.0, 32.0, 22.4]))
+    monkeypatch.setattr(train_fsdp, "evaluate", lambda *args, **kwargs: torch.tensor([5.6, 8 * next(accuracies), 8.0, 5.6]))
+    code, out, err = in_process(train_fsdp.main, ["--data-dir", str(tiny_data), *TINY, "--epochs", "3",
+                                                  *outputs(tmp_path)], monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert [line.endswith("best so far") for line in out.splitlines() if line.startswith("epoch ")] == [True, False, True]
+    assert gathered == [True, True], "one gather for each new best, none for epoch 2"
+    assert json.loads((tmp_path / "best.json").read_text())["epoch"] == 3

@@ -163,10 +163,11 @@ def _dist_timeout_of(script, argv, monkeypatch, folder) -> dict:
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"),
                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
             monkeypatch.setenv(name, value)
-        monkeypatch.setattr(process_group, "torchrun_store", lambda args: (None, 0, 2))
+        monkeypatch.setattr(process_group, "torchrun_store", lambda minutes: (None, 0, 2))
         monkeypatch.setattr(process_group.dist, "init_process_group",
                             lambda backend, **kwargs: seen.update(backend=backend, group=kwargs["timeout"]))
-        process_group.join_process_group(predict.parse_args(argv))
+        options = predict.parse_args(argv)
+        process_group.join_process_group(options.dist_timeout, options.amp)
         return seen
     if script is train_ddp:
         def recorded(backend, **kwargs):

@@ -19,7 +19,7 @@ import gpu_selftest as selftest
 import pytest
 import torch
 import torch.nn as nn
-from hooks.sitecustomize import SYNC_MESSAGE, SyncRecord, counting_backend, log_dtypes, sync_site
+from hooks.sitecustomize import SYNC_MESSAGE, SyncRecord, counting_backend, log_dtypes, log_targets, sync_site
 
 # A launcher that starts a worker as torchrun does (start_new_session=True); the worker starts a
 # loader-like child in its own process group; all of them wait forever, as in a hung collective.
@@ -88,6 +88,9 @@ def test_every_distributed_launch_times_out_its_collectives_well_before_its_limi
                 continue
             minutes = int(command[command.index("--dist-timeout") + 1])
             assert minutes == run.dist_timeout() and 60 * minutes + 60 < run.limit() <= 360, name
+            on_cpu = selftest.command_of(name, tmp_path, tmp_path / "data", gpus, cpu=True)[0]
+            minutes = int(on_cpu[on_cpu.index("--dist-timeout") + 1])  # a busy CPU is no hang
+            assert minutes == selftest.CPU_DIST_TIMEOUT and 60 * minutes + 60 < run.limit(cpu=True), name
             assert all(value.count("{out}") == 0 for value in env.values())
 
 
@@ -126,16 +129,19 @@ def test_a_check_that_raises_fails_under_its_name_and_the_others_still_run():
 
 
 class FakeLaunches:
-    """Launches whose folders exist already; the named ones failed."""
+    """Launches whose folders exist already; the named ones failed. On `gpus` GPUs, or --device cpu."""
 
-    def __init__(self, root, failed=()):
-        self.root, self.failed, self.asked = root, set(failed), []
+    def __init__(self, root, failed=(), gpus=1, cpu=False):
+        self.root, self.failed, self.asked, self.gpus, self.cpu, self.work = root, set(failed), [], gpus, cpu, root
 
     def __call__(self, name):
         self.asked.append(name)
         if name in self.failed:
             raise RuntimeError(f"{name} failed: boom (log: {self.root / name})")
         return self.root / name
+
+    def processes(self, name):
+        return selftest.RUNS[name].processes(self.gpus)
 
 
 def _save(folder, value: float, scale: float = 2.0 ** 14, log: str = "") -> None:
@@ -179,7 +185,7 @@ def test_fp16_needs_float16_logits_on_every_rank(tmp_path):
 
 
 def _record(rank=0, windows=2, control=2, syncs=None):
-    return {"rank": rank, "windows": windows, "control": control, "syncs": syncs or {}}
+    return {"rank": rank, "passes": 2, "windows": windows, "control": control, "syncs": syncs or {}}
 
 
 def test_the_sync_verdict_needs_the_control_and_nothing_but_what_is_allowed():
@@ -203,6 +209,7 @@ def test_only_the_fsdp_sgd_run_may_read_the_scalers_flag(tmp_path):
     read = {"torch/amp/grad_scaler.py:380 <genexpr> < torch/amp/grad_scaler.py:380 _maybe_opt_step": 6}
     for name in selftest._sync_runs(1, False):
         (tmp_path / name).mkdir()
+        (tmp_path / name / "history.json").write_text(json.dumps([{"epoch": 1}, {"epoch": 2}]))
         for rank in range(selftest.RUNS[name].processes(1)):
             (tmp_path / name / f"syncs.json.{rank}").write_text(json.dumps(_record(rank, syncs=read)))
     result = selftest.no_syncs(FakeLaunches(tmp_path), 1, False)
@@ -319,3 +326,129 @@ def test_the_sync_hook_wraps_each_training_pass_of_a_run(tiny_data, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     record = json.loads((tmp_path / "syncs.json.0").read_text())
     assert (record["passes"], record["windows"], record["syncs"]) == (2, 0, {})
+
+
+def test_the_targets_hook_logs_each_kind_of_target_once(tmp_path):
+    functional = SimpleNamespace(cross_entropy=lambda input, target, **kwargs: input.float().sum())
+    log_targets(functional, tmp_path / "targets.txt", "1")
+    for target in (torch.zeros(2, dtype=torch.long), torch.full((2, 2), 0.5), torch.zeros(2, dtype=torch.long)):
+        functional.cross_entropy(torch.zeros(2, 2), target, label_smoothing=0.1)
+    assert (tmp_path / "targets.txt").read_text() == "1 hard\n1 soft\n"
+    assert selftest.targets_seen(tmp_path) == {"1": {"hard", "soft"}}
+
+
+def test_a_launcher_or_a_fork_server_writes_no_record_under_a_ranks_name(tmp_path):
+    """torchrun and accelerate launch start with the workers' environment, the hooks' variables
+    included, and end after them; so does each rank's loader fork server (its RANK too), which
+    imports the script's modules: a process that trained nothing writes no record at its exit (a
+    launcher's once replaced rank 0's, and every two-rank run's rank 0 read as having run no
+    window). The control: a process that starts a run (makes its Progress) writes one."""
+    env = {"PYTHONPATH": conftest.HOOKS, "SYNC_CHECK_STEPS": "1:2", "SYNC_LOG": str(tmp_path / "syncs.json"),
+           "RANK": "1"}
+    for code in ("pass", "import src.progress"):
+        assert conftest.run([sys.executable, "-c", code], env=env).returncode == 0
+        assert not list(tmp_path.glob("syncs.json*")), code
+    starts = "import contextlib, src.progress\nwith contextlib.suppress(Exception): src.progress.Progress(None, None, 1, None)"
+    assert conftest.run([sys.executable, "-c", starts], env=env).returncode == 0
+    assert json.loads((tmp_path / "syncs.json.1").read_text())["passes"] == 0
+
+
+def test_tiny_sets_the_cpus_size_and_workers_and_the_runs_own_flags():
+    flags = ["--arch", "vgg11", "--image-size", "64", "--workers", "2", "--epochs", "1"]
+    assert selftest.tiny(flags, {"--arch": "squeezenet1_1", "--compile": None, "--save-every-steps": "4"}) == [
+        "--arch", "squeezenet1_1", "--image-size", str(selftest.CPU_SIZE), "--workers", str(selftest.CPU_WORKERS),
+        "--epochs", "1", "--compile", "--save-every-steps", "4"]
+
+
+def test_on_the_cpu_a_launch_stands_in_for_those_that_differ_in_what_only_a_gpu_shows(tmp_path):
+    """--device cpu: an fp16 run is its mode's float32 run there (its hooks' variables with it),
+    every launch tiny, without a GPU, with the GPU's choices where the CPU has them; a world of one
+    runs its script without a launcher; the smaller data set unless the run asks for the larger."""
+    assert selftest.stand_in("sgd-fp16-fsdp-shared", True) == "sgd-fsdp-shared"
+    assert selftest.stand_in("sgd-fp16-fsdp-shared", False) == "sgd-fp16-fsdp-shared"
+    for name, run in selftest.RUNS.items():
+        if run.cpu_as:  # a stand-in stands in for others only, and runs the same script (but check 5's FSDP leg)
+            assert selftest.RUNS[run.cpu_as].cpu_as is None, name
+            assert (name == "compile-fsdp-shared"
+                    or selftest.MODES[selftest.RUNS[run.cpu_as].mode].script == selftest.MODES[run.mode].script), name
+    command, env = selftest.command_of("sgd-fsdp-shared", tmp_path, tmp_path / "data", 1, cpu=True)
+    assert env["SYNC_CHECK_STEPS"] == selftest.SYNC_WINDOW and env["SYNC_LOG"] == f"{tmp_path}/sgd-fsdp-shared/syncs.json"
+    assert env["DTYPE_LOG"] == f"{tmp_path}/sgd-fsdp-shared/dtypes.txt"
+    assert (env["CUDA_VISIBLE_DEVICES"], env["AS_ON_GPU"], env["OMP_NUM_THREADS"]) == ("", "1", "1")
+    assert command[command.index("--data-dir") + 1] == str(tmp_path / "data")
+    assert command[command.index("--image-size") + 1] == str(selftest.CPU_SIZE)
+    command, env = selftest.command_of("steps-fsdp", tmp_path, tmp_path / "data", 1, cpu=True)
+    assert command[:2] == [sys.executable, "train_fsdp.py"] and "torch.distributed.run" not in command
+    assert command[command.index("--arch") + 1] == "squeezenet1_1" and command[command.index("--data-dir") + 1] == (
+        str(tmp_path / "data-small"))
+    command, _ = selftest.command_of("steps-fsdp", tmp_path, tmp_path / "data", 1)
+    assert "torch.distributed.run" in command and command[command.index("--arch") + 1] == "vgg11"
+
+
+def test_a_comparison_only_a_gpu_makes_meaningful_is_skipped_with_its_reason_on_the_cpu():
+    on_cpu, on_gpu = selftest.Result(cpu=True), selftest.Result()
+    for result in (on_cpu, on_gpu):
+        result.judge("logits in float32", False, "fp16", gpu_only="fp16 is the GPU's kernels")
+        result.judge("3 of 3 ranks", True, "records")
+    assert on_cpu.failed == [] and on_cpu.skipped == ["on the CPU: fp16 is the GPU's kernels"]
+    assert on_cpu.lines == ["skipped (on the CPU: fp16 is the GPU's kernels): logits in float32", "3 of 3 ranks"]
+    assert on_gpu.failed == ["fp16"] and on_gpu.skipped == []
+    entry = {**_result(verdict="passed", failed=[]), "skipped": on_cpu.skipped, "lines": on_cpu.lines}
+    said = selftest.entry_markdown(entry)
+    assert "## 2. agreement: passed, 1 skipped, 12 s" in said
+    assert said.rstrip().endswith('- figures: {"fsdp-shared share of far": 0.002}')
+
+
+def _steps(folder, decay=0.9, moved_at_skip=False) -> None:
+    """A run's step checkpoints as COPY_LAST keeps them, one after each of 6 steps, steps 1 and 3
+    skipped by the scaler, the average computed in float32 as the GPU does (with `decay`)."""
+    from src.ema import decay_at
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(50, generator=generator)
+    average, updates = weights.clone(), 0
+    (folder / "epochs").mkdir(parents=True)
+    for step in range(1, 7):
+        if step not in (1, 3):
+            weights = weights + 0.1 * torch.randn(50, generator=generator)
+            average = torch.lerp(average, weights, float(1 - decay_at(updates, decay)))
+            updates += 1
+        elif moved_at_skip and step == 3:
+            weights = weights + 1.0
+        torch.save({"epoch": 0, "step": step, "model": {"w": weights},
+                    "average": {"model": {"w": average}, "updates": updates}}, folder / "epochs" / f"last.{step}.pth")
+
+
+def test_the_ema_check_computes_each_steps_average_again_and_catches_another_decay(tmp_path):
+    _steps(tmp_path / "steps-single")
+    result = selftest.ema(FakeLaunches(tmp_path), 1, False)
+    assert result.failed == [] and "and [3] (expected [3])" in result.lines[0], result.lines
+    for folder, change in (("other-decay", {"decay": 0.05}), ("moved", {"moved_at_skip": True})):
+        _steps(tmp_path / folder / "steps-single", **change)
+        assert selftest.ema(FakeLaunches(tmp_path / folder), 1, False).failed == ["ema"], folder
+
+
+def test_the_peak_verdict_allows_a_twentieth_of_what_the_rank_held():
+    mib = 2**20
+    record = {"rank": "0", "peak before the first step checkpoint": 3000 * mib, "held at the first step checkpoint":
+              2600 * mib}
+    assert selftest.judge_peak({**record, "peak through the first epoch": 3100 * mib})[1]
+    line, ok = selftest.judge_peak({**record, "peak through the first epoch": 5000 * mib})
+    assert not ok and "+2000.0 MiB" in line  # the shards staged on the GPU
+    assert not selftest.judge_peak({"rank": "0"})[1], "no record: no verdict of a pass"
+
+
+def test_gpu0_needs_each_rank_on_its_own_gpu_alone(tmp_path):
+    """On 2 GPUs: every NCCL launch's rank r holds a context on GPU r only; a rank 1 that also holds
+    one on GPU 0 fails, named; on one GPU there is nothing to judge: skipped."""
+    names = selftest._gpu0_runs(2)
+    assert "stop-ddp" in names and "steps-fsdp" in names
+    for name in names:
+        (tmp_path / name).mkdir()
+        for rank in range(2):
+            (tmp_path / name / f"memory.json.{rank}").write_text(json.dumps({"rank": str(rank), "device": rank,
+                                                                               "contexts": [rank]}))
+    assert selftest.gpu0(FakeLaunches(tmp_path, gpus=2), 2, False).failed == []
+    (tmp_path / "stop-ddp" / "memory.json.1").write_text(json.dumps({"rank": "1", "device": 1, "contexts": [0, 1]}))
+    assert selftest.gpu0(FakeLaunches(tmp_path, gpus=2), 2, False).failed == ["stop-ddp rank 1"]
+    one = selftest.gpu0(FakeLaunches(tmp_path), 1, False)
+    assert one.failed == [] and one.skipped == ["one GPU: no rank has another to keep to"]

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from argparse import Namespace
 
 import pandas as pd
 import pytest
@@ -17,7 +16,7 @@ import torch
 from conftest import ROOT, TINY, fails, fails_in_process, in_process, outputs, write_checkpoint
 
 import train_single
-from src.cli import parse_args
+from src.cli import defaults, parse_args
 from src.datasets import load_labels, read_labels_csv
 from src.devices import available_cpus
 from src.loaders import labelled_data
@@ -106,7 +105,7 @@ def test_training_and_prepare_take_names_that_are_not_utf8_or_hold_line_breaks(t
             shutil.copy(source, data / "train" / kind / f"{i}.jpg")
     shutil.copy(tiny_data / "train" / "cat.7.jpg", data / "train" / "Cat" / NOT_UTF8)
     shutil.copy(tiny_data / "train" / "cat.8.jpg", data / "train" / "Cat" / "cr\rhere.jpg")
-    args = Namespace(data_dir=str(data), image_size=32, cache=None, val_fraction=0.2, seed=0, workers=0, evaluate=False)
+    args = defaults(data_dir=str(data), image_size=32, cache=None, val_fraction=0.2, seed=0, workers=0, evaluate=False)
     scanned = labelled_data(args)
     assert f"Cat/{NOT_UTF8}" in list(scanned.dataset.frame["filename"])
     code, out, err = in_process(prepare.main, [str(data)], monkeypatch, capsys)

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from conftest import ROOT, run
 import train_accelerate
 import train_ddp
 import train_single
+from src.cli import defaults
+from src.config import Config
 from src.errors import UserError
 from src.loaders import Data, check_batches, skip_first_batches, split_indices
 
@@ -34,8 +35,20 @@ def test_split_that_would_be_empty_is_refused(fraction, n):
         split_indices(n, fraction, seed=0)
 
 
-def _args(batch_size: int, seed: int = 7, accumulate: int = 1, workers: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(batch_size=batch_size, seed=seed, accumulate=accumulate, workers=workers, augment=False)
+def test_a_split_of_one_validation_or_one_training_image_is_accepted_and_none_refused():
+    """Both sides of each boundary of split_indices: of 100 images, 1 validation image (0.01) and
+    1 training image (0.99) are splits; 0 of either (0.004, 0.996: rounded to 0 and 100) is refused
+    naming the counts."""
+    for fraction, sizes in ((0.01, (99, 1)), (0.99, (1, 99))):
+        train, val = split_indices(100, fraction, seed=0)
+        assert (len(train), len(val)) == sizes and sorted(train + val) == list(range(100))
+    for fraction, counts in ((0.004, "100 train, 0 validation"), (0.996, "0 train, 100 validation")):
+        with pytest.raises(UserError, match=rf"^--val-fraction {fraction} leaves an empty split of 100 images \({counts}\)$"):
+            split_indices(100, fraction, seed=0)
+
+
+def _args(batch_size: int, seed: int = 7, accumulate: int = 1, workers: int = 0) -> Config:
+    return defaults(batch_size=batch_size, seed=seed, accumulate=accumulate, workers=workers, augment=False)
 
 
 def _data(n: int, dataset=None) -> Data:
@@ -127,6 +140,40 @@ def test_too_large_a_batch_or_too_many_processes():
         check_batches(data, _args(1), 3)
 
 
+@pytest.mark.parametrize("processes", [2, 3])
+def test_as_many_validation_images_as_processes_are_accepted_and_one_fewer_refused(processes):
+    """Each process validates a share of at least one image: a split of exactly `processes`
+    validation images is accepted (one each), one fewer is refused in one line."""
+    dataset = [(torch.zeros(1), i) for i in range(20)]
+    check_batches(Data(dataset, list(range(10)), list(range(10, 10 + processes)), ""), _args(1), processes)
+    with pytest.raises(UserError) as refused:
+        check_batches(Data(dataset, list(range(10)), list(range(10, 9 + processes)), ""), _args(1), processes)
+    assert str(refused.value) == (f"{processes} processes but only {processes - 1} validation images; use fewer "
+                                  "processes or more data")
+
+
+def test_a_dev_shm_with_exactly_what_the_workers_need_is_accepted_and_a_byte_less_refused(tmp_path, monkeypatch):
+    """check_shared_memory's boundary, the free bytes of /dev/shm faked: as many as 2 loader workers
+    of each of 2 processes may hold (2 processes x 2 workers x 2 batches prefetched x 2, of 1000
+    bytes: 16000) pass, one byte fewer is refused; without workers nothing is asked."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    import src.devices as devices
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    need = devices.shared_memory_need(2, 1000, 2)
+    assert need == 16000
+    for free, refused in ((need, False), (need - 1, True)):
+        monkeypatch.setattr(shutil_module, "disk_usage", lambda path, free=free: usage(10**9, 10**9 - free, free))
+        devices.check_shared_memory(0, 1000, tmp_path)
+        if refused:
+            with pytest.raises(UserError, match=f"^{tmp_path} has 0 MB free, but 2 processes x 2 loader workers need"):
+                devices.check_shared_memory(2, 1000, tmp_path)
+        else:
+            devices.check_shared_memory(2, 1000, tmp_path)
+
+
 def test_a_training_split_of_exactly_one_global_batch_is_accepted_and_one_fewer_refused():
     """--batch-size 3 x 2 processes x 2 (--accumulate) = 12: a split of 12 images is one optimizer
     step per epoch (the loaders hand all 12 out in it), 11 images are refused in one line."""
@@ -176,8 +223,8 @@ def test_a_resumed_epoch_skips_its_finished_steps_without_reading_their_images(m
 STRESS = """
 import ctypes, threading, sys
 import torch
-from types import SimpleNamespace
 from torch.utils.data import DataLoader
+from src.cli import defaults
 from src.heartbeat import Heartbeat
 from src.loaders import loader_options
 
@@ -207,7 +254,7 @@ if __name__ == "__main__":
         churn.start()
         for epoch in range(int(sys.argv[1])):
             beat.at("training", epoch, 0, 0)
-            options = loader_options(SimpleNamespace(workers=2), torch.device("cpu"))
+            options = loader_options(defaults(workers=2), torch.device("cpu"))
             loader = DataLoader(dataset, batch_size=4, timeout=120, **options)  # a hung worker: an error
             assert sum(len(labels) for _, labels in loader) == 16
         assert beat.thread.is_alive()
@@ -249,9 +296,9 @@ MAIN_SCRIPT = """
 import json, os, sys, threading, time
 import torch
 from multiprocessing import forkserver
-from types import SimpleNamespace
 from torch.utils.data import DataLoader
 import imported_once  # noqa: F401  (its import writes a line)
+from src.cli import defaults
 from src.loaders import loader_options
 
 if __name__ == "__main__":
@@ -260,7 +307,7 @@ if __name__ == "__main__":
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
     dataset = [(torch.zeros(2), i) for i in range(8)]
     for _ in range(2):
-        assert sum(len(b) for _, b in DataLoader(dataset, batch_size=2, **loader_options(SimpleNamespace(workers=2),
+        assert sum(len(b) for _, b in DataLoader(dataset, batch_size=2, **loader_options(defaults(workers=2),
                                                                                          torch.device("cpu")))) == 8
     server = forkserver._forkserver._forkserver_pid
     files = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]
@@ -310,14 +357,12 @@ def test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_ho
 
 
 LABELLED = """
-import os, sys
+import sys
 from multiprocessing import forkserver
-from types import SimpleNamespace
+from src.cli import defaults
 from src.loaders import labelled_data
 
-args = SimpleNamespace(data_dir=sys.argv[1], workers=int(sys.argv[2]), image_size=32, cache=None, val_fraction=0.2,
-                       seed=0, evaluate=False)
-labelled_data(args)
+labelled_data(defaults(data_dir=sys.argv[1], workers=int(sys.argv[2]), image_size=32))
 print(forkserver._forkserver._forkserver_pid is not None)
 """
 

@@ -6,7 +6,6 @@ import os
 import re
 import socket
 import subprocess
-from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ from conftest import (
 
 import train_accelerate
 import train_ddp
+from src.cli import defaults
 from src.inference import check_complete, kaggle_test_files, load_checkpoint, predict_files
 from src.loaders import labelled_data
 from src.transforms import normalize
@@ -132,7 +132,7 @@ def test_ddp_validation_metrics_are_what_one_process_computes(exact_data, runs):
     """val_acc, val_loss and val_log_loss of a 2-rank run equal a plain evaluation of its
     last.pth on the split, computed here without the project's metric code."""
     out = mode_run(runs, "ddp")[0]
-    args = Namespace(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42, cache=None, workers=0)
+    args = defaults(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42, cache=None, workers=0)
     dataset, _, val_idx, _ = labelled_data(args)
     model = torchvision.models.squeezenet1_1(num_classes=2)
     model.load_state_dict(last_model(out))

@@ -3,6 +3,7 @@ names missing) is refused before anything runs, and `--check` reports every such
 (CI runs it; the test suite does not read the list's text, which would fail on any edit of a listed
 line, right or wrong); the verdict is "caught" only when pytest named a failed test; the runner
 reads those names from a real pytest run."""
+import subprocess
 import sys
 
 import mutations
@@ -109,3 +110,16 @@ def test_each_entry_is_run_after_the_baseline_and_reported(tmp_path, monkeypatch
     assert (tmp_path / "a.py").read_text() == "x = 1\nx = 1\ny = 2\n", "each change undone"
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "`" in line]
     assert [row[3] for row in rows] == ["caught", "SURVIVED"]
+
+
+def test_a_run_that_times_out_logs_its_output_as_text_and_names_what_failed(tmp_path, monkeypatch):
+    """subprocess.run's TimeoutExpired holds bytes whatever text=True said: the log held "b'...'"
+    with its line breaks as \\n, and the tests that had failed before the timeout went unread."""
+    said = b"test_a.py .F\nFAILED test_a.py::test_fails - assert 1 == 2\n"
+
+    def run(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"], output=said, stderr=b"")
+    monkeypatch.setattr(mutations.subprocess, "run", run)
+    outcome, _, failed = mutations.run_tests(tmp_path, ["test_a.py"], tmp_path / "log", 5)
+    assert (outcome, failed) == ("error", ["test_a.py::test_fails"])
+    assert (tmp_path / "log").read_text().split("\n\n", 1)[1] == said.decode() + "\ntimed out after 5 s"

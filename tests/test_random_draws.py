@@ -7,7 +7,6 @@ Each share is checked against its expected value within 6 standard deviations of
 or uniform draw it is (a false alarm about once in 10^8 runs); the draws are seeded, so a run
 that passes passes every time."""
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import torch
 
 import train_ddp
 from src.augment import crop_params
+from src.cli import defaults
 from src.loaders import Data, split_indices
 
 SIZE = 224  # at 224 px the rounding of a crop's sides moves its area by < 1 %
@@ -90,7 +90,7 @@ def test_training_order_is_a_new_uniform_permutation_each_epoch_on_every_rank():
     epochs, n = 300, 10
     firsts = np.zeros((2, n))
     same_rank, before = 0, None
-    args = SimpleNamespace(batch_size=2, seed=5, workers=0, augment=False, accumulate=1)
+    args = defaults(batch_size=2, seed=5, workers=0, augment=False, accumulate=1)
     dataset = [(torch.zeros(1), i) for i in range(n + 2)]
     data = Data(dataset, list(range(n)), [n, n + 1], "")
     samplers = [train_ddp.loaders(dataset, data, args, torch.device("cpu"), rank, 2)[0].sampler for rank in (0, 1)]

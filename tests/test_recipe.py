@@ -3,7 +3,6 @@ and cosine schedule, weight decay, label smoothing, clipping and gradient accumu
 once over two epochs; each flag's effect and its bad values."""
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ from torch.utils.data import TensorDataset
 import train_ddp
 import train_single
 from src.augment import TrainSplit, augment, crop_params
-from src.cli import parse_args
+from src.cli import defaults, parse_args
 from src.history import best_record
 from src.recipe import lr_factor, make_optimizer, make_schedule, steps_per_epoch
 
@@ -229,7 +228,7 @@ def test_one_samples_augmentation_is_the_same_whatever_the_workers_or_the_rank()
     dataset = [(images[i], i % 2) for i in range(24)]
 
     def seen(workers, rank, world, epoch):
-        args = SimpleNamespace(batch_size=4, seed=7, workers=workers, augment=True, accumulate=1)
+        args = defaults(batch_size=4, seed=7, workers=workers, augment=True, accumulate=1)
         loader = script_loader(train_ddp, dataset, args, epoch, rank, world, val_idx=[0, 1])
         split = loader.dataset
         return {split.indices[position]: image for batch_positions, (batch, _, _) in
@@ -254,7 +253,7 @@ def _batches(sampler, size):
 
 def test_train_split_without_augment_is_the_plain_image():
     images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8)
-    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3], SimpleNamespace(seed=1, augment=False))
+    split = TrainSplit([(images[i], 0) for i in range(4)], [2, 3], defaults(seed=1, augment=False))
     split.set_epoch(5)
     assert torch.equal(split[1][0], images[3])
 

@@ -3,6 +3,7 @@ killed under torchrun --max-restarts; a dead rank; crashes during a save; a full
 found during training. DDP's --resume on nodes without a shared disk: test_modes.py. Stops on
 signals under torchrun, step checkpoints in every mode: test_stopping.py."""
 import contextlib
+import dataclasses
 import os
 import shlex
 import shutil
@@ -10,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from argparse import Namespace
 
 import pytest
 import torch
@@ -44,6 +44,7 @@ import src.checkpoint as checkpoint
 import src.outputs as atomic
 import train_single
 from src.cli import parse_args
+from src.config import Config
 from src.errors import EXIT_STOPPED, UserError
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
@@ -146,10 +147,9 @@ def test_a_dead_rank_ends_the_job_within_the_bound(exact_data, tmp_path):
     assert ended - float(kill_log.read_text()) < DEAD_RANK_BOUND
 
 
-def _resume_args(out, **changes) -> Namespace:
+def _resume_args(out, **changes) -> Config:
     argv = [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(2 * B), *outputs(out), "--resume"]
-    args = parse_args("", argv)
-    return Namespace(**{**vars(args), **changes})
+    return dataclasses.replace(parse_args("", argv), **changes)
 
 
 @pytest.mark.parametrize("change, message", [

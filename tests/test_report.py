@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from browser import MISSING
+from browser import find as find_chromium
 from conftest import (
     EXACT,
     TOLERANCE,
@@ -33,7 +35,6 @@ from playwright.sync_api import sync_playwright
 from src.history import best_record
 from src.tools import predict, report
 
-CHROMIUM = Path("/usr/bin/chromium")  # Debian's package: Playwright's own browser download needs the network
 # Headless as root in a container: no sandbox, no GPU; nothing that would call out (QUIC, updates, sync).
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -43,15 +44,37 @@ FOLDER = "run <b>&amp;</b>"  # a run folder's name that is markup too
 MODES = ["single", "dp", "ddp", "accelerate", "fsdp"]
 
 
+def chromium_or_skip() -> str:
+    """Debian's chromium on PATH (Playwright's own browser download needs the network), which
+    `make test` installs as root (checks/browser.py); elsewhere the browser tests are skipped,
+    saying what to install."""
+    path = find_chromium()
+    if path is None:
+        pytest.skip(MISSING)
+    return path
+
+
 @pytest.fixture(scope="module")
 def browser():
     """One Chromium for the module (Playwright starts it with a fresh profile of its own)."""
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} not found: the report's tests need Debian's chromium (apt-get install chromium)")
+    path = chromium_or_skip()
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        chromium = playwright.chromium.launch(executable_path=path, args=FLAGS)
         yield chromium
         chromium.close()
+
+
+def test_without_chromium_the_browser_tests_are_skipped_saying_what_to_install(tmp_path, monkeypatch):
+    """Where chromium is not on PATH (and make test could not install it: not root), the tests
+    that need the browser are skipped for that reason, never passed nor failed; where it is,
+    Playwright gets its path."""
+    if find_chromium() is None:
+        pytest.skip(MISSING)
+    assert chromium_or_skip() == find_chromium()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(pytest.skip.Exception, match="^Debian's chromium is not installed .* sudo apt-get install "
+                                                    "chromium$"):
+        chromium_or_skip()
 
 
 def open_page(browser, html: Path) -> tuple:

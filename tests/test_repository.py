@@ -63,5 +63,64 @@ def test_the_python_version_is_stated_where_tools_and_people_read_it():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["requires-python"] == ">=3.11"
     assert project["tool"]["ruff"]["target-version"] == "py311"
+    assert project["tool"]["mypy"]["python_version"] == "3.11"
     assert "(Python 3.11," in (ROOT / "README.md").read_text()
     assert sys.version_info >= (3, 11)
+
+
+def test_make_test_installs_chromium_as_root_and_elsewhere_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """checks/browser.py, which make test runs first: chromium on PATH, nothing; missing as root
+    with apt-get, apt-get installs it (and a failed install is an error, exit 1); missing
+    otherwise (not root, or no apt-get), one line saying what to install and exit 0, so that
+    the rest of the suite runs. PATH here holds a folder of fakes: no real apt-get runs."""
+    import browser
+    assert browser.plan(found=True, root=True, apt=True) == browser.plan(found=True, root=False, apt=False) == "nothing"
+    assert browser.plan(found=False, root=True, apt=True) == "install"
+    assert browser.plan(found=False, root=False, apt=True) == browser.plan(found=False, root=True, apt=False) == "advise"
+
+    def fake(name: str) -> None:
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    ran, install_code = [], [0]
+
+    def apt_get(command, **options):
+        ran.append(command)
+        if command[:2] == ["apt-get", "install"] and install_code[0] == 0:
+            fake("chromium")
+        return subprocess.CompletedProcess(command, install_code[0] if "install" in command else 0)
+    monkeypatch.setattr(browser.subprocess, "run", apt_get)
+    monkeypatch.setenv("PATH", str(tmp_path))  # chromium hidden
+    for root, apt in ((False, True), (True, False)):
+        if apt:
+            fake("apt-get")
+        monkeypatch.setattr(browser.os, "geteuid", lambda root=root: 0 if root else 1000)
+        assert browser.main() == 0
+        assert capsys.readouterr().err == browser.MISSING + "\n" and ran == [], (root, apt)
+        (tmp_path / "apt-get").unlink(missing_ok=True)
+
+    fake("apt-get")
+    monkeypatch.setattr(browser.os, "geteuid", lambda: 0)
+    install_code[0] = 100
+    assert browser.main() == 1 and ran[-1] == ["apt-get", "install", "-y", "-qq", "chromium"]
+    assert "apt-get could not install chromium" in capsys.readouterr().err
+    install_code[0], ran[:] = 0, []
+    assert browser.main() == 0 and ran == [["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]]
+    assert browser.find() == str(tmp_path / "chromium") and capsys.readouterr().err == ""
+    ran.clear()
+    assert browser.main() == 0 and ran == [], "found: nothing to do"
+
+
+def test_make_test_sees_to_the_browser_before_the_tests_and_ci_runs_only_readme_commands():
+    """make test runs checks/browser.py before pytest (a new user's `make test` got 5 errors
+    without chromium), and shows the reasons of skipped tests; CI (.ci/run) runs README's
+    commands and nothing that they do not (it installed chromium itself)."""
+    from doc_commands import commands
+    planned = subprocess.run(["make", "-n", "-o", ".venv/.installed", "test"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    assert [line.split()[1:] for line in planned] == [["checks/browser.py"], ["-m", "pytest", "-q", "-rs", "-n", "2",
+                                                                             "tests"]], planned
+    readme = {command.text.split("#")[0].strip() for command in commands(ROOT) if command.page == "README.md"}
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert "make test" in ci and "make lint" in ci
+    assert [line for line in ci if line not in readme] == []

@@ -2,6 +2,9 @@
 last.pth of as many epochs as --epochs resumes with nothing left to train, one of more is refused;
 --epochs may change under a constant learning rate but not under a schedule that spans the run;
 a worker that torchrun restarted resumes without --resume, a first attempt does not."""
+import re
+import shutil
+
 import pytest
 import torch
 from conftest import EXACT, MICRO, RECIPE, VAL, B, mode_run, recipe_run, weights
@@ -64,3 +67,34 @@ def test_a_restarted_worker_resumes_without_being_asked(restarts, resumed, runs,
     history = _resume(out, [*EXACT, *VAL, "--batch-size", str(2 * B), "--epochs", "2"])
     assert len(history) == (2 if resumed else 0)
     assert ("resumed from" in capsys.readouterr().out) == resumed
+
+
+def _removed_before_it_is_read(monkeypatch, removed):
+    """checkpoint.from_rank as it runs without a process group, `removed` deleted first: a last
+    that the scan found and that is gone when it is read."""
+    def from_rank(source, make):
+        shutil.rmtree(removed) if removed.is_dir() else removed.unlink()
+        return make()
+    monkeypatch.setattr(checkpoint, "from_rank", from_rank)
+
+
+def test_a_last_pth_removed_between_its_scan_and_its_read_is_one_line(tmp_path, monkeypatch):
+    """_newest_last finds last.pth (its epoch), then reads it: gone by then, it was a TypeError
+    (`**None`) and a traceback."""
+    last = tmp_path / "last.pth"
+    torch.save({"epoch": 2, "step": 0}, last)
+    _removed_before_it_is_read(monkeypatch, last)
+    with pytest.raises(UserError, match=rf"^cannot resume from {re.escape(str(last))}: it was removed while this run "
+                                        "started; start the run again$"):
+        checkpoint._newest_last(last)
+
+
+def test_a_last_dcp_removed_between_its_scan_and_its_read_is_one_line(tmp_path, monkeypatch):
+    """The same of last.dcp: its read was given no folder (None) and said "TypeError: ..."."""
+    folder = tmp_path / "last.dcp"
+    folder.mkdir()
+    monkeypatch.setattr(checkpoint.sharded_checkpoint, "position", lambda found: (3, 0) if found == folder else None)
+    _removed_before_it_is_read(monkeypatch, folder)
+    with pytest.raises(UserError, match=rf"^cannot resume from {re.escape(str(folder))}: it was removed while this "
+                                        "run started; start the run again$"):
+        checkpoint._newest_last(tmp_path / "last.pth", sharded=True)

@@ -9,7 +9,7 @@ import pytest
 import torch.nn as nn
 from conftest import ROOT
 
-SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp.py", "train_fsdp.py", "train_accelerate.py"]
+SCRIPTS = ["train_single.py", "train_dp.py", "train_ddp.py", "train_fsdp.py", "train_accelerate.py", "train_ray.py"]
 MOST_LINES = 200
 
 # The calls each mode is known by, as the script writes them (the callee's dotted name).
@@ -26,14 +26,22 @@ OWN = {
                             "accelerator.clip_grad_norm_", "accelerator.reduce", "accelerator.gather_for_metrics",
                             "accelerator.get_state_dict", "accelerator.skip_first_batches", "accelerator.end_training",
                             "accelerator.init_trackers", "accelerator.get_tracker"},
+    # Ray Train starts the workers and their process group; each runs DDP's loop.
+    "train_ray.py": {"DistributedSampler", "set_epoch", "dist.all_reduce", "DDP", "model.no_sync", "ray.init",
+                     "ray.train.torch.TorchTrainer", "ray.train.ScalingConfig", "ray.train.RunConfig",
+                     "ray.train.FailureConfig", "ray.train.torch.TorchConfig", "trainer.fit", "ray.train.get_context",
+                     "ray.train.get_checkpoint", "checkpoint.as_directory", "ray.train.report",
+                     "ray.train.Checkpoint.from_directory"},
 }
-# Calls that belong to one mode alone: no other script may make them.
+# Calls that belong to one mode alone (DDP's to the two scripts that run its loop): no other script may make them.
+DDP_LOOP = "train_ddp.py train_ray.py"
 MODE_ONLY = {
-    "AutocastDataParallel": "train_dp.py", "DDP": "train_ddp.py", "model.no_sync": "train_ddp.py",
+    "AutocastDataParallel": "train_dp.py", "DDP": DDP_LOOP, "model.no_sync": DDP_LOOP,
     "fully_shard": "train_fsdp.py", "get_model_state_dict": "train_fsdp.py",
     "model.set_requires_gradient_sync": "train_fsdp.py", "Accelerator": "train_accelerate.py",
     "accelerator.prepare": "train_accelerate.py", "accelerator.gather_for_metrics": "train_accelerate.py",
-    "accelerator.init_trackers": "train_accelerate.py",
+    "accelerator.init_trackers": "train_accelerate.py", "dist.init_process_group": "train_ddp.py train_fsdp.py",
+    "ray.init": "train_ray.py", "ray.train.torch.TorchTrainer": "train_ray.py", "ray.train.report": "train_ray.py",
 }
 # The training state's verbs, which every script calls where the reader sees them (src/state.py).
 STATE_VERBS = {"state.resume", "state.epoch_sums", "state.stop_agreed", "state.checkpoint_due", "state.save_step",
@@ -72,19 +80,23 @@ def test_each_script_calls_its_modes_api_and_no_other_modes(script):
     made = calls(script)
     missing = sorted(name for name in OWN[script] if name not in made)
     assert not missing, f"{script} does not call {missing}"
-    foreign = sorted(name for name, owner in MODE_ONLY.items() if owner != script and name in made)
+    foreign = sorted(name for name, owners in MODE_ONLY.items() if script not in owners.split() and name in made)
     assert not foreign, f"{script} calls {foreign}, another mode's"
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py", "train_ray.py"])
 def test_the_distributed_sampler_is_written_as_torch_documents_it(script):
     """DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-    drop_last=True), and set_epoch(epoch) on it in the epoch loop; the process group and its end."""
+    drop_last=True), and set_epoch(epoch) on it in the epoch loop; the process group and its end
+    (torchrun's scripts: Ray Train makes and ends train_ray.py's)."""
     made = calls(script)
     (sampler,) = made["DistributedSampler"]
     assert keywords(sampler) == {"num_replicas": "world_size", "rank": "rank", "shuffle": "True",
                                  "seed": "args.seed", "drop_last": "True"}
     assert [ast.unparse(call.args[0]) for call in made["set_epoch"]] == ["epoch", "epoch"]  # sampler and split
+    if script == "train_ray.py":
+        assert len(made["dist.all_reduce"]) == 2 and "dist.destroy_process_group" not in made
+        return
     (init,) = made["dist.init_process_group"]
     assert {"store", "rank", "world_size", "timeout"} <= keywords(init).keys()
     assert len(made["dist.destroy_process_group"]) == 1 and len(made["dist.all_reduce"]) == 2
@@ -132,6 +144,32 @@ def test_each_script_saves_and_stops_in_its_own_loop(script):
     assert not [name for name in progress for verb in STATE_VERBS if name.endswith(verb)]
 
 
+def test_ray_trains_as_ray_documents_it():
+    """The driver: ray.init(address=...), TorchTrainer(train_loop_per_worker, scaling_config=
+    ScalingConfig(num_workers=N, use_gpu=...), run_config=RunConfig(storage_path=...,
+    failure_config=FailureConfig(max_failures=...))), trainer.fit(); the workers: the rank from
+    ray.train.get_context(), ray.train.get_checkpoint() read through checkpoint.as_directory() before
+    the resume, ray.train.report(metrics, checkpoint=Checkpoint.from_directory(folder)) right after
+    each of the state's saves, a step's and an epoch's."""
+    made = calls("train_ray.py")
+    (trainer,) = made["ray.train.torch.TorchTrainer"]
+    assert ast.unparse(trainer.args[0]) == "train_loop_per_worker"
+    assert keywords(made["ray.train.ScalingConfig"][0]) == {"num_workers": "args.num_workers", "use_gpu": "use_gpu"}
+    assert keywords(made["ray.train.FailureConfig"][0]) == {"max_failures": "args.max_failures"}
+    assert {"storage_path", "failure_config"} <= keywords(made["ray.train.RunConfig"][0]).keys()
+    assert ast.unparse(made["ray.init"][0]) == "ray.init(address=reachable(args.address))"
+    assert [ast.unparse(call) for call in made["trainer.fit"]] == ["trainer.fit()"]
+    assert {ast.unparse(call.func) for call in made["get_world_rank"]} == {"context.get_world_rank"}
+    reports = made["ray.train.report"]
+    assert len(reports) == 2
+    assert {keywords(call)["checkpoint"] for call in reports} == {"ray.train.Checkpoint.from_directory(folder) if folder else None"}
+    saves = sorted(call.lineno for name in ("state.save_step", "state.save_epoch") for call in made[name])
+    assert [report.lineno - save for report, save in zip(sorted(reports, key=lambda call: call.lineno), saves)] == [2, 2]
+    (restore,) = made["checkpoint.as_directory"]
+    (resume,) = made["state.resume"]
+    assert restore.lineno < resume.lineno
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_each_script_tracks_its_run_from_rank_0_after_the_outputs_are_checked(script):
     """--track: the tracker made in main() right after lock_outputs (rank_0_tracker, whose block
@@ -139,7 +177,8 @@ def test_each_script_tracks_its_run_from_rank_0_after_the_outputs_are_checked(sc
     train_accelerate.py through accelerate's trackers: Accelerator(log_with=...), then
     init_trackers with the tracker's init_kwargs for last.pth's runs, before state.track."""
     tree = ast.parse((ROOT / script).read_text())
-    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    runs = "train_loop_per_worker" if script == "train_ray.py" else "main"  # Ray's workers, not its driver
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == runs)
     (block,) = [node for node in ast.walk(main) if isinstance(node, ast.With)
                 and any(ast.unparse(item.context_expr) == "rank_0_tracker(args)" for item in node.items)]
     assert [ast.unparse(item.context_expr).split("(")[0] for item in block.items][-2:] == ["lock_outputs", "rank_0_tracker"]
@@ -162,7 +201,8 @@ def test_each_script_is_a_short_recipe(script):
     text = (ROOT / script).read_text()
     assert len(text.splitlines()) <= MOST_LINES, f"{script}: {len(text.splitlines())} lines"
     functions = [node.name for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)]
-    assert functions == ["loaders", "train_epoch", "evaluate", "train", "main"], functions
+    worker = ["train_loop_per_worker"] if script == "train_ray.py" else []  # what a Ray Train worker runs
+    assert functions == ["loaders", "train_epoch", "evaluate", "train", *worker, "main"], functions
 
 
 def test_readmes_table_names_each_modes_calls():
@@ -173,5 +213,6 @@ def test_readmes_table_names_each_modes_calls():
                  "destroy_process_group", "fully_shard", "get_model_state_dict", "set_requires_gradient_sync",
                  "Accelerator(", "prepare", "accumulate", "backward", "gather_for_metrics", "get_state_dict",
                  "skip_first_batches", "RandomSampler", "DataParallel", "save_step", "save_epoch", "stop_agreed",
-                 "init_trackers", "state.track"]:
+                 "init_trackers", "state.track", "ray.init", "TorchTrainer", "ScalingConfig", "FailureConfig",
+                 "get_checkpoint", "ray.train.report", "Checkpoint.from_directory"]:
         assert name in table, name

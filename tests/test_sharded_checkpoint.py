@@ -6,6 +6,7 @@ between its renames); and a run's last resumes at another number of processes an
 twice the --batch-size; DDP's last.pth resumed by FSDP; ResNet-18 with --sync-bn and a weight
 average), ending where the straight run ends within the modes' tolerance."""
 import os
+import pickle
 import shutil
 import sys
 import threading
@@ -146,7 +147,49 @@ def _two_ranks_save(rank: int, folder: Path) -> dict:
         _check_shared(last if rank == 0 else folder / "elsewhere" / "last.dcp", "the folder")
     except UserError as error:
         found["shared"] = str(error)
+    found["failed"] = _full_on_rank_1(state, rank, dcp.async_save)
+    dist.barrier()
+    if rank == 0:
+        found["after failure"] = (sorted(os.listdir(folder)), sharded_checkpoint.read_whole(last)["step"])
     return found
+
+
+class _FullDisk:
+    """A file that takes its first write and fails every later one, as a disk that fills does."""
+
+    def __init__(self, file):
+        self.file, self.writes = file, 0
+
+    def write(self, data) -> int:
+        self.writes += 1
+        if self.writes > 1:
+            raise OSError(28, "No space left on device")
+        return self.file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def _full_on_rank_1(state, rank: int, write) -> tuple[str, bool] | None:
+    """A step checkpoint (`write`: dcp.async_save) in which rank 1's disk fills as it writes a tensor
+    of its shard file (torch.save then raises its own "unexpected pos ...", with the OSError only as
+    its context, which a rank's error sent to rank 0 loses): the one-line error each rank raises,
+    and whether it is quiet (None: none raised)."""
+    save = torch.save
+
+    def full(obj, file, *args, **kwargs):
+        return save(obj, _FullDisk(file), *args, **kwargs)
+    if rank == 1:
+        torch.save = full
+    try:
+        _step(state, rank)
+        state.save_step(torch.zeros(4), write=write)
+        state.shard_writer.wait()
+    except UserError as error:
+        return str(error), error.quiet
+    finally:
+        torch.save = save
+    return None
 
 
 def _rank(rank: int, port: int, folder: str, results: str) -> None:
@@ -196,6 +239,21 @@ def test_each_rank_writes_its_own_shard_and_none_holds_the_whole_state(two_ranks
     gather_peak, gather_largest = ranks[0]["gather"]
     assert gather_peak >= 3 * model_bytes > ranks[0]["local"] + ranks[0]["largest local"]  # weights, momentum, average
     assert gather_largest > max(rank["largest local"] for rank in ranks)
+
+
+def test_a_save_that_fails_on_one_rank_is_one_line_and_the_last_checkpoint_stays(two_ranks):
+    """A step checkpoint (dcp.async_save) whose shard cannot be written on rank 1 (a full disk:
+    torch.save's "unexpected pos"): both ranks end it with the same one-line error, which rank 0
+    says (rank 1 quiet) with the disk's own reason; the save's new folder is removed, and last.dcp
+    is still the step checkpoint before it, whole."""
+    folder, ranks = two_ranks
+    line = (f"cannot write {folder / 'last.dcp'} (No space left on device; ", "): make room or write elsewhere; "
+            "the previous last.dcp is intact")
+    for rank, quiet in zip(ranks, (False, True)):
+        error, said_quiet = rank["failed"]
+        assert error.startswith(line[0]) and error.endswith(line[1]) and "\n" not in error, error
+        assert said_quiet == quiet
+    assert ranks[0]["after failure"] == (["last.dcp"], 3)
 
 
 def test_held_bytes_counts_the_tensors_made_inside_not_older_ones_written_in_place():
@@ -258,6 +316,90 @@ def test_a_step_checkpoint_is_written_while_training_goes_on_and_holds_its_step(
     assert all(torch.equal(saved["average"]["model"][key], value) for key, value in whole["average"]["model"].items())
     moved = [key for key in whole["model"] if not torch.equal(after["model"][key], whole["model"][key])]
     assert "0.weight" in moved and "4.bias" in moved, "the next step changed the weights during the write"
+
+
+# dcp.async_save's staging: on the host, in buffers kept between saves.
+
+def _on_a_gpus_mesh(local: torch.Tensor):
+    """A DTensor whose mesh is a GPU's ("cuda", made without a GPU: no backend), whose local shard
+    is `local` (a CPU tensor): what the staging sees of an FSDP shard on a GPU, but for its local
+    tensor's device."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+    return DTensor(local, DTensorSpec(mesh, (Shard(0),), TensorMeta(local.shape, local.stride(), local.dtype)),
+                   requires_grad=False)
+
+
+def test_a_step_checkpoint_is_staged_on_the_host_in_buffers_kept_between_saves(tmp_path, world_of_one_group):
+    """_Writer.stage (dcp.async_save's copy before its thread writes) of a shard of a GPU's mesh:
+    a DTensor of the same mesh and placements whose local tensor is a host copy, left in host
+    memory (torch's DTensor.from_local would move it back to the mesh's GPU: here it raises, no
+    GPU); plain values as they are. The next save's staging copies into the same buffers (the
+    same storage), which then hold its values."""
+    from src.checkpoint_writer import HostCopies
+    local = torch.arange(12.0).reshape(3, 4)
+    shard = _on_a_gpus_mesh(local)
+    copies = HostCopies()
+
+    def staged() -> dict:
+        writer = sharded_checkpoint._Writer(tmp_path / "new", tmp_path / "last.dcp", "id", None, None, copies)
+        return writer.stage({"model": {"w": shard}, "lr": 0.5})
+    first = staged()
+    copy = first["model"]["w"]
+    assert copy.device == torch.device("cpu") and copy.to_local().device == torch.device("cpu")
+    assert copy.device_mesh.device_type == "cuda" and copy.placements == shard.placements and first["lr"] == 0.5
+    assert torch.equal(copy.to_local(), local) and copy.to_local().data_ptr() != local.data_ptr()
+    local.add_(100)  # the next step's update
+    again = staged()["model"]["w"].to_local()
+    assert again.data_ptr() == copy.to_local().data_ptr() and torch.equal(again, local)
+    # The training state's step checkpoints keep theirs from one dcp.async_save to the next.
+    import torch.distributed.checkpoint as dcp
+    state, buffers = _saved(tmp_path / "run"), []
+    for _ in range(2):
+        _step(state, 0)
+        state.save_step(torch.zeros(4), write=dcp.async_save)
+        state.shard_writer.wait()
+        buffers.append({place: buffer.data_ptr() for place, buffer in state.shard_writer.copies.buffers.items()})
+    assert buffers[0] and buffers[1] == buffers[0]
+
+
+class _OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: the staging takes its GPU path (pinned copies, an event)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]  # a property of torch.Tensor's, faked
+        return True
+
+
+def test_a_shard_on_a_gpu_is_staged_in_pinned_memory_and_written_after_its_copies(tmp_path, world_of_one_group,
+                                                                                   cuda_calls, monkeypatch):
+    """Shards on GPU 1 (faked on the CPU: tensors that say they are on a GPU, torch.cuda's calls
+    recorded per thread by conftest's cuda_calls, pinning noted): each host buffer is asked for in
+    pinned memory, and the copies are queued behind one CUDA event that the training thread records
+    and does not wait for; DCP's writing thread makes GPU 1 its own, then waits for that event,
+    then writes."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    pinned, written, empty_strided = [], [], torch.empty_strided
+
+    def no_pinning(*args, pin_memory=False, **kwargs):  # the CPU cannot pin: noted, and a plain buffer
+        pinned.append(pin_memory)
+        return empty_strided(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty_strided", no_pinning)
+    monkeypatch.setattr(FileSystemWriter, "write_data",
+                        lambda self, plan, planner: written.append(cuda_calls.of("AsyncCheckpointExecutor")))
+    cuda_calls.set_device(torch.device("cuda", 1))  # the script's, in the training thread
+    from src.checkpoint_writer import HostCopies
+    writer = sharded_checkpoint._Writer(tmp_path / "new", tmp_path / "last.dcp", "id", None, None, HostCopies())
+    writer.stage({"model": {"w": _on_a_gpus_mesh(torch.ones(3, 4).as_subclass(_OnGpu)),
+                            "b": torch.ones(3).as_subclass(_OnGpu)}})
+    assert pinned == [True, True]
+    assert [what for what, _ in cuda_calls.of("MainThread")] == ["set_device", "Event", "record"]
+    thread = threading.Thread(target=writer.write_data, args=(None, None), name="AsyncCheckpointExecutor")
+    thread.start()
+    thread.join()
+    assert written == [[("set_device", 1), ("synchronize", 1)]]
 
 
 def test_every_rank_must_see_the_folder(two_ranks):
@@ -340,20 +482,260 @@ def test_a_last_dcp_that_diverged_is_refused(tmp_path, world_of_one_group):
         resumed.resume()
 
 
+# Nothing read runs code, and every part of a folder is of one save.
+
+class _Marker:
+    """Unpickled with pickle (or torch.load without weights_only), it creates the file at `path`:
+    what a crafted pickle would run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mknod, (str(self.path),)
+
+
+def _saved(folder: Path, seed: int = 0, steps: int = 1, writer=None):
+    """A step checkpoint of the small sharded model (world of one) after `steps` steps, written into
+    folder/last.dcp with dcp.save through the training state; the state."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import run_info
+    torch.manual_seed(seed)
+    model = _model()
+    shard_as_train_fsdp(model)
+    state = _state(folder, model)
+    if writer is not None:
+        state.shard_writer = writer
+    for _ in range(steps):
+        _step(state, seed)
+    state.info = run_info(state.args, 8, "digest")
+    state.save_step(torch.zeros(4), write=dcp.save)
+    return state
+
+
+def _readers(folder: Path, marker: Path, info: dict):
+    """Each way a last.dcp is read: whole, as --resume of every mode but FSDP and the report read it
+    (src.checkpoint.read_last), the report's final weights, and FSDP's --resume into its shards
+    (src.state.TrainingState.resume, the run's `info`); the one-line error each raises, the marker
+    never made."""
+    from src.checkpoint import read_last
+    from src.tools.report import Run, final_weights
+
+    def fsdp_resume():
+        model = _model()
+        shard_as_train_fsdp(model)
+        state = _state(folder, model)
+        state.args.resume, state.info = True, info
+        state.resume()
+    errors = []
+    for read in (lambda: read_last(folder), lambda: final_weights(Run(folder, "1 fsdp", {}, [])), fsdp_resume):
+        with pytest.raises(UserError) as caught:
+            read()
+        errors.append(str(caught.value))
+        assert not marker.exists(), "the crafted pickle ran"
+    assert all("\n" not in error for error in errors), errors
+    return errors
+
+
+def test_a_crafted_metadata_runs_nothing_in_any_reader(tmp_path, world_of_one_group):
+    """A last.dcp whose .metadata is a pickle that would create a marker file when unpickled (as
+    torch's reader unpickles it, with pickle.load): every reader refuses it in one line naming the
+    file, and the marker never appears. The control: a pickle of DCP's own metadata classes is read."""
+    info = _saved(tmp_path).info
+    marker = tmp_path / "marker"
+    metadata = tmp_path / "last.dcp" / ".metadata"
+    kept = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(_Marker(marker)))
+    for error in _readers(tmp_path, marker, info):
+        assert f"{metadata} is not DCP's metadata (it names posix.mknod, which DCP's metadata never holds); " \
+               "nothing in it was run" in error, error
+    metadata.write_bytes(kept)
+    assert sharded_checkpoint.read_metadata(tmp_path / "last.dcp").storage_meta.save_id
+    from src.checkpoint import read_last
+    assert read_last(tmp_path)["step"] == 1
+
+
+def test_a_value_in_a_shard_is_loaded_without_running_code(tmp_path, world_of_one_group, monkeypatch):
+    """A save whose one value that is not a tensor (the optimizer's learning rate) is an object
+    whose pickle would create a marker file: torch's planners load such values with
+    weights_only=False; here every reader refuses it in one line, and the marker never appears."""
+    marker, shards_of = tmp_path / "marker", sharded_checkpoint.shards_of
+
+    def crafted(*args):
+        shards = shards_of(*args)
+        shards["optimizer"]["param_groups"][0]["lr"] = _Marker(marker)
+        return shards
+    monkeypatch.setattr(sharded_checkpoint, "shards_of", crafted)
+    info = _saved(tmp_path).info
+    assert not marker.exists()
+    for error in _readers(tmp_path, marker, info):
+        assert "its value optimizer.param_groups.0.lr is not plain data (" in error and "GLOBAL posix.mknod" in error \
+               and "nothing in it was run" in error, error
+
+
+def test_a_part_of_another_save_is_refused_naming_it(tmp_path, world_of_one_group):
+    """A shard file copied from another run's last.dcp (of the same model: it would load), or
+    from an earlier save of the same run, and another save's .metadata: refused in one line
+    naming the file, by every reader, before anything is loaded. The control: each folder whole
+    reads."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import read_last
+    one, other = tmp_path / "one", tmp_path / "other"
+    runs = [_saved(one, seed=0, steps=2), _saved(other, seed=7, steps=2)]
+    shutil.copytree(one / "last.dcp", tmp_path / "earlier")  # step 2's save, before step 3's
+    for state in runs:  # each run's second save, at the same step
+        _step(state, 0)
+        state.save_step(torch.zeros(4), write=dcp.save)
+    run = runs[0]
+    for folder in (one, other):
+        assert read_last(folder)["step"] == 3
+    for source, name in ((other / "last.dcp", "__0_0.distcp"), (tmp_path / "earlier", "__0_0.distcp"),
+                         (other / "last.dcp", ".metadata")):
+        mixed = tmp_path / "mixed"
+        shutil.rmtree(mixed, ignore_errors=True)
+        shutil.copytree(one, mixed)
+        shutil.copy(source / name, mixed / "last.dcp" / name)
+        part = mixed / "last.dcp" / name
+        for error in _readers(mixed, tmp_path / "no marker", run.info):
+            assert (f"{part} is not part of the save that {mixed / 'last.dcp' / 'training.pt'} names" in error
+                    if name != ".metadata" else f"{part} is of another save than" in error), error
+
+
+def test_a_last_dcp_without_metadata_is_one_line_and_no_library_traceback(tmp_path, world_of_one_group, capsys):
+    """Without .metadata (a copy that lost it): each reader's one line says it is missing, and
+    nothing else reaches the terminal (torch's reader logs two tracebacks, "Global metadata is not
+    found", before it gives up); the report's error gives that reason, not an exception's name."""
+    info = _saved(tmp_path).info
+    (tmp_path / "last.dcp" / ".metadata").unlink()
+    errors = _readers(tmp_path, tmp_path / "no marker", info)
+    assert all(f"{tmp_path / 'last.dcp' / '.metadata'} is missing" in error for error in errors), errors
+    assert errors[1] == f"cannot read the weights of {tmp_path}: cannot read {tmp_path / 'last.dcp'} " \
+                        f"({tmp_path / 'last.dcp' / '.metadata'} is missing)"
+    assert capsys.readouterr() == ("", "")
+
+
 def test_a_folder_holding_a_last_dcp_holds_an_earlier_run(fsdp_stopped, tmp_path, monkeypatch, capsys, world_of_one):
     """Without --resume a new run there is refused, as over a last.pth; --overwrite removes it (and
     what a save left beside it) before any training."""
-    from types import SimpleNamespace
-
+    from src.cli import defaults
     from src.outputs import _check_overwrite, output_paths
     shutil.copytree(fsdp_stopped[0], tmp_path / "out")
     fails_in_process(train_fsdp.main, ["--data-dir", str(tmp_path / "nowhere"), *outputs(tmp_path / "out")],
                      monkeypatch, capsys, f"{tmp_path / 'out'} holds the files of an earlier run (last.dcp): pass --resume")
     _folder(tmp_path / "out" / ".last.dcp.12-4.tmp", "half")
-    args = SimpleNamespace(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
-                           overwrite=True, resume=False)
+    args = defaults(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
+                    overwrite=True, resume=False)
     _check_overwrite(args, output_paths(args))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock"]  # the lock file stays, meaning nothing
+
+
+# A failed save: one line, the new folder removed, the last checkpoint intact.
+
+def _fill(disk: Path) -> Path:
+    """A file taking every byte left on the disk."""
+    filler = disk / "filler"
+    with open(filler, "wb") as file:
+        try:
+            while True:
+                file.write(bytes(1 << 16))
+                file.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.parametrize("way", ["save", "async_save"])
+def test_a_full_disk_in_a_save_is_one_line_and_keeps_the_last_checkpoint(way, tmpfs, world_of_one_group):
+    """A real full disk under dcp.save (an epoch's end) and dcp.async_save (a step checkpoint, its
+    error raised by the next wait): one line naming last.dcp with the disk's reason, the save's new
+    folder removed, last.dcp the step before it byte for byte; once there is room the next save
+    goes through."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpoint import read_last
+    disk = tmpfs("disk", "size=2m")
+    state = _saved(disk)
+    before = {p.name: p.read_bytes() for p in (disk / "last.dcp").iterdir()}
+    filler = _fill(disk)
+    _step(state, 0)
+    with pytest.raises(UserError) as caught:
+        state.save_step(torch.zeros(4), write=getattr(dcp, way))
+        state.shard_writer.wait()
+    message = str(caught.value)
+    assert message.startswith(f"cannot write {disk / 'last.dcp'} (No space left on device; ") and message.endswith(
+        " MB free there): make room or write elsewhere; the previous last.dcp is intact"), message
+    assert sorted(os.listdir(disk)) == ["filler", "last.dcp"]
+    assert {p.name: p.read_bytes() for p in (disk / "last.dcp").iterdir()} == before
+    filler.unlink()
+    state.save_step(torch.zeros(4), write=getattr(dcp, way))
+    state.shard_writer.wait()
+    assert read_last(disk)["step"] == 2 and sorted(os.listdir(disk)) == ["last.dcp"]
+
+
+def test_fsdp_on_a_full_disk_ends_in_one_line_without_a_temporary(tmpfs, tiny_data, world_of_one, monkeypatch,
+                                                                   capsys):
+    """train_fsdp.py with --save-every-steps 1 on a disk too small for its step checkpoint: exit 2,
+    one line (the disk's reason, naming last.dcp), no save's folder left behind."""
+    from conftest import TINY
+    disk = tmpfs("disk", "size=3m")
+    fails_in_process(train_fsdp.main, ["--data-dir", str(tiny_data), *TINY, "--epochs", "1", "--save-every-steps", "1",
+                                       *outputs(disk)], monkeypatch, capsys,
+                     f"error: cannot write {disk / 'last.dcp'} (No space left on device; ")
+    assert sorted(os.listdir(disk)) == [".run.lock"]
+
+
+# A run replaces, renames or removes only the folders a save wrote.
+
+@pytest.mark.parametrize("name, flag", [("last.dcp", "--overwrite"), (".last.dcp.previous", "--resume"),
+                                        (".last.dcp.previous", "--overwrite"), (".last.dcp.3-1.tmp", "--resume")])
+def test_a_users_folder_at_a_saves_name_is_refused_and_left_as_it_is(name, flag, tmp_path, monkeypatch, capsys):
+    """A folder of the user's named last.dcp (--overwrite removed it whole), .last.dcp.previous
+    (taken for an earlier run's files, and renamed to last.dcp under --resume) or a save's
+    temporary name, holding a file no save writes: the run stops at its start in one line naming
+    it, and the folder is as it was. (train_single.py: every mode checks its outputs alike.)"""
+    import train_single
+    folder = tmp_path / "out" / name
+    folder.mkdir(parents=True)
+    (folder / "mythesis.txt").write_text("years of work")
+    fails_in_process(train_single.main, ["--data-dir", str(tmp_path / "nowhere"), *outputs(tmp_path / "out"), flag],
+                     monkeypatch, capsys, f"--checkpoint {tmp_path / 'out'}: {name} there is a folder holding "
+                                          "mythesis.txt, not the folder of FSDP's checkpoint")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [name]
+    assert (folder / "mythesis.txt").read_text() == "years of work"
+
+
+def test_only_the_folders_a_save_wrote_are_removed_or_renamed(tmp_path):
+    """remove (--overwrite, and a last.pth that replaced an FSDP run's), repair (a run's start)
+    and the readers' whole_folder act on a folder only if a save wrote it (only the files a save
+    writes, no link): a user's folder at each name, or a link to one, is left as it is and not
+    read as a save. The control: the same names holding a save's files are removed and put back."""
+    last, previous, temporary = tmp_path / "last.dcp", tmp_path / ".last.dcp.previous", tmp_path / ".last.dcp.4-2.tmp"
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "training.pt").write_text("a file of the user's")
+    for path in (previous, temporary):
+        path.mkdir()
+        (path / "notes.txt").write_text("mine")
+    last.symlink_to(users)
+    sharded_checkpoint.repair(last)
+    sharded_checkpoint.remove(last)
+    assert sharded_checkpoint.whole_folder(last) is None and sharded_checkpoint.temporaries(last) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".last.dcp.4-2.tmp", ".last.dcp.previous", "last.dcp", "users"]
+    assert all((path / "notes.txt").exists() for path in (previous, temporary)) and (users / "training.pt").exists()
+    last.unlink()  # no last.dcp: a previous one of a save's would be put back in its place
+    sharded_checkpoint.repair(last)
+    assert not os.path.lexists(last) and (previous / "notes.txt").exists()
+    for path in (previous, temporary):
+        shutil.rmtree(path)
+    _folder(previous, "saved")
+    (_folder(temporary, "half") / "__0_0.distcp").write_text("half")
+    assert sharded_checkpoint.whole_folder(last) == previous
+    sharded_checkpoint.repair(last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.dcp", "users"] and (last / "training.pt").read_text() == "saved"
+    sharded_checkpoint.remove(last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["users"]
 
 
 # Replaced whole or not at all.

@@ -41,7 +41,7 @@ from conftest import (
 import train_ddp
 import train_dp
 import train_single
-from src.cli import parse_args
+from src.cli import defaults, parse_args
 from src.ema import WeightAverage
 from src.errors import Stopped
 from src.metrics import COUNT
@@ -345,10 +345,9 @@ def test_the_agreement_is_read_a_check_late_without_waiting_when_it_is_done(monk
 
 def _bare_state(steps_per_epoch: int, **flags) -> TrainingState:
     """A TrainingState of a one-weight model, for the verbs that count steps and seconds."""
-    from argparse import Namespace
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return TrainingState(Namespace(**flags), {}, model, optimizer, None, None, WeightAverage(model, optimizer, None),
+    return TrainingState(defaults(**flags), {}, model, optimizer, None, None, WeightAverage(model, optimizer, None),
                          steps_per_epoch)
 
 

@@ -21,7 +21,6 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -204,7 +203,7 @@ def _restart_attempt(rank: int, attempt: int, folder: str) -> None:
         while not joining.exists():
             time.sleep(0.05)
         time.sleep(RESTART_DELAY)
-    store, rank_, world_size = torchrun_store(SimpleNamespace(dist_timeout=1))  # as train_ddp.py joins
+    store, rank_, world_size = torchrun_store(1)  # as train_ddp.py joins
     # Whether this attempt's store shows a key of the dead attempt (gloo may not read the stale
     # addresses: which rank of a pair connects depends on their ports).
     stale = store.check([f"written in attempt 0 by rank {rank}"])

@@ -14,4 +14,7 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The Euclidean distance between two state_dicts with the same keys, all tensors as one vector."""
     if a.keys() != b.keys():
         raise ValueError(f"the state_dicts hold other tensors: {sorted(a.keys() ^ b.keys())[:3]}")
-    return sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a).sqrt().item()
+    total = torch.zeros((), dtype=torch.float64)  # added in the keys' order, as sum() did from 0
+    for k in a:
+        total += ((a[k].double() - b[k].double()) ** 2).sum()
+    return total.sqrt().item()

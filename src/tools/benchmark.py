@@ -66,8 +66,8 @@ OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there o
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
 """
-import argparse
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -90,7 +90,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from src.cache import cached  # noqa: E402
-from src.cli import OneLineParser, amp_dtype, at_least  # noqa: E402
+from src.cli import OneLineParser, amp_dtype, at_least, defaults  # noqa: E402
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.devices import (
@@ -118,7 +118,33 @@ INTERRUPTED = "interrupted: the tables were not written; run the command again (
 MODES = ("single-jpeg", "single", "dp", "ddp", "ddp-sync-bn", "fsdp", "accelerate", "freeze")
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """benchmark's flags, as parse_args returns them."""
+
+    data_dir: Path | None
+    images: int
+    out_dir: Path
+    processes: int
+    arch: str
+    weights: str
+    image_size: int
+    batch_size: int
+    epochs: int
+    amp: str
+    channels_last: bool
+    modes: str  # comma-separated names of MODES
+    steps: int
+    dropout_cost: bool
+    augment_cost: bool
+    save_cost: bool
+    reference: bool
+    workers: int | None  # --reference's; None: the scripts' default
+    rounds: int
+    worker_start: bool
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path, help="a Kaggle-layout folder (default: a synthetic set in OUT/data)")
@@ -154,7 +180,7 @@ def parse_args(argv: list[str] | None = None):
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
         parser.error(f"argument --modes: unknown run {unknown[0]!r} (choose from {', '.join(MODES)})")
-    return args
+    return Options(**vars(args))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -180,7 +206,7 @@ def fresh_process() -> ProcessPoolExecutor:
     return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_start_as_a_run)
 
 
-def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
+def bare_step(args: Options, device: torch.device, batch: int, train: bool) -> float:
     """Images/s of the model alone on uint8 batches already on the device."""
     step = _step(args, device, batch, train)
     steps = args.steps if train else 2 * args.steps
@@ -188,7 +214,7 @@ def bare_step(args, device: torch.device, batch: int, train: bool) -> float:
     return _rate(step, steps, batch, device)
 
 
-def bare_steps_with_either_dropout(args, device: torch.device, batch: int, rounds: int = 3) -> tuple[float, float]:
+def bare_steps_with_either_dropout(args: Options, device: torch.device, batch: int, rounds: int = 3) -> tuple[float, float]:
     """(images/s of the training step with the runs' per-sample dropout, with torch's own): the two
     timed in alternating rounds of --steps steps, the best round of each, so that a machine whose
     speed drifts (other work on it) moves both alike. VGG16's classifier draws two masks of 4096
@@ -218,11 +244,11 @@ def _rate(step, steps: int, batch: int, device: torch.device) -> float:
     return steps * batch / (time.perf_counter() - start)
 
 
-def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bool = False):
+def _step(args: Options, device: torch.device, batch: int, train: bool, torch_dropout: bool = False):
     """One step of the model alone (normalise, forward, and in training backward and SGD);
     torch_dropout: with torch's own dropout instead of the runs' per-sample draws."""
     torch.manual_seed(0)
-    model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights).to(device).to(memory_format=memory_format(args.channels_last))
     if torch_dropout:
         for layer in units(model):
             layer.__class__ = layer.__class__.__mro__[1]  # nn.Dropout, torchvision's StochasticDepth
@@ -233,7 +259,7 @@ def _step(args, device: torch.device, batch: int, train: bool, torch_dropout: bo
     labels = torch.randint(0, 2, (batch,), device=device)
     model.train(train)
     set_samples(model, torch.arange(batch, device=device))  # the dropout keys of the batch's samples
-    amp = amp_dtype(args)
+    amp = amp_dtype(args.amp)
 
     def step():
         with torch.set_grad_enabled(train), torch.autocast(device.type, amp, enabled=amp is not None):
@@ -354,7 +380,7 @@ def dropout_report(rounds: int) -> tuple[str, list[tuple[str, bool]]]:
     return "\n".join(lines) + "\n", results
 
 
-def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batch: int,
+def feature_build(args: Options, data_dir: Path, cache_dir: Path, feature_dir: Path, batch: int,
                   workers: int) -> tuple[int, float] | None:
     """(images, seconds) that src.freeze.backbone_outputs takes to build the --freeze feature cache
     from the image cache, as the first `train_single.py --freeze --cache` run does before its first
@@ -365,11 +391,10 @@ def feature_build(args, data_dir: Path, cache_dir: Path, feature_dir: Path, batc
     images = cached(labelled_images(data_dir, args.image_size, show_progress=False), args.image_size,
                     cache_dir, workers, show_progress=False)  # the benchmark's cache, already built
     torch.manual_seed(42)
-    model = build_model(args.arch, args.weights).to(device, memory_format=memory_format(args))
+    model = build_model(args.arch, args.weights).to(device).to(memory_format=memory_format(args.channels_last))
     set_frozen(model, True)
-    options = argparse.Namespace(cache=str(feature_dir), augment=False, arch=args.arch,
-                                 image_size=args.image_size, batch_size=batch,
-                                 channels_last=args.channels_last)
+    options = defaults(cache=str(feature_dir), augment=False, arch=args.arch, image_size=args.image_size,
+                       batch_size=batch, channels_last=args.channels_last)
     shutil.rmtree(feature_dir, ignore_errors=True)
     start = time.perf_counter()
     features = backbone_outputs(options, model, images, device, workers, show=False)
@@ -388,8 +413,8 @@ def training_loader(dataset, batch: int, workers: int, flags: tuple[str, ...] = 
     args.workers = workers  # as asked: the script's parser would cap them to the CPUs
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loader = loaders(dataset, Data(dataset, train_idx, val_idx, ""), args, device)[0]
-    loader.sampler.generator.manual_seed(42)
-    loader.dataset.set_epoch(0)
+    loader.sampler.generator.manual_seed(42)  # type: ignore[attr-defined]  # its RandomSampler's
+    loader.dataset.set_epoch(0)  # type: ignore[attr-defined]  # TrainSplit's
     return loader
 
 
@@ -453,7 +478,7 @@ def augment_rates(size: int, batch: int, batches: int, rounds: int = AUGMENT_ROU
     that alternate the rows (so that other work on the machine slows each alike)."""
     depth = 2  # the one worker's prefetch_factor: batches taken before the clock starts (loader_alone)
     dataset = InMemory(math.ceil((depth + batches + 1) * batch / 0.8) + batch, size)  # 80% is the training split
-    best = {}
+    best: dict[tuple[str, ...], float] = {}
     for _ in range(rounds):
         for flags in AUGMENT_ROWS:
             rate = loader_alone(dataset, batch, workers=1, flags=flags, max_batches=batches)
@@ -472,7 +497,7 @@ def augment_cpu_ms(size: int, images: int, rounds: int = AUGMENT_ROUNDS,
     try:
         dataset = InMemory(math.ceil(images / 0.8) + 1, size)  # 80% is the training split
         splits = {flags: training_loader(dataset, 1, 0, flags).dataset for flags in AUGMENT_ROWS}
-        best = {}
+        best: dict[tuple[str, ...], float] = {}
         for _ in range(rounds):
             for flags, split in splits.items():
                 start = clock()
@@ -527,7 +552,7 @@ def save_seconds(state: dict, path: Path, rounds: int, clock=time.perf_counter) 
     return {**best, "bytes": path.stat().st_size}
 
 
-def save_cost_report(args, out: Path) -> str:
+def save_cost_report(args: Options, out: Path) -> str:
     """--save-cost's Markdown (see the module's docstring)."""
     from src.ema import WeightAverage
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -667,7 +692,7 @@ class TreeCPU:
         return root, sum(self.seen.values()) - root
 
 
-def reference_run(leg: str, args, data_dir: Path, out: Path) -> dict:
+def reference_run(leg: str, args: Options, data_dir: Path, out: Path) -> dict:
     """One run of a --reference leg in a fresh process, its figures: the last epoch's training
     images, seconds and data wait by the run's own clock, the whole run's wall seconds and the CPU
     seconds of its training process and of the processes that one started."""
@@ -711,9 +736,9 @@ def reference_lines(runs: list[dict]) -> list[str]:
                     f"the plain loop's images/s (target >= {REFERENCE_TARGET:g})"]
 
 
-def reference_report(args, data_dir: Path) -> str:
+def reference_report(args: Options, data_dir: Path) -> str:
     """--reference's Markdown: --rounds rounds of the two legs, their order alternating."""
-    args.workers = default_workers() if args.workers is None else args.workers
+    args = dataclasses.replace(args, workers=default_workers() if args.workers is None else args.workers)
     runs = []
     for round_number in range(args.rounds):
         legs = REFERENCE_LEGS if round_number % 2 == 0 else REFERENCE_LEGS[::-1]
@@ -754,7 +779,7 @@ def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
     return best[None], best[size]
 
 
-def _commands(args) -> dict:
+def _commands(args: Options) -> dict:
     """Each run's launcher command, processes and per-process batch."""
     p = args.processes
     accelerate = ["accelerate", "launch", "--num_processes", str(p), "--mixed_precision", args.amp]
@@ -775,7 +800,7 @@ def _commands(args) -> dict:
     }
 
 
-def run_mode(name: str, args, data_dir: Path, cache_dir: Path) -> dict:
+def run_mode(name: str, args: Options, data_dir: Path, cache_dir: Path) -> dict:
     command, processes, batch = _commands(args)[name]
     out = args.out_dir / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
@@ -825,7 +850,7 @@ def communication_share(figures: Path) -> float | None:
     return view["seconds"]["communication"] / profile["wall_seconds"] if profile["wall_seconds"] else None
 
 
-def checks(rows: dict, args) -> list[tuple[str, bool]]:
+def checks(rows: dict, args: Options) -> list[tuple[str, bool]]:
     """The issue's targets, each as (statement with the figures, met)."""
     result = []
     if "single" in rows:
@@ -866,7 +891,7 @@ def checks(rows: dict, args) -> list[tuple[str, bool]]:
     return result
 
 
-def write_outputs(rows: dict, notes: list[str], results: list, args) -> str:
+def write_outputs(rows: dict, notes: list[str], results: list, args: Options) -> str:
     out = args.out_dir
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=FIELDS, extrasaction="ignore")

@@ -41,6 +41,7 @@ the two uninterrupted runs (weights and average), and its history's figures diff
 no more relatively than theirs from each other, or 1e-4; the exit code is 1 otherwise.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -117,7 +118,25 @@ if RANK >= 0:  # a worker, not torchrun itself
 '''
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """chaos's flags, as parse_args returns them."""
+
+    stops: int
+    seed: int
+    epochs: int | None
+    batch_size: int
+    save_every_steps: int
+    data_dir: str | None
+    reference: str | None
+    work_dir: str | None
+    launch_timeout: float
+    change_world: bool
+    far: str | None
+    alone: str | None
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--stops", type=int, default=3, help="how many times to stop the run")
@@ -144,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("stops", "epochs", "batch_size", "save_every_steps"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return Options(**vars(args))
 
 
 def plan(rng: random.Random, stops: int, total: int) -> list[list[dict]]:
@@ -237,10 +256,18 @@ def history(folder: Path) -> list[dict]:
             for record in json.loads((folder / "history.json").read_text())]
 
 
+def _last_of(what: str, folder: Path) -> dict:
+    """The last (last.pth or last.dcp) of a run's output folder, or one line saying it has none."""
+    last = read_last(folder)
+    if last is None:
+        raise UserError(f"{what} {folder} holds no last.pth or last.dcp: pass the output folder of a finished run")
+    return last
+
+
 def compare(out: Path, reference: Path) -> tuple[float, float, bool]:
     """The distance between the weights of two runs' last.pth, between their weight averages, and
     whether their histories match (timings left out); a reference of other flags is refused."""
-    ours, theirs = (read_last(folder) for folder in (out, reference))
+    ours, theirs = _last_of("the stopped run's folder", out), _last_of("--reference", reference)
     for key in RESUME_KEYS + ("epochs",):
         if ours["info"].get(key) != theirs["info"].get(key):
             raise UserError(f"--reference {reference} is another run: its {key} is {theirs['info'].get(key)!r}, "
@@ -338,7 +365,7 @@ def _steps_done(steps_log: Path, total: int) -> list[int]:
     return done
 
 
-def _one_world(args, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
+def _one_world(args: Options, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
                reference: Path, began: float) -> None:
     """Two DDP processes in every launch, resumed by torchrun after a kill: bit for bit."""
     events = plan(random.Random(args.seed), args.stops, total)
@@ -358,10 +385,11 @@ def _one_world(args, work: Path, out: Path, common: list[str], env: dict, total:
         sys.exit(1)
 
 
-def _changing_worlds(args, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
+def _changing_worlds(args: Options, work: Path, out: Path, common: list[str], env: dict, total: int, steps_log: Path,
                      straight: tuple[Path, Path, Path], began: float) -> None:
     """Each launch in a world drawn anew, each stop ending its launch; the verdict against the float floor."""
-    rng, worlds, counts = random.Random(args.seed), [], dict.fromkeys(MEANS, 0)
+    rng, counts = random.Random(args.seed), dict.fromkeys(MEANS, 0)
+    worlds: list[tuple[str, int]] = []
     for number in range(args.stops + 1):
         done = max([0] + [int(line.split()[1]) for line in steps_log.read_text().splitlines()])
         left = args.stops - number
@@ -396,7 +424,8 @@ def verdict(out: Path, reference: Path, alone: Path, far_run: Path) -> dict:
     each other (the float floor), as shares of `far` (reference against far_run, another global
     batch); whether it ends within the floor (or TOLERANCE) of one of them; the history's largest
     relative difference from theirs, and whether it is within theirs from each other (or CLOSE)."""
-    ours, theirs, single, other = (read_last(folder) for folder in (out, reference, alone, far_run))
+    ours, theirs = _last_of("the stopped run's folder", out), _last_of("--reference", reference)
+    single, other = _last_of("--alone", alone), _last_of("--far", far_run)
     for name, folder, state in (("--reference", reference, theirs), ("--alone", alone, single)):
         for key in RESUME_KEYS + ("epochs",):
             if ours["info"].get(key) != state["info"].get(key):

@@ -24,6 +24,7 @@ VmHWM, reset before each save through /proc/self/clear_refs; it includes what th
 thread allocates). It prints a table and removes what it wrote (in --dir, or a temporary folder).
 """
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -33,7 +34,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -171,7 +172,7 @@ def _rank(rank: int, world_size: int, port: int, arch: str, ema_decay: float, re
         state = TrainingState(args, {}, model, optimizer, scaler, schedule, average, steps_per_epoch=100)
         state.step = 1
         sums = torch.zeros(4)
-        figures = {way: {"blocks": [], "written": [], "held": 0, "largest": 0, "resident": None} for way in WAYS}
+        figures: dict[str, dict[str, Any]] = {way: {"blocks": [], "written": [], "held": 0, "largest": 0, "resident": None} for way in WAYS}
         for _ in range(repeats):
             for way in WAYS:
                 dist.barrier()
@@ -255,7 +256,18 @@ def table(ranks: list[dict]) -> str:
     return "\n".join(lines) + f"\n\nEach rank's shards of the weights, gradients' room, optimizer state and average: {shards}."
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """checkpoint_cost's flags, as parse_args returns them."""
+
+    arch: str
+    processes: int
+    ema_decay: float
+    repeats: int
+    dir: str | None
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--arch", default="vgg16", help="the model (any of torchvision's classifiers)")
     parser.add_argument("--processes", type=at_least(1), default=2, help="gloo ranks on this machine")
@@ -263,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=at_least(1), default=3, help="saves of each way (the median is shown)")
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary "
                                                     "folder); a new or empty folder")
-    return parser.parse_args(argv)
+    return Options(**vars(parser.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ wrote; a folder holding data/, runs/, cache/ or the tables without the mark is r
 one where a run is in progress (src.outputs.claim_folder).
 """
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -86,7 +87,24 @@ FIELDS = ["recipe", "flags", "epochs", "steps", "best_val_log_loss", "best_log_l
           "train_seconds"]
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """compare_recipes's flags, as parse_args returns them."""
+
+    data_dir: Path | None
+    out_dir: Path
+    arch: str
+    weights: str
+    image_size: int
+    epochs: int
+    batch_size: int
+    lr: float
+    images: int
+    seed: int
+    workers: int | None
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path,
@@ -109,7 +127,7 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if not 0 < args.lr < float("inf"):  # also refuses nan
         parser.error(f"argument --lr: must be > 0, got {args.lr}")
-    return args
+    return Options(**vars(args))
 
 
 def recipes(epochs: int) -> dict[str, list[str]]:
@@ -124,7 +142,7 @@ def recipes(epochs: int) -> dict[str, list[str]]:
     return {"baseline": [], "full": full, "modern": modern}
 
 
-def synthetic_data(args) -> Path:
+def synthetic_data(args: Options) -> Path:
     """The --hard synthetic set in OUT/data, written unless the same one is already there."""
     from src.tools.synthetic import write_dataset
 
@@ -150,7 +168,7 @@ def write_labels(data_dir: Path) -> None:
         atomic_write_text(data_dir / "train.csv", load_labels(data_dir).to_csv(index=False))
 
 
-def run_recipe(name: str, flags: list[str], args, data_dir: Path) -> list[dict]:
+def run_recipe(name: str, flags: list[str], args: Options, data_dir: Path) -> list[dict]:
     """Train with train_single.py; returns its history.json."""
     out = args.out_dir / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
@@ -222,7 +240,7 @@ def verdict(rows: dict[str, dict]) -> list[str]:
     return lines
 
 
-def write_outputs(rows: dict[str, dict], histories: dict[str, list[dict]], args, data_dir: Path,
+def write_outputs(rows: dict[str, dict], histories: dict[str, list[dict]], args: Options, data_dir: Path,
                   seconds: float) -> str:
     out = args.out_dir
     table = io.StringIO(newline="")

@@ -15,6 +15,7 @@ OUTPUT replaces an ONNX file of this tool's (its metadata says so), any other fi
 folder of a training run in progress (src.outputs.check_tool_output).
 Needs `pip install -r requirements-onnx.txt` (onnx, onnxscript, onnx-ir, onnxruntime).
 """
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -43,6 +44,9 @@ INTERRUPTED = "interrupted: nothing written (an earlier OUTPUT is as it was); ru
 class Deployable(nn.Module):
     """uint8 images (N, 3, S, S) -> class probabilities (N, classes), float32: src.transforms.normalize,
     the model and a softmax, the same operations as predict runs in torch."""
+
+    mean: torch.Tensor  # buffers (register_buffer): what nn.Module's __getattr__ hands back
+    std: torch.Tensor
 
     def __init__(self, model: nn.Module, mean: list[float], std: list[float]):
         super().__init__()
@@ -78,6 +82,8 @@ def export_program(wrapper: Deployable, example: torch.Tensor, info: dict):
         wrapper, (example[:2],), dynamo=True, opset_version=OPSET, verbose=False,
         input_names=["images"], output_names=["probabilities"],
         dynamic_shapes={"images": {0: torch.export.Dim("batch")}})
+    if program is None:  # dynamo=True returns the program
+        raise RuntimeError("torch.onnx.export returned no ONNXProgram")
     program.model.metadata_props.update(metadata(info))
     return program
 
@@ -178,6 +184,17 @@ def export(checkpoint: Path, output: Path, image_paths: list[Path], count: int, 
     print(line)
 
 
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """export's flags, as main parses them."""
+
+    checkpoint: Path
+    output: Path | None
+    images: list[Path]
+    check: int
+    overwrite: bool
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?", default=Path("model/best.pth"),
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", type=at_least(1), default=16, help="how many images to check it on")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an OUTPUT that this tool did not write (never a training run's files)")
-    args = parser.parse_args(argv)
+    args = Options(**vars(parser.parse_args(argv)))
     try:
         import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401

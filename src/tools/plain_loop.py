@@ -21,6 +21,7 @@ It ends with one line of JSON, the last epoch's figures: train_images, train_sec
 start of the pass to its last step, as train_single.py's history.json times an epoch),
 data_wait_seconds (in the loader's next()), val_images and val_seconds.
 """
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -100,7 +101,24 @@ def validate(loader: DataLoader, model: nn.Module, criterion, device: torch.devi
     return correct / max(images, 1), images, time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """plain_loop's flags, as parse_args returns them."""
+
+    data_dir: Path
+    out_dir: Path
+    arch: str
+    image_size: int
+    batch_size: int
+    workers: int
+    epochs: int
+    lr: float
+    momentum: float
+    val_fraction: float
+    seed: int
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path, required=True, help="a Kaggle-layout folder, as train_single.py reads it")
@@ -114,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     add("--momentum", type=float, default=0.9)
     add("--val-fraction", type=float, default=0.2)
     add("--seed", type=int, default=42, help="the split's, as train_single.py's --seed")
-    args = parser.parse_args(argv)
+    return Options(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     table = load_labels(args.data_dir, show_progress=False)
     files = [(args.data_dir / "train" / name, int(label)) for name, label in zip(table["filename"], table["label"])]

@@ -19,6 +19,7 @@ starting with ', is written with a ' in front; drop one leading ' to read it bac
 only, and never a training run's files nor a file in the folder of a training run in progress
 (src.outputs.check_tool_output).
 """
+import dataclasses
 import json
 import os
 import sys
@@ -43,7 +44,25 @@ INTERRUPTED = "interrupted: no CSV written (an earlier --output file is as it wa
 SHOWN = 10  # rows of the table printed
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """predict's flags, as parse_args returns them (--output's default filled in)."""
+
+    paths: list[Path]
+    data_dir: Path
+    checkpoint: Path | None
+    onnx: Path | None
+    output: Path
+    batch_size: int
+    workers: int | None  # capped to the CPUs; None: the default
+    overwrite: bool
+    tta: bool
+    amp: str
+    channels_last: bool
+    dist_timeout: float
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.ranks = True  # it runs under torchrun too: rank 0 says a bad flag
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
@@ -77,10 +96,10 @@ def parse_args(argv: list[str] | None = None):
         args.output = Path("predictions.csv" if args.paths else "submission.csv")
     if args.workers is not None:
         args.workers = cap_workers(args.workers, len(os.sched_getaffinity(0)))
-    return args
+    return Options(**vars(args))
 
 
-def to_stdout(args) -> bool:
+def to_stdout(args: Options) -> bool:
     """--output -: the CSV goes to standard output, what predict says to standard error."""
     return str(args.output) == "-"
 
@@ -90,7 +109,7 @@ def is_predict_csv(path: Path) -> bool:
     return starts_with(path, tuple(header.encode() for header in HEADERS))
 
 
-def check_output(args, files: list[Path]) -> None:
+def check_output(args: Options, files: list[Path]) -> None:
     """Before any work: --output is a file predict may write (src.outputs.check_tool_output: a
     regular file or nothing yet, its names can be made, a CSV of predict's or --overwrite, not a
     training run's file nor in the folder of one in progress), is none of the files this command
@@ -140,7 +159,7 @@ def check_finite(result: Predictions) -> None:
                         "--lr, or predict without --amp fp16); nothing written")
 
 
-def write_output(args, text: str) -> None:
+def write_output(args: Options, text: str) -> None:
     """The CSV into --output (whole or not at all), or onto standard output for `-`."""
     if not to_stdout(args):
         atomic_write_text(args.output, text)
@@ -174,13 +193,15 @@ def report(result: Predictions, others: list[Path], output: Path) -> str:
     return "\n".join(lines)
 
 
-def predict_onnx(args, files: list[Path]) -> Predictions:
+def predict_onnx(args: Options, files: list[Path]) -> Predictions:
     """With onnxruntime: numpy, Pillow and onnxruntime, no torch. Decoding threads prepare the next
     batch while onnxruntime runs one."""
     from src.tools.onnx_model import open_session
-    best_json = (args.checkpoint or args.onnx).with_suffix(".json")
-    if args.checkpoint is None and not best_json.is_file():
-        best_json = None  # an ONNX file alone describes itself
+    if args.onnx is None:  # main calls it with --onnx alone
+        raise ValueError("predict_onnx runs the --onnx file")
+    described = (args.checkpoint or args.onnx).with_suffix(".json")
+    # an ONNX file alone describes itself
+    best_json = None if args.checkpoint is None and not described.is_file() else described
     session, meta = open_session(args.onnx, best_json)
     size, classes = int(meta["image_size"]), json.loads(meta["classes"])
     start = time.time()
@@ -207,7 +228,7 @@ def predict_onnx(args, files: list[Path]) -> Predictions:
     return Predictions(files, probabilities, broken, classes, time.time() - start)
 
 
-def listed(args) -> tuple[list[Path], list]:
+def listed(args: Options) -> tuple[list[Path], list]:
     """The files to predict and what else is there (names, for the line that says so): the images
     under PATH..., or Kaggle's test/N.jpg without PATH."""
     if args.paths:
@@ -216,7 +237,7 @@ def listed(args) -> tuple[list[Path], list]:
     return kaggle_test_files(args.data_dir / "test")[1:]
 
 
-def predict_torch(args) -> tuple[Predictions, list] | None:
+def predict_torch(args: Options) -> tuple[Predictions, list] | None:
     """With the checkpoint and torch, the files shared out over the processes of a launcher: rank
     0 lists them and every rank takes its share of that list (ranks listing the folder each, a
     file that appeared between their listings shifted every later row to another name); rank 0
@@ -229,7 +250,7 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
     from src.ranks import from_rank_0, is_first
     from src.transforms import memory_format
 
-    rank, world_size, device, heartbeat = join_process_group(args)
+    rank, world_size, device, heartbeat = join_process_group(args.dist_timeout, args.amp)
     try:
         with heartbeat:  # under torchrun: names a rank that stops answering
             try:
@@ -238,11 +259,11 @@ def predict_torch(args) -> tuple[Predictions, list] | None:
                 model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
             except UserError as error:  # every rank finds it: the first says it
                 raise UserError(str(error), quiet=error.quiet or not is_first()) from None
-            model.to(device, memory_format=memory_format(args))
+            model.to(device).to(memory_format=memory_format(args.channels_last))
             workers = default_workers() if args.workers is None else args.workers
             start = time.time()
             result = predict_files(model, info, files, device, args.batch_size, workers, args.tta,
-                                   amp_dtype(args), args.channels_last, rank, world_size)
+                                   amp_dtype(args.amp), args.channels_last, rank, world_size)
     finally:
         end_process_group()
     if result is None:

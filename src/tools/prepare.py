@@ -13,6 +13,7 @@ train.csv is written as src/safe_csv.py writes every CSV (names quoted where a c
 line break would split them; its names start with cat., dog. or the class folder's name, so none
 is taken for a spreadsheet formula).
 """
+import dataclasses
 from pathlib import Path
 
 from src.cache import build_cache, cache_paths
@@ -41,12 +42,21 @@ def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[
     return len(frame) - dogs, dogs, rejected, not_used_line(data_dir, [*frame["filename"], *rejected])
 
 
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """prepare's flags, as main parses them."""
+
+    data_dir: Path
+    cache: Path | None
+    image_size: int
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("data_dir", type=Path, help="folder holding train/")
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
     parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
-    args = parser.parse_args(argv)
+    args = Options(**vars(parser.parse_args(argv)))
     cats, dogs, rejected, not_used = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")

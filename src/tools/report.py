@@ -26,6 +26,7 @@ files nor a file in the folder of a run in progress (src.outputs.check_tool_outp
 """
 import base64
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -33,23 +34,23 @@ import os
 import shlex
 import sys
 import time
-from argparse import Namespace
 from datetime import datetime
 from itertools import combinations
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jinja2
 import matplotlib
 import torch
 from matplotlib.ticker import MaxNLocator
+from matplotlib.typing import RcKeyType
 from PIL import Image
 
 from src.checkpoint import RESUME_KEYS, flag_of, read_last
-from src.cli import OneLineParser, at_least
-from src.datasets import CLASSES
+from src.cli import OneLineParser, at_least, defaults
+from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
-from src.errors import UserError, exit_on_error
+from src.errors import UserError, exit_on_error, one_line
 from src.history import AVERAGE, best_record
 from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
@@ -74,7 +75,20 @@ GENERATOR = "src.tools.report"
 INTERRUPTED = "interrupted: no report written (an earlier --output file is as it was); run the command again"
 
 
-def parse_args(argv: list[str] | None = None):
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """report's flags, as parse_args returns them (--output's and --workers's defaults filled in)."""
+
+    runs: list[Path]
+    output: Path
+    overwrite: bool
+    predictions: Path | None
+    data_dir: Path | None
+    batch_size: int
+    workers: int
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders holding a run's best.pth")
@@ -95,7 +109,7 @@ def parse_args(argv: list[str] | None = None):
         args.output = args.runs[0] / "report.html"
     if args.workers is None:
         args.workers = default_workers(1)
-    return args
+    return Options(**vars(args))
 
 
 class Run(NamedTuple):
@@ -219,17 +233,21 @@ def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: 
     (src.loaders.labelled_data), each image decoded as training decodes it (src.inference)."""
     info, folder = run.info, data_folder(run, data_dir)
     start = time.perf_counter()
-    data = labelled_data(Namespace(data_dir=folder, image_size=info["image_size"], cache=None,
-                                   val_fraction=info["val_fraction"], seed=info["seed"], workers=workers))
+    data = labelled_data(defaults(data_dir=str(folder), image_size=info["image_size"], cache=None,
+                                  val_fraction=info["val_fraction"], seed=info["seed"], workers=workers))
     if data.digest != info["data"]:
         raise UserError(f"the labelled images of {folder} are not those {run.folder / 'best.pth'} was "
                         f"trained on (best.json's digest of them differs): pass its {flag_of('data')}")
+    if not isinstance(data.dataset, DogCatDataset):  # without --cache: the images themselves
+        raise TypeError(f"validate: labelled_data without a cache gave a {type(data.dataset).__name__}")
     frame, train, split = data.dataset.frame, data.dataset.root_dir, data.val_idx
     names = [frame["filename"].iloc[i] for i in split]
     labels = torch.tensor([int(frame["label"].iloc[i]) for i in split])
     model, _ = load_checkpoint(run.folder / "best.pth")
-    probabilities, broken = predict_files(model.to(device), info, [train / name for name in names], device,
-                                          batch_size, workers)
+    found = predict_files(model.to(device), info, [train / name for name in names], device, batch_size, workers)
+    if found is None:  # None on the ranks but 0 of a launched job: the report runs alone
+        raise RuntimeError("validate: predict_files ran as a rank other than 0")
+    probabilities, broken = found
     if broken:
         first = min(broken)
         raise UserError(f"cannot read validation image {train / names[first]} ({broken[first]}; "
@@ -275,10 +293,10 @@ def thumbnail(path: Path) -> str | None:
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
-            image = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
-            image.thumbnail((THUMBNAIL, THUMBNAIL))
+            rgb = to_rgb(image)  # as training sees it: EXIF's orientation, 16 bits to 8
+            rgb.thumbnail((THUMBNAIL, THUMBNAIL))
             buffer = io.BytesIO()
-            image.save(buffer, "JPEG", quality=85)
+            rgb.save(buffer, "JPEG", quality=85)
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return None
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -301,11 +319,11 @@ def read_predictions(path: Path) -> list[dict]:
         raise UserError(f"--predictions {path}: cannot read it ({error})") from None
     if not rows or rows[0] != ["path", "p_dog", "label"]:
         raise UserError(f"--predictions {path}: expected predict's CSV, with columns path,p_dog,label")
-    images = []
+    images: list[dict[str, Any]] = []
     for number, row in enumerate(rows[1:], start=2):
         try:
-            name, p_dog, label = row
-            p_dog = float(p_dog)
+            name, p_text, label = row
+            p_dog = float(p_text)
             if not 0 <= p_dog <= 1:
                 raise ValueError
         except ValueError:
@@ -372,13 +390,16 @@ def final_weights(run: Run) -> dict[str, torch.Tensor]:
     """
     last, best = run.folder / "last.pth", run.folder / "best.pth"
     try:
-        if whole_folder(run.folder / NAME) is not None:
-            return read_last(run.folder)["model"]
+        found = read_last(run.folder) if whole_folder(run.folder / NAME) is not None else None
+        if found is not None:
+            return found["model"]
         if last.exists():
             return torch.load(last, map_location="cpu", weights_only=True, mmap=True)["model"]
         return torch.load(best, map_location="cpu", weights_only=True, mmap=True)
+    except UserError as error:  # a last that cannot be read says why (src.checkpoint.read_last)
+        raise UserError(f"cannot read the weights of {run.folder}: {one_line(error)}") from None
     except Exception as error:  # a truncated or foreign file: many exception types
-        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__})") from None
+        raise UserError(f"cannot read the weights of {run.folder} ({type(error).__name__}: {one_line(error)})") from None
 
 
 class Agreement(NamedTuple):
@@ -423,7 +444,7 @@ def agreements(runs: list[Run]) -> list[Agreement]:
 
 # Plots: SVG, text kept as text, names never read as mathtext.
 
-STYLE = {"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": GENERATOR}
+STYLE: dict[RcKeyType, Any] = {"text.parse_math": False, "svg.fonttype": "none", "svg.hashsalt": GENERATOR}
 
 
 def svg_uri(figure: plt.Figure) -> str:
@@ -532,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(run_section(run, validation))
     speeds = [speed(run) for run in runs]
     shown = None
-    if predictions is not None:
+    if predictions is not None and args.predictions is not None:  # the one read from the other
         folders = [args.predictions.parent, Path.cwd(), *{data_folder(run, args.data_dir) for run in runs}]
         shown = prediction_thumbnails(predictions[:PREDICTED], args.predictions, folders)
     html = render({

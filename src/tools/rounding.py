@@ -29,7 +29,9 @@ LAMBDA = 3.0  # a dot product exceeds LAMBDA sqrt(n) u with probability < 2 exp(
 def _fan_in(layer: nn.Module) -> int:
     if isinstance(layer, nn.Conv2d):
         return layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
-    return layer.in_features
+    if isinstance(layer, nn.Linear):
+        return layer.in_features
+    raise TypeError(f"a {type(layer).__name__} is not a weight layer (Linear or Conv2d)")
 
 
 def depth_sum(model: nn.Module) -> float:

@@ -31,6 +31,7 @@ writes (train/, test/, train.csv, the CSVs) without that mark: a dataset of your
 the mark it rewrites, removing what it wrote there before (and a train.csv made from that).
 """
 import csv
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -184,6 +185,18 @@ def _write(out_dir: Path, n_train: int, n_test: int, size: int, seed: int, hard:
         writer.writerows([i, int(label)] for i, label in enumerate(test_labels, start=1))
 
 
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """synthetic's flags, as main parses them."""
+
+    out_dir: Path
+    train: int
+    test: int
+    size: int
+    seed: int
+    hard: bool
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write train/, test/ and the CSVs into")
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                              "fill only an ellipse of random size, position and rotation, over "
                              "stripes of any orientation, partly hidden by blobs; see the module "
                              "docstring")
-    args = parser.parse_args(argv)
+    args = Options(**vars(parser.parse_args(argv)))
     if args.train < 2 or args.test < 0 or args.size < 16:
         parser.error("need --train >= 2, --test >= 0 and --size >= 16")
     write_dataset(args.out_dir, args.train, args.test, args.size, args.seed, args.hard)

@@ -37,6 +37,17 @@ STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "
 STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
 without dying; whoever reads STOP_LOG kills it).
 
+RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
+(train_ray.py) of rank r (default 0), read when the step comes (Ray Train sets RANK after its
+workers start), at its n-th optimizer step, once in the run (RAY_LOG, written first, marks it
+done: a worker that Ray restarted finds it and does nothing): `kill`, the process SIGKILLs itself,
+once Ray Train has taken in a checkpoint reported if RAY_REPORTED (a storage_path) is given (at
+most 120 s: the controller collects a report a second or two after it is made), after removing the
+file RAY_REMOVE if given (a node replaced with an empty disk); `term-driver`,
+it sends SIGTERM to the driver whose pid the file RAY_DRIVER_PID_FILE holds, then waits (at most
+120 s) until the stop has come back to it (its StopSignals' flag, which the driver's request
+raises): the stop then begins in that step.
+
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests use conftest's fake_gpus).
 
@@ -73,8 +84,18 @@ COMPILE_OPS_LOG=path: each process writes to path.RANK (JSON) at exit the conv2d
 that ran inside graphs compiled by torch.compile (its backend wrapped to count them), the forwards
 of the model given to torch.compile first (the scripts' root), and that model's Conv2d and Linear
 modules: every forward run compiled calls each of them once.
+COMPILE_BACKEND=name: with COMPILE_OPS_LOG, the counting backend compiles with this backend instead
+of the scripts' own (inductor): "eager" traces the graphs and runs them as they are (make test-gpu
+--device cpu, where inductor's C++ compilation would cost minutes).
 TF32_LOG=path: torch.backends.cuda.matmul.allow_tf32 ("RANK WHEN VALUE"), right after accelerate's
 Accelerator() is made (WHEN accelerator) and at the first optimizer step (step).
+TARGETS_LOG=path: each process appends "RANK KIND" once for each kind of target F.cross_entropy
+gets: "soft" (a probability per class: MixUp's and CutMix's) or "hard" (class indices).
+MEMORY_LOG=path: each process writes to path.RANK (JSON) at exit: its GPU; on a GPU the peak of
+CUDA memory allocated before its first step checkpoint (TrainingState.save_step), the memory
+allocated when that begins, and the peak through its first epoch's training (at its first
+save_epoch); the GPUs on which it holds a CUDA context (CUDA's primary context of each visible
+device); and, where nvidia-smi lists processes by their pids, its memory on GPU 0.
 
 PER_PROCESS_DROPOUT=1: the model's dropout layers draw as torch's do, from the process's generator
 (a control: the per-sample masks are what makes the modes agree).
@@ -96,6 +117,7 @@ accelerate does too: with fp16 on the CPU it autocasts and makes its GradScaler 
 (accelerate/accelerator.py makes neither off a GPU, so fp16 would train in float32).
 """
 import atexit
+import glob
 import importlib
 import importlib.abc
 import importlib.util
@@ -216,6 +238,33 @@ def in_process_variables() -> set:
 
 def _rank(settings) -> str:
     return settings.get("RANK", "0")
+
+
+_TRAINING = {"watched": False, "ran": False}
+
+
+def _watch_training(patcher) -> None:
+    """Note when this process starts a training run (makes its src.progress.Progress), for
+    _trained(); once per process."""
+    if _TRAINING["watched"]:
+        return
+    _TRAINING["watched"] = True
+
+    def make(init):
+        def noted(self, *args, **kwargs):
+            _TRAINING["ran"] = True
+            return init(self, *args, **kwargs)
+        return noted
+    patcher.wrap("src.progress", "Progress.__init__", make)
+
+
+def _trained() -> bool:
+    """Whether this process trained (it made a Progress: _watch_training). Other processes start
+    with the same environment and write their records at exit too, under the rank of their
+    environment: a launcher (torchrun, accelerate launch: no RANK, rank 0's name) ends after the
+    workers, and so does each rank's loader fork server (its own RANK), which imports the script's
+    modules but trains nothing: an empty record of theirs would replace the rank's."""
+    return _TRAINING["ran"]
 
 
 # The hooks.
@@ -342,6 +391,41 @@ def _stop_at_step(settings, patcher):
         time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(patcher, int(settings["STOP_AT_STEP"]), stop)
+
+
+@hook("RAY_AT_STEP", in_process=False)
+def _ray_at_step(settings, patcher):
+    signals = []  # the StopSignals of this process (train_ray.py's run makes one)
+
+    def make(init):
+        def recorded(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            signals.append(self)
+        return recorded
+    patcher.wrap("src.stopping", "StopSignals.__init__", make)
+
+    def act():
+        log = settings["RAY_LOG"]
+        if os.environ.get("RANK", "0") != settings.get("RAY_RANK", "0") or os.path.exists(log):
+            return
+        with open(log, "w") as file:
+            file.write(f"{os.getpid()} {time.time()}\n")
+        if settings.get("RAY_ACTION", "kill") == "kill":
+            waited = 0.0  # until Ray Train has taken in a checkpoint reported (RAY_REPORTED, a storage_path)
+            while (settings.get("RAY_REPORTED") and not glob.glob(f"{settings['RAY_REPORTED']}/*/checkpoint_manager_snapshot.json")
+                   and waited < 120):
+                time.sleep(0.01)
+                waited += 0.01
+            if settings.get("RAY_REMOVE"):
+                os.remove(settings["RAY_REMOVE"])
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(settings["RAY_DRIVER_PID_FILE"]) as file:
+            os.kill(int(file.read()), signal.SIGTERM)
+        waited = 0.0
+        while not any(stops.requested for stops in signals) and waited < 120:
+            time.sleep(0.01)
+            waited += 0.01
+    _on_step(patcher, int(settings["RAY_AT_STEP"]), act)
 
 
 @hook("KILL_IN_WRITE", in_process=False)
@@ -495,9 +579,12 @@ def _compiled_graphs() -> int:
 
 @hook("COMPILE_LOG")
 def _log_compiled(settings, patcher):
+    _watch_training(patcher)
     before = _compiled_graphs() if "torch._dynamo" in sys.modules else 0  # an in-process run's own
 
     def write():
+        if not _trained():
+            return
         with open(settings["COMPILE_LOG"], "w") as log:
             log.write(f"{_compiled_graphs() - before}\n")
     patcher.at_end(write)
@@ -553,12 +640,13 @@ def _control_sync():
 
 @hook("SYNC_CHECK_STEPS", in_process=False)
 def _check_syncs(settings, patcher):
+    _watch_training(patcher)
     import warnings
     syncs = SyncRecord(_rank(settings), warnings.showwarning)
     warnings.showwarning = syncs.showwarning
     warnings.filterwarnings("always", message=".*" + SYNC_MESSAGE)  # each one, not once per place
     if settings.get("SYNC_LOG"):
-        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]))
+        patcher.at_end(lambda: syncs.write(settings["SYNC_LOG"]) if _trained() else None)
     first, last = map(int, settings["SYNC_CHECK_STEPS"].split(":"))
 
     def make(passing):
@@ -624,6 +712,7 @@ def counting_backend(backend, counts: dict):
 
 @hook("COMPILE_OPS_LOG", in_process=False)
 def _count_compiled_ops(settings, patcher):
+    _watch_training(patcher)
     import json
 
     import torch
@@ -632,7 +721,8 @@ def _count_compiled_ops(settings, patcher):
 
     def make(compile_):
         def counting_compile(model=None, **options):
-            options["backend"] = counting_backend(options.get("backend") or "inductor", counts)
+            backend = settings.get("COMPILE_BACKEND") or options.get("backend") or "inductor"
+            options["backend"] = counting_backend(backend, counts)
             compiled = compile_(model, **options)
             if isinstance(model, torch.nn.Module) and "conv2d modules" not in counts:  # the scripts' root
                 inner = getattr(model, "module", model)  # DDP's
@@ -649,6 +739,8 @@ def _count_compiled_ops(settings, patcher):
     patcher.wrap("torch", "compile", make)
 
     def write():
+        if not _trained():
+            return
         with open(f"{settings['COMPILE_OPS_LOG']}.{rank}", "w") as log:
             json.dump(counts, log)
     patcher.at_end(write)
@@ -669,6 +761,88 @@ def _log_tf32(settings, patcher):
         return Logged
     patcher.wrap("accelerate", "Accelerator", make)
     _on_step(patcher, 1, lambda: log_tf32("step"))
+
+
+def log_targets(functional, path, rank: str) -> None:
+    """functional.cross_entropy (torch.nn.functional's) appending "RANK soft" or "RANK hard" to
+    `path` once for each kind of target it gets: probabilities (floating point) or class indices."""
+    cross_entropy, seen = functional.cross_entropy, set()
+
+    def logged(input, target, *args, **kwargs):
+        kind = "soft" if target.is_floating_point() else "hard"
+        if kind not in seen:
+            seen.add(kind)
+            with open(path, "a") as log:
+                log.write(f"{rank} {kind}\n")
+        return cross_entropy(input, target, *args, **kwargs)
+    functional.cross_entropy = logged
+
+
+@hook("TARGETS_LOG", in_process=False)
+def _log_targets(settings, patcher):
+    import torch.nn.functional
+    log_targets(torch.nn.functional, settings["TARGETS_LOG"], _rank(settings))
+
+
+def _nvidia_smi_mib_on_gpu0(torch) -> float | None:
+    """This process's memory on its GPU 0 as nvidia-smi lists it, None where it lists no such process
+    (no nvidia-smi, or a container that shows other pids)."""
+    import subprocess
+    try:
+        uuid = str(torch.cuda.get_device_properties(0).uuid)
+        rows = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30).stdout
+    except Exception:  # no nvidia-smi, or a torch whose properties have no uuid
+        return None
+    for row in rows.splitlines():
+        parts = [part.strip() for part in row.split(",")]
+        if len(parts) == 3 and parts[0] == str(os.getpid()) and uuid in parts[1]:
+            return float(parts[2])
+    return None
+
+
+@hook("MEMORY_LOG", in_process=False)
+def _log_memory(settings, patcher):
+    _watch_training(patcher)
+    import json
+
+    import torch
+    record = {"rank": _rank(settings)}
+
+    def cuda() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def make(method, first: dict):
+        def recorded(self, *args, **kwargs):
+            if cuda() and not first:
+                first.update({"peak": torch.cuda.max_memory_allocated(), "held": torch.cuda.memory_allocated()})
+            return method(self, *args, **kwargs)
+        return recorded
+    saved_step, saved_epoch = {}, {}
+    patcher.wrap("src.state", "TrainingState.save_step", lambda method: make(method, saved_step))
+    patcher.wrap("src.state", "TrainingState.save_epoch", lambda method: make(method, saved_epoch))
+
+    def write():
+        if not _trained():
+            return
+        if cuda():
+            record["device"] = torch.cuda.current_device()
+            has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+            record["contexts"] = ([gpu for gpu in range(torch.cuda.device_count()) if has(gpu)]
+                                  if has is not None else None)
+            if saved_step:
+                record["peak before the first step checkpoint"] = saved_step["peak"]
+                record["held at the first step checkpoint"] = saved_step["held"]
+            if saved_epoch:
+                record["peak through the first epoch"] = saved_epoch["peak"]
+            mib = _nvidia_smi_mib_on_gpu0(torch)
+            if mib is not None:
+                record["MiB on GPU 0"] = mib
+        else:
+            record.update({"device": "cpu", "contexts": []})
+        with open(f"{settings['MEMORY_LOG']}.{record['rank']}", "w") as log:
+            json.dump(record, log, indent=1)
+    patcher.at_end(write)
 
 
 # The next three are functions as well, for the tests that train in their own process (monkeypatch).

@@ -1,0 +1,151 @@
+"""What guards Ray Train's calls in train_ray.py's workers: the processes Ray Train starts, one per
+--num-workers, each running train_loop_per_worker in a thread of a Ray actor, in the process group
+Ray made (the driver's side is src/ray_driver.py).
+
+- A stop or bad input ends a worker's loop without an exception: an exception is a failed worker,
+  which Ray Train answers by restarting the group (FailureConfig), and bad input would fail the
+  same way each time. A worker whose collective fails because another ended on bad input ends
+  quietly (src.errors: the note in the process group's store).
+- The driver's stop request reaches rank 0 through the RunControl actor, read in a thread.
+- Each checkpoint is reported to Ray Train (ray.train.report with rank 0's folder holding the
+  last.pth just written); Ray keeps it in storage_path, where every node sees it. When Ray
+  restarts the workers after a lost one, ray.train.get_checkpoint() is the last one reported:
+  rank 0 puts its last.pth beside --checkpoint where it is newer than the one there (a new pod
+  has an empty disk), and every rank resumes from it as after a torchrun restart.
+"""
+import contextlib
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from src.config import Config
+from src.errors import EXIT_STOPPED, Stopped, UserError, another_rank_said_why, end_process_group, one_line, tell_the_other_ranks
+
+if TYPE_CHECKING:
+    from src.state import TrainingState
+    from src.stopping import StopSignals
+
+POLL = 0.5  # seconds between rank 0's reads of the driver's stop request
+
+
+def on_this_worker(args: Config, control: Any, checkpoint: Any) -> Config:
+    """The driver's flags as this worker runs them: --workers counted on this worker's node (the
+    driver's node may have other CPUs), torch's threads those Ray gives it. When Ray Train
+    restarted the workers (the driver's RunControl counts the groups; or Ray hands back a
+    checkpoint, `checkpoint`) the run resumes
+    as after a torchrun restart (src.ranks.restarted: from the newest last.pth, which --overwrite
+    does not remove again, with or without --resume). A checkpoint that rank 0 reported just
+    before it died may not have reached Ray Train: the count says it all the same. Every rank calls it."""
+    import ray
+    import torch
+
+    from src.cli import cap_workers
+    from src.devices import available_cpus, default_workers
+    from src.ranks import from_rank_0, mark_restarted_by_ray
+    # The threads Ray gives the worker (OMP_NUM_THREADS: its CPUs, 1 by default, as torchrun's
+    # processes have): a worker process that started before Ray set it (one Ray reuses after a
+    # restart) would keep torch's default, the node's CPUs, and sum in another order.
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    given = any(word == "--workers" or word.startswith("--workers=") for word in args.command)
+    args = dataclasses.replace(args, workers=cap_workers(args.workers if given else default_workers(), available_cpus()))
+    if from_rank_0(lambda: ray.get(control.group_started.remote())) or checkpoint is not None:
+        mark_restarted_by_ray()
+    return args
+
+
+@contextlib.contextmanager
+def worker_outcome() -> Iterator[dict]:
+    """The block of a worker's run; the dict it yields is what the worker returns to the driver:
+    {} finished, {"exit": 75} stopped, {"exit": 2, "error": line} bad input said here (rank 0's
+    reaches the driver, which prints it; another rank prints its own), {"exit": 2} bad input said
+    by another rank. Anything else is raised: a failed worker, for Ray Train's FailureConfig."""
+    outcome: dict = {}
+    try:
+        yield outcome
+    except Stopped:
+        outcome["exit"] = EXIT_STOPPED
+    except UserError as error:
+        outcome["exit"] = 2
+        if not error.quiet:
+            tell_the_other_ranks()
+            outcome["error"] = one_line(error)
+            if os.environ.get("RANK", "0") != "0":
+                print(f"error: {outcome['error']}", file=sys.stderr, flush=True)
+        end_process_group()  # the others, waiting in a collective, fail now and find the note
+    except Exception:
+        if not another_rank_said_why():
+            raise
+        outcome["exit"] = 2
+        end_process_group()
+
+
+@contextlib.contextmanager
+def stops_from_driver(control: Any, signals: "StopSignals") -> Iterator[None]:
+    """Within the block, rank 0 reads the driver's stop request (RunControl) every POLL seconds in a
+    thread and raises its own stop flag (`signals`, the run's src.stopping.StopSignals): the ranks'
+    agreement carries it to every rank at an optimizer step."""
+    import ray
+    done = threading.Event()
+
+    def listen() -> None:
+        while not done.wait(POLL):
+            try:
+                number = ray.get(control.requested.remote(), timeout=60)
+            except ray.exceptions.GetTimeoutError:  # a busy machine: ask again
+                continue
+            except Exception:  # the driver is gone (its actor with it): Ray ends the workers
+                return
+            if number:
+                signals.requested = signals.requested or number
+                return
+    thread = None
+    if os.environ.get("RANK", "0") == "0":
+        thread = threading.Thread(target=listen, name="driver stops", daemon=True)
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if thread is not None:
+            thread.join()
+
+
+@contextlib.contextmanager
+def saved_last(state: "TrainingState") -> Iterator[str | None]:
+    """On rank 0, a folder holding the last.pth just saved (once its background write is on disk:
+    a hard link where the file system allows it, else a copy), for ray.train.report's checkpoint,
+    which Ray copies into storage_path; None on the other ranks, which report no checkpoint."""
+    from src.outputs import output_paths
+    from src.ranks import is_first
+    if not is_first():
+        yield None
+        return
+    state.writer.wait()
+    last = output_paths(state.args)["last"]
+    with tempfile.TemporaryDirectory(prefix=".ray-report-", dir=last.parent) as folder:
+        try:
+            os.link(last, Path(folder) / last.name)
+        except OSError:
+            shutil.copy2(last, Path(folder) / last.name)
+        yield folder
+
+
+def restore_last(args: Config, folder: str) -> None:
+    """Rank 0: Ray Train's last reported last.pth (in `folder`) beside --checkpoint, where it is
+    newer than the last there (or there is none: a new node, an emptied disk)."""
+    from src.checkpoint import last_position
+    from src.outputs import atomic_write, output_paths
+    from src.ranks import is_first
+    if not is_first():
+        return
+    reported = last_position(Path(folder))
+    here = output_paths(args)["last"]
+    if reported is None or (last_position(here.parent) or (-1, -1)) >= reported:
+        return
+    with open(Path(folder) / here.name, "rb") as source:
+        atomic_write(here, lambda file: shutil.copyfileobj(source, file))
