@@ -101,6 +101,7 @@ from src.cli import (  # noqa: E402
     between,
     defaults,
     processes_count,
+    workers_count,
 )
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
@@ -182,8 +183,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help="only what a step checkpoint costs the training, before and now (see above): a table")
     add("--reference", action="store_true",
         help="only train_single.py --augment against the plain loop of imagenet/main.py, alternating (see above)")
-    add("--workers", type=at_least(0), default=None, help="--reference's loader workers (default: the scripts')")
-    add("--rounds", type=at_least(1), default=2, help="--reference's rounds of the two runs")
+    add("--workers", type=workers_count, default=None, help="--reference's loader workers (default: the scripts')")
+    add("--rounds", type=between(*EPOCHS), default=2, help="--reference's rounds of the two runs")
     add("--worker-start", action="store_true",
         help="only the loader workers' start, from the fork server and forked (see above), over the "
              "JPEGs and the cache: a table")

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 from torchvision.datasets.folder import default_loader
 
-from src.cli import OneLineParser, at_least
+from src.cli import BATCH_SIZES, EPOCHS, IMAGE_SIZES, OneLineParser, between, workers_count
 from src.datasets import load_labels
 from src.errors import exit_on_error
 from src.loaders import split_indices
@@ -124,10 +124,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     add("--data-dir", type=Path, required=True, help="a Kaggle-layout folder, as train_single.py reads it")
     add("--out-dir", type=Path, required=True, help="where checkpoint.pth.tar goes")
     add("--arch", default="resnet18")
-    add("--image-size", type=at_least(32), default=224)
-    add("--batch-size", type=at_least(1), default=32)
-    add("--workers", type=at_least(0), default=2)
-    add("--epochs", type=at_least(1), default=1)
+    add("--image-size", type=between(*IMAGE_SIZES), default=224)
+    add("--batch-size", type=between(*BATCH_SIZES), default=32)
+    add("--workers", type=workers_count, default=2)
+    add("--epochs", type=between(*EPOCHS), default=1)
     add("--lr", type=float, default=0.001, help="train_single.py's default")
     add("--momentum", type=float, default=0.9)
     add("--val-fraction", type=float, default=0.2)
