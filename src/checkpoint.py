@@ -28,7 +28,7 @@ from src.devices import hardware
 from src.divergence import check_finite_weights, refuse_non_finite
 from src.errors import UserError, one_line
 from src.history import RECORD_KEYS, best_choice, history_text
-from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, output_paths
+from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, input_problem, output_paths
 from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -139,8 +139,10 @@ def last_state(history: list[dict], model_state: dict | None, optimizer_state: d
 
 def _read_last(path: Path, mmap: bool = False) -> dict | None:
     """last.pth, or None where there is none; mmap: map the tensors instead of reading them."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
+    if input_problem(path) is not None:  # not opened: a named pipe would wait for a writer
+        raise UserError(f"cannot resume from {_where(path)}: {input_problem(path)}; delete it to start over")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # a truncated or foreign file: many exception types

@@ -1,18 +1,20 @@
 """The Dogs vs. Cats images: finding them, labelling them (0 = cat, 1 = dog), reading them as RGB, and
 the processes of the DataLoader workers that read them."""
 import atexit
+import contextlib
 import functools
+import gc
 import multiprocessing
 import os
 import re
 import select
 import signal
+import socket
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pandas as pd
 import torch
@@ -20,8 +22,9 @@ from PIL import Image
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from src.errors import STOP_SIGNALS, UserError
-from src.image_files import IMAGE_SUFFIXES, broken_link, natural_key, some, to_rgb
+from src.errors import STOP_SIGNALS, UserError, ignore_pillow_warnings
+from src.image_files import IMAGE_SUFFIXES, natural_key, some, to_rgb
+from src.outputs import input_problem
 from src.terminal import shown
 
 CLASSES = ("cat", "dog")
@@ -45,13 +48,11 @@ def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
     With `draft_size`, JPEGs are decoded by libjpeg at the smallest 1/2, 1/4 or 1/8 scale that
     still covers draft_size x draft_size, which is much faster than a full decode then resize.
     """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # PIL warns about odd EXIF data in real photos
-            image = Image.open(path)
-            if draft_size:
-                image.draft("RGB", (draft_size, draft_size))
-            return to_rgb(image)
+    try:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings
+        image = Image.open(path)
+        if draft_size:
+            image.draft("RGB", (draft_size, draft_size))
+        return to_rgb(image)
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise UserError(f"cannot read image {path} ({error}); "
                         "run `python -m src.tools.prepare DATA_DIR` to leave out broken files") from None
@@ -102,12 +103,13 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True,
     rows, rejected = [], []
     for name, label in tqdm(candidates, desc=f"checking {train_dir}", disable=not show_progress,
                             leave=False):
+        if input_problem(train_dir / name) is not None:  # not opened: a named pipe would wait for a writer
+            rejected.append(name)
+            continue
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with Image.open(train_dir / name) as image:
-                    image.draft("RGB", (64, 64))
-                    image.load()
+            with Image.open(train_dir / name) as image:
+                image.draft("RGB", (64, 64))
+                image.load()
             rows.append((name, label))
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             rejected.append(name)
@@ -117,10 +119,10 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True,
 
 
 def train_files(train_dir: Path) -> list[str]:
-    """Every file under train_dir (links to nothing and loops of links included: files that
-    cannot be read), as paths relative to it with / separators."""
-    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*")
-            if path.is_file() or broken_link(path)]
+    """Every file under train_dir (links to nothing and loops of links, named pipes, sockets and
+    devices included: files that cannot be read as images), as paths relative to it with /
+    separators."""
+    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*") if not path.is_dir()]
 
 
 def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None,
@@ -175,20 +177,25 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     if len(bad):
         raise UserError(f"{csv_file} has unknown label {bad.iloc[0]!r} ({len(bad)} rows); "
                         "labels must be 0/cat or 1/dog")
-    missing = [name for name in frame["filename"] if not (Path(root_dir) / name).is_file()]
+    missing = [(name, problem) for name in frame["filename"] if (problem := input_problem(Path(root_dir) / name))]
     if missing:
-        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir}, "
-                        f"first {missing[0]}; fix the CSV or rerun `python -m src.tools.prepare`")
+        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir} or not files there, "
+                        f"first {missing[0][0]} ({missing[0][1]}); fix the CSV or rerun `python -m src.tools.prepare`")
     return label_table(list(frame["filename"]), list(labels.astype(int)))
 
 
 def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.tools.prepare` does."""
     data_dir = Path(data_dir)
+    if os.path.lexists(data_dir) and not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir}: {input_problem(data_dir, folder=True) or 'a file, not a folder'}: "
+                        "pass --data-dir, the folder holding train/")
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found: pass --data-dir, put Kaggle's train/ "
                         f"there, or run `python -m src.tools.synthetic {data_dir}` for a synthetic set")
     csv_file = data_dir / "train.csv"
+    if os.path.lexists(csv_file) and input_problem(csv_file):  # a named pipe would wait for a writer
+        raise UserError(f"{csv_file}: {input_problem(csv_file)}: remove it, or make it a CSV of filename,label")
     if csv_file.exists():
         frame = read_labels_csv(csv_file, data_dir / "train")
         if show_progress:
@@ -319,31 +326,117 @@ def worker_options() -> dict:
     Python threads (the heartbeat, the pinned-memory thread, tqdm's monitor, TensorBoard's
     writer), and a fork taken while another thread holds one of the interpreter's locks hangs in
     the child (CPython gh-112275, fixed in 3.11.8; seen here in a DataLoader worker of a
-    torchrun restart). The fork server is a fresh single-threaded interpreter started once per
-    process (the modules the workers need imported there once), so a worker costs a fork of it.
-    The workers of a loader stay for the loader's life (persistent: src/loaders.py)."""
+    torchrun restart). The fork server is a process with one thread, started once per process
+    (start_worker_server), so a worker costs a fork of it. The workers of a loader stay for the
+    loader's life (persistent: src/loaders.py)."""
     return {"multiprocessing_context": _fork_server(), "worker_init_fn": functools.partial(start_worker, os.getpid())}
+
+
+def start_worker_server() -> None:
+    """Start this process's fork server for the loader workers now, if it has none (worker_options
+    starts it otherwise, at the first loader). Call it as early as the workers are known to be
+    needed: forked from this process, the server holds a copy of what this process holds then."""
+    _fork_server()
 
 
 def _fork_server() -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver context, its server started with the stop signals ignored: it
     is in the training process's process group, which torchrun and SLURM signal as a whole, and it
     must outlive a SIGTERM that stops the run a few steps later (the loaders it still starts need
-    it). An ignored signal stays ignored across the exec that starts it; a handler would not."""
+    it). An ignored signal stays ignored across a fork and across the exec of a fresh server; a
+    handler would not.
+
+    The server is a fork of this process while it runs one thread (_serve_from_a_fork): it has
+    every module this process has imported, at no cost, where a fresh interpreter imports torch,
+    torchvision and the script's modules first (3.6 to 3.9 s of CPU on the 2-core AMD EPYC, which
+    the first training batch waited for: docs/performance.md#loader-workers-a-fork-server). A
+    process that runs other threads by then (the heartbeat of a launched rank) starts
+    multiprocessing's own server, a fresh interpreter that imports the modules below first."""
+    from multiprocessing import forkserver
     context = multiprocessing.get_context("forkserver")
     loaded = [name for name in sys.modules if name.startswith("src.") or name in ALSO_PRELOADED]
-    # read when the server starts: the workers' modules, the src modules loaded here, the main script's
+    # read when a fresh server starts: the workers' modules, the src modules loaded here, the main script's
     context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)) + main_module())
     if threading_main():
         handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
         try:
-            from multiprocessing import forkserver
-            forkserver.ensure_running()
+            if _can_serve_from_a_fork() and _server_state()._forkserver_pid is None and one_thread():
+                _serve_from_a_fork()
+            forkserver.ensure_running()  # a server there and alive: nothing; else a fresh one
         finally:
             for number, handler in handlers.items():
                 signal.signal(number, handler)
     end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
     return context
+
+
+def one_thread() -> bool:
+    """Whether this process runs no Python thread but this one: a fork of it then cannot inherit a
+    lock that another thread held (the hang of CPython gh-112275)."""
+    return threading.active_count() == 1
+
+
+def _server_state() -> Any:
+    """multiprocessing.forkserver's ForkServer object, whose state (_forkserver_address,
+    _forkserver_alive_fd, _forkserver_pid) is private: typeshed declares none of it, so Any."""
+    from multiprocessing import forkserver
+    return getattr(forkserver, "_forkserver", None)
+
+
+def _can_serve_from_a_fork() -> bool:
+    """Whether this Python's multiprocessing.forkserver is the one _serve_from_a_fork drives: its
+    server's state in the attributes, and main() as CPython 3.11 to 3.13 define them (3.14 adds
+    an authentication key)."""
+    server = _server_state()
+    return (hasattr(os, "fork") and sys.version_info < (3, 14)
+            and all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd",
+                                                       "_forkserver_pid")))
+
+
+def _serve_from_a_fork() -> None:
+    """Fork this process (one thread) into multiprocessing's fork server, as its ensure_running
+    would exec a fresh interpreter: the same listening socket and "alive" pipe, the same main()
+    serving the requests, none of its modules to import. The server keeps the standard streams,
+    the socket and the pipe, and closes every other descriptor (as the exec closes them: no lock
+    file or rendezvous socket of the run stays open in it); it never runs this process's exit
+    handlers, and its objects are frozen out of the garbage collection, which would otherwise
+    touch (and copy) every page it shares with this process."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+    resource_tracker.ensure_running()  # the workers share this process's tracker, as with a fresh server
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # private: not in typeshed
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every client holds the write end: the server ends when all are gone
+        for stream in (sys.stdout, sys.stderr):  # or the server's children would write their copy again
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                _close_descriptors_but({0, 1, 2, listener.fileno(), alive_r})
+                gc.freeze()
+                forkserver.main(listener.fileno(), alive_r, [])  # returns by SystemExit when every client has gone
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    finally:
+        listener.close()
+    server = _server_state()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _close_descriptors_but(keep: set[int]) -> None:
+    """Close every file descriptor of this process but those in `keep`."""
+    low = 0
+    for fd in sorted(keep) + [os.sysconf("SC_OPEN_MAX")]:
+        if low < fd:  # os.closerange(n, n) closes every descriptor from n up (Python 3.11's close_range call)
+            os.closerange(low, fd)
+        low = fd + 1
 
 
 def main_module() -> list[str]:
@@ -371,6 +464,7 @@ def start_worker(training_pid: int, worker_id: int) -> None:
     keep it alive after a SIGKILL of the training process, holding the fork server and the
     launcher's output pipes open for ever."""
     ignore_stop_signals()
+    ignore_pillow_warnings()
     threading.Thread(target=_end_with, args=(training_pid,), name="end with the training process",
                      daemon=True).start()
 

@@ -21,7 +21,15 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from src.cache import MappedArray, cached
 from src.config import Config
-from src.datasets import DogCatDataset, check_both_classes, label_table, load_labels, load_val_labels, worker_options
+from src.datasets import (
+    DogCatDataset,
+    check_both_classes,
+    label_table,
+    load_labels,
+    load_val_labels,
+    start_worker_server,
+    worker_options,
+)
 from src.devices import check_shared_memory
 from src.errors import UserError
 from src.ranks import from_rank_0, is_first
@@ -157,6 +165,8 @@ def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
     other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
+    if args.workers:  # before the label scan and the model: the workers' server overlaps them, and holds neither
+        start_worker_server()
     val_dir = args.val_dir
 
     def tables() -> tuple[pd.DataFrame, tuple[str, pd.DataFrame] | None]:

@@ -116,8 +116,8 @@ def test_make_test_sees_to_the_browser_before_the_tests_and_ci_runs_only_readme_
     without chromium), and shows the reasons of skipped tests; CI (.ci/run) runs README's
     commands and nothing that they do not (it installed chromium itself)."""
     from doc_commands import commands
-    planned = subprocess.run(["make", "-n", "-o", ".venv/.installed", "test"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.splitlines()
+    planned = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.split()[1:] for line in planned] == [["checks/browser.py"], ["-m", "pytest", "-q", "-rs", "-n", "2",
                                                                              "tests"]], planned
     readme = {command.text.split("#")[0].strip() for command in commands(ROOT) if command.page == "README.md"}

@@ -64,6 +64,15 @@ def _batch(env, **fake) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _in_wait(pid: int) -> bool:
+    """Whether the process waits for a child (bash in its `wait`: the kernel's do_wait): it has
+    started srun and noted its pid, so SLURM's signal finds the trap and srun to pass it to."""
+    try:
+        return (Path("/proc") / str(pid) / "wchan").read_text() == "do_wait"
+    except OSError:
+        return False
+
+
 def test_the_script_asks_slurm_for_the_signal_and_a_requeue():
     header = [line for line in SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --signal=B:USR1@120" in header and "#SBATCH --requeue" in header
@@ -171,9 +180,9 @@ def test_sigusr1_before_the_time_limit_is_forwarded_and_the_job_requeued(fake_sl
     batch = _batch(env, seconds=60, exit=0)
     started = log.with_name(log.name + ".started")
     deadline = time.time() + 30
-    while not started.exists() and time.time() < deadline:
+    while not (started.exists() and _in_wait(batch.pid)) and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.2)  # the batch shell has reached its wait
+    assert _in_wait(batch.pid), "the batch shell never reached its wait for srun"
     batch.send_signal(signal.SIGUSR1)
     output, _ = batch.communicate(timeout=30)
     assert batch.returncode == 1, output

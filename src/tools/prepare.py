@@ -20,7 +20,7 @@ import dataclasses
 from pathlib import Path
 
 from src.cache import build_cache, cache_paths
-from src.cli import OneLineParser, at_least
+from src.cli import IMAGE_SIZES, OneLineParser, between
 from src.datasets import load_labels, load_val_labels, not_used_line, scan_train_dir
 from src.devices import default_workers
 from src.errors import UserError, exit_on_error
@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val-dir", type=Path, metavar="DIR", default=None,
                         help="also check the images of a training run's --val-dir (the cache is then that run's)")
     parser.add_argument("--cache", type=Path, metavar="DIR", help="also build the --cache of DIR")
-    parser.add_argument("--image-size", type=at_least(32), default=224, help="the image size of that cache")
+    parser.add_argument("--image-size", type=between(*IMAGE_SIZES), default=224, help="the image size of that cache")
     args = Options(**vars(parser.parse_args(argv)))
+    parser.refuse_unless(parser.given(argv), "image_size", args.cache is not None,
+                         "it is the image size of the --cache to build: add --cache DIR")
     cats, dogs, rejected, not_used = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")

@@ -47,7 +47,7 @@ from matplotlib.typing import RcKeyType
 from PIL import Image
 
 from src.checkpoint import RESUME_KEYS, flag_of, read_last
-from src.cli import OneLineParser, at_least, defaults
+from src.cli import BATCH_SIZES, OneLineParser, between, defaults, workers_count
 from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
 from src.errors import UserError, exit_on_error, one_line
@@ -56,7 +56,7 @@ from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
 from src.loaders import labelled_data
 from src.metrics import EPS, batch_sums, summarize
-from src.outputs import atomic_write_text, check_tool_output
+from src.outputs import atomic_write_text, check_tool_output, input_problem
 from src.plot import plt
 from src.safe_csv import original
 from src.sharded_checkpoint import NAME, whole_folder
@@ -102,8 +102,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help="the data folder of the runs (default: the --data-dir each was trained with)")
     add("--val-dir", type=Path, default=None,
         help="the validation folder of runs trained with --val-dir (default: the one each was trained with)")
-    add("--batch-size", type=at_least(1), default=100, help="images per forward pass of the validation")
-    add("--workers", type=at_least(0), default=None,
+    add("--batch-size", type=between(*BATCH_SIZES), default=100, help="images per forward pass of the validation")
+    add("--workers", type=workers_count, default=None,
         help="image decoding processes (default: this machine's CPUs)")
     args = parser.parse_args(argv)
     if len({run.resolve() for run in args.runs}) < len(args.runs):
@@ -132,6 +132,8 @@ def read_run(folder: Path, number: int, data_dir: Path | None = None, val_dir: P
                         "--checkpoint's folder), after its first epoch")
     info = read_info(folder / "best.pth")
     try:
+        if input_problem(folder / "history.json") is not None:  # a named pipe would wait for a writer
+            raise OSError
         history = json.loads((folder / "history.json").read_text())
     except (OSError, ValueError):
         raise UserError(f"{folder / 'history.json'} is missing or unreadable: the training scripts "
@@ -305,7 +307,10 @@ def calibration_error(rows: list[dict]) -> float:
 
 
 def thumbnail(path: Path) -> str | None:
-    """A small JPEG of the image as a data: URI, or None where it cannot be read."""
+    """A small JPEG of the image as a data: URI, or None where it cannot be read (or is not a
+    regular file: a named pipe would wait for a writer)."""
+    if input_problem(path) is not None:
+        return None
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
@@ -328,6 +333,8 @@ def gallery(validation: Validation, positions: list[int]) -> list[dict]:
 
 def read_predictions(path: Path) -> list[dict]:
     """predict's rows (path, p_dog, label), the most uncertain first."""
+    if input_problem(path) is not None:
+        raise UserError(f"--predictions {path}: {input_problem(path)}")
     try:
         with open(path, newline="") as file:
             rows = list(csv.reader(file))
