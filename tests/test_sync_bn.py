@@ -246,5 +246,7 @@ def test_under_accumulate_batch_norm_normalises_each_micro_batch(runs, reference
 
 
 def test_data_parallel_refuses_sync_bn(small_data, tmp_path, monkeypatch, capsys):
-    fails_in_process(train_dp.main, ["--data-dir", str(small_data), "--sync-bn", "--checkpoint", str(tmp_path / "b.pth")],
+    # an --arch with batch norm: VGG16's --sync-bn is refused for having none, before the mode is asked
+    fails_in_process(train_dp.main, ["--data-dir", str(small_data), "--arch", "resnet18", "--weights", "none", "--sync-bn",
+                                     "--checkpoint", str(tmp_path / "b.pth")],
                      monkeypatch, capsys, "--sync-bn: DataParallel runs its replicas as threads of one process")
