@@ -1620,6 +1620,10 @@ MUTATIONS = [
       'tests/test_ray.py::test_a_stop_on_the_driver_ends_every_worker_at_a_step_and_goes_on_in_another_mode']),
     ('src/ray_worker.py', '            outcome["error"] = one_line(error)', '            pass',
      ['tests/test_ray.py::test_a_worker_ends_on_bad_input_or_a_stop_without_failing_so_ray_does_not_restart_it']),
+    # Every worker hears from rank 0 through the process group before Ray's report (a barrier no end of the group reaches).
+    ('src/ray_worker.py', '    folder = from_rank_0(lambda: _linked_last(state))',
+     '    folder = _linked_last(state) if is_first() else None',
+     ['tests/test_ray.py::test_a_save_that_failed_on_rank_0_ends_every_worker_before_rays_report']),
     ('src/ray_driver.py', '    use_gpu = resources.get("GPU", 0) > 0', '    use_gpu = False',
      ['tests/test_ray.py::test_more_workers_than_the_cluster_has_is_one_line_before_any_work']),
     ('src/ray_driver.py', '    if not found:', '    if False:',
