@@ -1,6 +1,8 @@
-# make demo: install into .venv, make the synthetic dataset, train VGG16 on it (its time: docs/measurements.md),
-#   write its report (model/report.html; its last line says how to open it)
-# make test: the same install (one environment: training, pytest, pytest-xdist, onnx, playwright, ruff, mypy) and run the test suite in
+# make demo: install training alone into .venv (requirements.txt: torch, torchvision, accelerate, pandas, pillow,
+#   tqdm, matplotlib, jinja2 for the report, tensorboard), make the synthetic dataset, train VGG16 on it (its time:
+#   docs/measurements.md), write its report (model/report.html; its last line says how to open it)
+# make test: everything into .venv (requirements-test.txt: training, the trackers of requirements-track.txt, the
+#   ONNX export of requirements-onnx.txt, ruff and mypy, pytest, pytest-xdist, playwright) and run the test suite in
 #   two workers; tests/test_report.py also needs Debian's chromium: installed here as root (checks/browser.py),
 #   elsewhere one line says what to install and the browser tests are skipped
 # make test-fast: the tests not marked slow (a minute on 2 cores: every module, no training run, no launcher)
@@ -19,15 +21,21 @@ DEMO_FLAGS := --data-dir $(SYNTHETIC) --arch vgg16 --weights none --image-size 3
 .PHONY: install demo test test-fast lint test-gpu
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-test.txt requirements-onnx.txt requirements-lint.txt requirements-ray.txt
+$(VENV)/.installed: requirements.txt requirements-track.txt requirements-onnx.txt requirements-lint.txt requirements-ray.txt requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -r requirements-test.txt
+	touch $@ $(VENV)/.train-installed
+
+# Training alone: what make demo needs (a later make test adds the rest to the same .venv).
+$(VENV)/.train-installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -r requirements.txt
 	touch $@
 
-$(SYNTHETIC)/train: | $(VENV)/.installed
+$(SYNTHETIC)/train: | $(VENV)/.train-installed
 	$(PY) -m src.tools.synthetic $(SYNTHETIC)
 
-demo: $(VENV)/.installed $(SYNTHETIC)/train
+demo: $(VENV)/.train-installed $(SYNTHETIC)/train
 	$(PY) train_single.py $(DEMO_FLAGS)
 	$(PY) -m src.tools.report model
 

@@ -113,7 +113,7 @@ def train(args: Config, accelerator: Accelerator, heartbeat: Heartbeat, tracker:
     optimizer = make_optimizer(model, args, device)
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)  # not prepared (step_scheduler_with_optimizer=False): as in every mode
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, accelerator.scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     # The optimizer is prepared now, the model per stage below (--freeze-epochs changes what trains):
@@ -171,7 +171,7 @@ def train(args: Config, accelerator: Accelerator, heartbeat: Heartbeat, tracker:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__, amp=False, distributed=True)
-    check_launch()
+    check_launch()  # guard: a sharding plugin asked for, more processes than GPUs, bf16 where a GPU lacks it
     trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir's, --track's
     # split_batches: each loader batch of batch_size x processes is cut into one piece per process,
     # so the global batches are those of train_single.py --batch-size (batch_size x processes).
@@ -181,10 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         project_dir=args.log_dir, step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py's
-    check_accelerator(accelerator)
+    check_accelerator(accelerator)  # guard: a launch where each process would train alone, fp16 without autocast
     configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo
-    check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)
-    # A rank that stops answering named (in the store of the group accelerate joined); every output checked,
+    check_same_flags(args)  # guard: every process launched with the main process's flags (paths and --workers aside)
+    # guard: a rank that stops answering named (watch_ranks, in the store of the group accelerate joined); every output checked,
     # their folder locked; --track's stores checked, on the main process (its runs end before end_training())
     with watch_ranks(joined_store(), args.dist_timeout, accelerator.device) as heartbeat, lock_outputs(args), \
             rank_0_tracker(args) as tracker:

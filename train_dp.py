@@ -97,7 +97,7 @@ def train(args: Config, device: torch.device, tracker: Tracker) -> None:
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     state.track(tracker)  # --track: a new tracked run, or last.pth's continued; its ids saved with the run
@@ -140,7 +140,7 @@ def train(args: Config, device: torch.device, tracker: Tracker) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__)
-    check_data_parallel(args)
+    check_data_parallel(args)  # guard: --compile or --sync-bn with DataParallel, bf16 where a GPU lacks it
     device = training_device(args.deterministic, args.amp)
     # Every output checked, their folder locked for this run; --track's stores checked, on rank 0
     with lock_outputs(args), rank_0_tracker(args) as tracker:

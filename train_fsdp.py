@@ -54,7 +54,7 @@ def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, ra
                               **loader_options(args, device))
     val_set = Subset(dataset, data.val_idx)
     val_loader = DataLoader(val_set, args.batch_size, sampler=ShardSampler(len(val_set), world_size, rank),
-                            **loader_options(args, device))  # each validation image on one rank, once
+                            **loader_options(args, device))  # guard: each validation image on one rank, once
     return train_loader, val_loader
 
 
@@ -131,7 +131,7 @@ def train(args: Config, device: torch.device, rank: int, world_size: int, heartb
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps, heartbeat)
     state.resume()  # --resume: last.dcp (any number of processes) or any mode's last.pth into the shards
     state.track(tracker)  # --track: a new tracked run, or last's continued; its ids saved with the run
@@ -181,15 +181,16 @@ def train(args: Config, device: torch.device, rank: int, world_size: int, heartb
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__, argv, script=__file__, distributed=True)
-    device = process_device(args.deterministic, args.amp)  # this process's GPU (LOCAL_RANK; checked: one per process), or the CPU
+    device = process_device(args.deterministic, args.amp)  # guard: this process's GPU (LOCAL_RANK; one per process), or the CPU
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the process's CUDA work and NCCL's go to its own GPU
-    # torchrun's rendezvous (a world of one without a launcher), with a key prefix per restart attempt
+    # guard: torchrun's rendezvous store (a world of one without a launcher), a key prefix per restart attempt
     store, rank, world_size = torchrun_store(args.dist_timeout)
     dist.init_process_group(process_group_backend(device), store=store, rank=rank, world_size=world_size,
                             timeout=dist_timeout(args.dist_timeout))  # a peer that stops answering fails a collective
-    check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)
-    # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
+    check_same_flags(args)  # guard: every rank launched with rank 0's flags (paths and --workers aside)
+    # guard: a rank that stops answering named (watch_ranks); every output checked, their folder locked; --track's
+    # stores checked on rank 0
     with watch_ranks(store, args.dist_timeout, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
         train(args, device, rank, world_size, heartbeat, tracker)
     dist.destroy_process_group()

@@ -55,7 +55,7 @@ def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, ra
                               **loader_options(args, device))
     val_set = Subset(dataset, data.val_idx)
     val_loader = DataLoader(val_set, args.batch_size, sampler=ShardSampler(len(val_set), world_size, rank),
-                            **loader_options(args, device))  # each validation image on one rank, once
+                            **loader_options(args, device))  # guard: each validation image on one rank, once
     return train_loader, val_loader
 
 
@@ -121,7 +121,7 @@ def train(args: Config, device: torch.device, rank: int, world_size: int, heartb
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps, heartbeat)
     if checkpoint and rank == 0:  # Ray Train restarted the workers: the last checkpoint reported
         with checkpoint.as_directory() as folder:
@@ -169,8 +169,8 @@ def train_loop_per_worker(config: dict) -> dict:
         rank, world_size = context.get_world_rank(), context.get_world_size()
         checkpoint = ray.train.get_checkpoint()  # after a lost worker, the last one reported (None at the start)
         args = on_this_worker(config["args"], config["control"], checkpoint)  # a restart resumes
-        device = process_device(args.deterministic, args.amp)  # this worker's GPU (LOCAL_RANK of the node's), or the CPU
-        # A rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
+        device = process_device(args.deterministic, args.amp)  # guard: this worker's GPU (LOCAL_RANK of the node's), or the CPU
+        # guard: a rank that stops answering named; every output checked, their folder locked; --track's stores checked on rank 0
         with watch_ranks(joined_store(), args.dist_timeout, device) as heartbeat, lock_outputs(args), rank_0_tracker(args) as tracker:
             train(args, device, rank, world_size, heartbeat, tracker, checkpoint, config["control"])
     return outcome

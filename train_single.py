@@ -96,7 +96,7 @@ def train(args: Config, device: torch.device, tracker: Tracker) -> None:
     ema = WeightAverage(model, optimizer, args.ema_decay)  # --ema-decay, updated at every optimizer step
     schedule = make_schedule(optimizer, args, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    info = run_info(args, global_batch, data.digest)
+    info = run_info(args, global_batch, data.digest, data.val_digest)
     state = TrainingState(args, info, model, optimizer, scaler, schedule, ema, steps)
     state.resume()  # --resume: last.pth into all of them, and where it stopped
     state.track(tracker)  # --track: a new tracked run, or last.pth's continued; its ids saved with the run

@@ -1,17 +1,21 @@
 """One-line breakages of the product, each with the tests that must fail when it is applied.
 
-    .venv/bin/python checks/mutations.py              # every entry (half an hour or more on 2 cores)
+    .venv/bin/python checks/mutations.py              # every entry (its time on 2 cores: docs/measurements.md)
     .venv/bin/python checks/mutations.py -k recipe    # the entries whose path or original text holds "recipe"
     .venv/bin/python checks/mutations.py -t two_ranks # the entries that name a test holding "two_ranks"
     .venv/bin/python checks/mutations.py --list       # the entries, without running anything
     .venv/bin/python checks/mutations.py --check      # in seconds: every entry applies, its tests exist
+    .venv/bin/python checks/mutations.py --sample 40  # 40 entries spread over the list: an estimate of the whole
 
-The working tree (its tracked files and the untracked ones git does not ignore) is copied once into
-a temporary folder; nothing here is changed. First the named tests of the selected entries run
-there unchanged (they must pass: a test that fails anyway proves nothing; --no-baseline skips
-this). Then, for each entry, the one change is made in the copy, its tests run there with this
-repository's .venv (one pytest process, stopping at the first failure, only the tests named), and
-the file is put back. The report is a table: each mutation, its tests, and "caught" (pytest
+The working tree (its tracked files and the untracked ones git does not ignore) is copied into a
+temporary folder, one copy for each of the -j entries that run at once (default 2, one per core of
+a 2-core machine); nothing here is changed. First the named tests of the selected entries run there
+unchanged, their files shared out among the copies (they must pass: a test that fails anyway
+proves nothing; --no-baseline skips this). Then, for each entry, the one change is made in a copy,
+its tests run there with this repository's .venv (one pytest, stopping at the first failure, only
+the tests named), and the file is put back. Each pytest is a fork of checks/warm_pytest.py, a
+Python of the .venv that has imported torch, torchvision and pytest once (a new Python spends some
+5 CPU seconds on them, per entry; --cold starts one anyway). The report is a table: each mutation, its tests, and "caught" (pytest
 reported a failed test of behaviour), "survived" (they passed) or "error" (they could not run: a
 test name that does not exist, a mutation that breaks the import); exit code 0 when every one was
 caught.
@@ -31,15 +35,20 @@ on one without, they are skipped: an entry that names GPU checks only is reporte
 counts as neither caught nor survived (--gpu selects the GPU entries alone).
 """
 import argparse
+import contextlib
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -147,7 +156,7 @@ MUTATIONS = [
     ('src/state.py', '            if not is_first():  # rank 0 alone builds and writes last.pth: no collective in it\n                return False\n',
      '            if False:\n                return False\n',
      ['tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans']),
-    ("src/loaders.py", "table = from_rank_0(lambda: load_labels(data_dir, show))", "table = load_labels(data_dir, show)",
+    ("src/loaders.py", "table, val = from_rank_0(tables)", "table, val = tables()",
      ["tests/test_modes.py::test_two_processes_match_single_and_only_rank_0_writes_prints_and_scans"]),
     ("train_ddp.py", "with contextlib.nullcontext() if last else model.no_sync():", "with contextlib.nullcontext():",
      ["tests/test_recipe.py::test_ddp_all_reduces_the_gradients_once_per_optimizer_step"]),
@@ -237,7 +246,7 @@ MUTATIONS = [
      ['tests/test_gpu_on_cpu_hosts.py::test_a_cache_wait_gives_up_after_dist_timeout']),
     ('src/cache.py', '    stem = f"train_{image_size}px.{key[:16]}"', '    stem = f"train_{image_size}px"',
      ['tests/test_gpu_on_cpu_hosts.py::test_nodes_with_other_copies_of_the_images_share_a_cache_folder']),
-    ('train_accelerate.py', '    check_launch()\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)\n    configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo\n', '    check_launch()\n    configure_numerics(args.deterministic)\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)\n',
+    ('train_accelerate.py', '    check_launch()  # guard: a sharding plugin asked for, more processes than GPUs, bf16 where a GPU lacks it\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)  # guard: a launch where each process would train alone, fp16 without autocast\n    configure_numerics(args.deterministic)  # after Accelerator(), which sets TF32 for dynamo\n', '    check_launch()  # guard: a sharding plugin asked for, more processes than GPUs, bf16 where a GPU lacks it\n    configure_numerics(args.deterministic)\n    trackers = (["tensorboard"] if args.log_dir else []) + requested(args)  # --log-dir\'s, --track\'s\n    # split_batches: each loader batch of batch_size x processes is cut into one piece per process,\n    # so the global batches are those of train_single.py --batch-size (batch_size x processes).\n    # non_blocking: copies from the pinned batches do not make the host wait for the GPU.\n    accelerator = Accelerator(\n        gradient_accumulation_steps=args.accumulate, log_with=trackers or None,  # None: no warning of an empty list\n        project_dir=args.log_dir, step_scheduler_with_optimizer=False,\n        dataloader_config=DataLoaderConfiguration(split_batches=True, non_blocking=True),\n        kwargs_handlers=[InitProcessGroupKwargs(timeout=dist_timeout(args.dist_timeout))])  # as train_ddp.py\'s\n    check_accelerator(accelerator)  # guard: a launch where each process would train alone, fp16 without autocast\n',
      ['tests/test_gpu_on_cpu_numerics.py::test_deterministic_survives_accelerates_tf32_for_dynamo']),
     ('src/tools/benchmark.py', '    optimizer = make_optimizer(model, script_args("", []), device)', '    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)',
      ['tests/test_gpu_on_cpu_numerics.py::test_the_benchmarks_ceilings_run_as_the_runs_do']),
@@ -261,7 +270,7 @@ MUTATIONS = [
     ('checks/gpu_selftest.py', 'PARALLEL = 4  # launches at once', 'PARALLEL = 1  # launches at once',
      ['tests/test_gpu_on_cpu_selftest.py::test_make_test_gpu_is_planned_within_its_time_and_dev_shm']),
     # predict, --evaluate, ONNX export.
-    ('src/image_files.py', 'found = sorted((p for p in path.rglob("*") if p.is_file() or broken_link(p)),', 'found = sorted((p for p in path.glob("*") if p.is_file() or broken_link(p)),',
+    ('src/image_files.py', 'found = sorted((p for p in path.rglob("*") if not p.is_dir()),', 'found = sorted((p for p in path.glob("*") if not p.is_dir()),',
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
     ('src/image_files.py', 'key=lambda p: natural_key(p.relative_to(path).as_posix()))', 'key=lambda p: p.relative_to(path).as_posix())',
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
@@ -269,7 +278,7 @@ MUTATIONS = [
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
     ('src/image_files.py', '            elif os.path.realpath(file) not in seen:', '            elif True:',
      ['tests/test_predict.py::test_find_images_counts_other_files_and_refuses_an_empty_folder']),
-    ('src/image_files.py', '            image.draft("RGB", (size, size))', '            pass',
+    ('src/image_files.py', '        image.draft("RGB", (size, size))  # libjpeg', '        pass  # libjpeg',
      ['tests/test_predict.py::test_decode_is_the_training_decode_byte_for_byte']),
     ('src/inference.py', '    sampler = ShardSampler(len(files), world_size, rank)', '    sampler = ShardSampler(len(files))',
      ['tests/test_predict.py::test_two_processes_under_torchrun_write_the_one_process_csv']),
@@ -292,7 +301,7 @@ MUTATIONS = [
      ['tests/test_predict.py::test_a_mixed_folder_gives_the_validation_pass_p_dog']),
     ('src/cli.py', 'evaluate_file = args.weights if args.weights not in ("default", "none") else args.checkpoint', 'evaluate_file = args.checkpoint',
      ['tests/test_evaluate.py::test_evaluate_reproduces_the_epoch_and_writes_nothing']),
-    ('src/cli.py', '        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track"):', '        for flag in ():',
+    ('src/cli.py', '        for flag in ("resume", "overwrite", "cache", "log_dir", "profile", "track", "save_every_steps"):', '        for flag in ():',
      ['tests/test_evaluate.py::test_evaluate_refuses_flags_that_write']),
     ('train_single.py', '        evaluated, start = load_evaluated(args, info, model), time.time()', '        evaluated, start = str(args.evaluate_file), time.time()',
      ['tests/test_evaluate.py::test_evaluate_reproduces_the_epoch_and_writes_nothing']),
@@ -448,7 +457,7 @@ MUTATIONS = [
     ('src/tools/report.py', 'images.sort(key=lambda image: abs(image["p_dog"] - 0.5))',
      'images.sort(key=lambda image: image["p_dog"])',
      ['tests/test_report.py::test_names_from_the_disk_show_as_text_and_predictions_come_most_uncertain_first']),
-    ('src/tools/report.py', '    if data.digest != info["data"]:', '    if False:',
+    ('src/tools/report.py', '        if digest != info.get(key):', '        if False:',
      ['tests/test_report.py::test_the_report_refuses_other_data_another_file_as_output_and_a_foreign_csv']),
     ('src/tools/report.py', 'return GENERATOR.encode() in file.read(4096)', 'return True',
      ['tests/test_report.py::test_the_report_refuses_other_data_another_file_as_output_and_a_foreign_csv']),
@@ -585,7 +594,7 @@ MUTATIONS = [
      ['tests/test_outputs.py::test_training_refuses_an_output_that_is_an_input_or_another_output']),
     ('src/outputs.py', '        if read is not None:', '        if False:',
      ['tests/test_outputs.py::test_training_refuses_an_output_that_is_an_input_or_another_output', 'tests/test_outputs.py::test_predict_and_export_refuse_to_write_over_what_they_read']),
-    ('src/outputs.py', '            if _inside(real, os.path.realpath(folder)):', '            if False:',
+    ('src/outputs.py', '            if what != flag and _inside(os.path.realpath(path), os.path.realpath(folder)):', '            if False:',
      ['tests/test_outputs.py::test_training_refuses_an_output_that_is_an_input_or_another_output']),
     ('src/outputs.py', '        read = by_path.get(real) or (by_inode.get(inode) if inode is not None else None)', '        read = by_path.get(real)',
      ['tests/test_outputs.py::test_training_refuses_an_output_that_is_an_input_or_another_output']),
@@ -667,12 +676,15 @@ MUTATIONS = [
      ['tests/test_inputs.py::test_names_reach_the_terminal_escaped']),
     ('src/datasets.py', '        if archive.is_file():', '        if False:',
      ['tests/test_inputs.py::test_a_zipped_train_folder_and_a_folder_of_one_class']),
-    ('src/datasets.py', '            if path.is_file() or broken_link(path)]', '            if path.is_file()]',
-     ['tests/test_inputs.py::test_links_to_nothing_in_train_are_counted_and_named']),
+    ('src/datasets.py', 'for path in Path(train_dir).rglob("*") if not path.is_dir()]',
+     'for path in Path(train_dir).rglob("*") if path.is_file()]',
+     ['tests/test_inputs.py::test_links_to_nothing_in_train_are_counted_and_named',
+      'tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
     ('src/datasets.py', '                            encoding_errors="surrogateescape")', '                            encoding_errors="strict")',
      ['tests/test_inputs.py::test_training_and_prepare_take_names_that_are_not_utf8_or_hold_line_breaks']),
-    ('src/image_files.py', 'if p.is_file() or broken_link(p)),', 'if p.is_file()),',
-     ['tests/test_inputs.py::test_names_reach_the_terminal_escaped']),
+    ('src/image_files.py', 'if not p.is_dir()),', 'if p.is_file()),',
+     ['tests/test_inputs.py::test_names_reach_the_terminal_escaped',
+      'tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
     ('src/image_files.py', '        if isinstance(error, OSError) and broken_link(Path(path)):', '        if False:',
      ['tests/test_inputs.py::test_names_reach_the_terminal_escaped']),
     ('src/loaders.py', '            check_both_classes(table, data_dir)', '            pass',
@@ -751,11 +763,11 @@ MUTATIONS = [
     # Such breakages that one process shows, and their kinds.
     ('train_fsdp.py', 'model.train(not frozen)', 'model.train(True)',
      ['tests/test_one_step.py::test_a_frozen_stage_trains_the_head_alone_with_the_backbone_in_eval_mode']),
-    ('src/inference.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data")',
-     '("arch", "num_classes", "image_size", "seed", "data")',
+    ('src/inference.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data", "val_data")',
+     '("arch", "num_classes", "image_size", "seed", "data", "val_data")',
      ['tests/test_evaluate.py::test_evaluate_refuses_a_checkpoint_of_other_flags']),
-    ('src/inference.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data")',
-     '("arch", "num_classes", "image_size", "seed", "val_fraction")',
+    ('src/inference.py', '("arch", "num_classes", "image_size", "seed", "val_fraction", "data", "val_data")',
+     '("arch", "num_classes", "image_size", "seed", "val_fraction", "val_data")',
      ['tests/test_evaluate.py::test_evaluate_refuses_a_checkpoint_of_other_images']),
     ('src/tools/export.py', 'key=lambda name: name == output.name)', 'key=lambda name: name != output.name)',
      ['tests/test_export.py::test_the_onnx_file_comes_after_its_weights_with_the_usual_mode']),
@@ -855,8 +867,8 @@ MUTATIONS = [
      ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
     ('src/stopping.py', 'dist.all_reduce(tensor, op=dist.ReduceOp.MAX)\n', 'dist.all_reduce(tensor.zero_(), op=dist.ReduceOp.MAX)\n',
      ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
-    ('src/datasets.py', '    ignore_stop_signals()\n    threading.Thread(',
-     '    threading.Thread(',
+    ('src/datasets.py', '    ignore_stop_signals()\n    ignore_pillow_warnings()\n    threading.Thread(',
+     '    ignore_pillow_warnings()\n    threading.Thread(',
      ['tests/test_stopping.py::test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end']),
     ('src/errors.py', '    except Stopped:\n        return EXIT_STOPPED',
      '    except Stopped:\n        return 0',
@@ -1188,7 +1200,7 @@ MUTATIONS = [
      ['tests/test_tracking.py::test_a_closed_port_or_an_unknown_scheme_is_one_line_and_exit_2']),
     ('src/tracking.py', 'with _environment(CHECK_REQUEST, override=True):', 'with _environment(CHECK_REQUEST, override=False):',
      ['tests/test_tracking.py::test_a_server_that_never_answers_is_refused_in_bounded_time']),
-    ('src/tracking.py', '            self.failed.add(backend.key)', '            pass',
+    ('src/tracking.py', '              file=sys.stderr)\n        self.failed.add(backend.key)\n', '              file=sys.stderr)\n',
      ['tests/test_tracking.py::test_a_tracker_failing_during_the_run_is_one_warning']),
     ('src/tracking.py', '        if position + 7 + length > len(data):  # the last record of a process killed while writing it\n            return\n', '',
      ['tests/test_tracking.py::test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record']),
@@ -1256,15 +1268,15 @@ MUTATIONS = [
      ['tests/test_training_input.py::test_a_run_replaces_no_file_that_is_not_a_runs_output']),
     ('src/outputs.py', 'return isinstance(info, dict) and info.get("sha256") == sha256_of(path)', 'return False',
      ['tests/test_training_input.py::test_a_run_replaces_no_file_that_is_not_a_runs_output']),
-    ('train_ddp.py', "    check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)\n", '',
+    ('train_ddp.py', "    check_same_flags(args)  # guard: every rank launched with rank 0's flags (paths and --workers aside)\n", '',
      ['tests/test_ranks_agree.py::test_ranks_launched_with_different_flags_are_one_line']),
-    ('train_fsdp.py', "    check_same_flags(args)  # every rank launched with rank 0's flags (paths and --workers aside)\n", '',
+    ('train_fsdp.py', "    check_same_flags(args)  # guard: every rank launched with rank 0's flags (paths and --workers aside)\n", '',
      ['tests/test_ranks_agree.py::test_ranks_launched_with_different_flags_are_one_line']),
-    ('train_accelerate.py', "    check_same_flags(args)  # every process launched with the main process's flags (paths and --workers aside)\n", '',
+    ('train_accelerate.py', "    check_same_flags(args)  # guard: every process launched with the main process's flags (paths and --workers aside)\n", '',
      ['tests/test_ranks_agree.py::test_ranks_launched_with_different_flags_are_one_line']),
     ('src/process_group.py', 'PER_NODE = ("data_dir", "cache", "checkpoint", ', 'PER_NODE = ("data_dir", "cache", ',
      ['tests/test_ranks_agree.py::test_paths_and_workers_may_differ_per_node_and_weights_are_compared_by_content', 'tests/test_ranks_agree.py::test_ranks_launched_with_different_flags_are_one_line']),
-    ('src/process_group.py', '            mine["weights"] = f"a file of sha256 {sha256_of(mine[\'weights\'])[:16]}"', '            pass',
+    ('src/process_group.py', '                flags[key] = f"a file of sha256 {sha256_of(flags[key])[:16]}"', '                pass',
      ['tests/test_ranks_agree.py::test_paths_and_workers_may_differ_per_node_and_weights_are_compared_by_content']),
     ('src/process_group.py', '    differ = [key for key in keys if any(flags.get(key) != everyone[0].get(key) for flags in everyone)]', '    differ = [key for key in keys if flags.get(key) != everyone[0].get(key)]',
      ['tests/test_ranks_agree.py::test_paths_and_workers_may_differ_per_node_and_weights_are_compared_by_content']),
@@ -1463,12 +1475,13 @@ MUTATIONS = [
     ('src/heartbeat.py', '    path = dump_flight_recorder(rank)', '    path = None',
      ['tests/test_hung_rank.py::test_a_rank_stopped_with_sigstop_is_named_within_the_timeout']),
     ('src/stopping.py', '                self.wakeup = (read, write, signal.set_wakeup_fd(write))', '                self.wakeup = (read, write, -1)',
-     ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
+     ['tests/test_hung_rank.py::test_a_stop_signal_is_seen_through_the_wakeup_pipe_when_the_handler_cannot_run',
+      'tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
     ('train_accelerate.py', '    with watch_ranks(joined_store(), args.dist_timeout, accelerator.device) as heartbeat',
      '    with watch_ranks(None, args.dist_timeout, accelerator.device) as heartbeat',
      ['tests/test_hung_rank.py::test_a_stop_that_no_rank_can_agree_on_ends_before_the_launchers_sigkill']),
     ('src/datasets.py', '    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)) + main_module())', '    context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)))',
-     ['tests/test_loaders.py::test_the_fork_server_imports_the_main_scripts_modules_once']),
+     ['tests/test_loaders.py::test_a_fresh_fork_server_imports_the_main_scripts_modules_once']),
     ('src/datasets.py', '    return {"multiprocessing_context": _fork_server(), ', '    return {"multiprocessing_context": multiprocessing.get_context("fork"), ',
      ['tests/test_loaders.py::test_loader_workers_started_many_times_beside_running_threads_never_hang']),
     ('src/dropout.py', '        return _scaled(grad, kept, ctx.scale), None, None',
@@ -1586,8 +1599,8 @@ MUTATIONS = [
      ['tests/test_datasets.py::test_an_upper_case_suffix_is_an_image_like_its_lower_case_one']),
     ('src/process_group.py', '        if rank != before + 1:', '        if rank != before:',
      ['tests/test_ranks_agree.py::test_the_ranks_that_gave_a_value_are_named_in_spans']),
-    ('src/tools/report.py', '"val_fraction": (lambda v: _finite(v) and 0 < v < 1,',
-     '"val_fraction": (lambda v: _finite(v) and 0 <= v < 1,',
+    ('src/tools/report.py', '"val_fraction": (lambda v: v is None or (_finite(v) and 0 < v < 1),',
+     '"val_fraction": (lambda v: v is None or (_finite(v) and 0 <= v < 1),',
      ['tests/test_report_input.py::test_a_hand_edited_or_older_run_file_is_one_line_naming_the_field']),
     ('src/checkpoint_writer.py', 'if (buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype',
      'if (buffer is None or buffer.shape != tensor.shape',
@@ -1595,6 +1608,214 @@ MUTATIONS = [
     ('src/progress.py', 'values["images_per_s"] = (index - before_index) * self.batch_images / (at - before_at)',
      'values["images_per_s"] = (index - before_index) / (at - before_at)',
      ['tests/test_watch.py::test_images_per_second_are_the_images_since_the_last_report_over_its_seconds']),
+    # The stop agreement of a signal that reaches one rank (a blind audit's survivor), on two ranks in one process.
+    ('src/stopping.py', 'work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)',
+     'work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True)',
+     ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
+    ('src/stopping.py', 'dist.all_reduce(tensor, op=dist.ReduceOp.MAX)\n', 'dist.all_reduce(tensor, op=dist.ReduceOp.MIN)\n',
+     ['tests/test_stopping.py::test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks']),
+    # Which rank says a refusal that every rank finds: caught only some of the time by the launches (a race).
+    ('src/process_group.py', 'f"same flags ({differ} may differ per node)", quiet=not is_first())',
+     'f"same flags ({differ} may differ per node)", quiet=is_first())',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    ('src/loaders.py', '"use fewer processes or more data", quiet=not is_first())',
+     '"use fewer processes or more data", quiet=is_first())',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    ('src/loaders.py', 'quiet=not is_first())  # every rank finds it: rank 0 says it',
+     'quiet=False)  # every rank finds it: rank 0 says it',
+     ['tests/test_ranks_agree.py::test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly']),
+    # Every number a flag takes bounded when parsed; a flag that cannot act refused; predict's ranks agree.
+    ('src/tools/synthetic.py', 'type=between(16, IMAGE_SIZES[1])', 'type=int',
+     ['tests/test_flag_bounds.py::test_every_number_a_flag_takes_is_bounded_when_parsed[src.tools.synthetic]',
+      'tests/test_flag_bounds.py::test_a_number_past_its_bound_is_one_line_before_any_work']),
+    ('src/cli.py', '        if value > maximum:\n            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")',
+     '        if False:\n            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")',
+     ['tests/test_flag_bounds.py::test_every_number_a_flag_takes_is_bounded_when_parsed[train_single]']),
+    ('src/cli.py', 'type=ranged(0, DIST_TIMEOUT_MINUTES, True, False)', 'type=positive',
+     ['tests/test_flag_bounds.py::test_a_number_past_its_bound_is_one_line_before_any_work']),
+    ('src/cli.py', 'add("--seed", type=between(*SEEDS)', 'add("--seed", type=int',
+     ['tests/test_flag_bounds.py::test_every_number_a_flag_takes_is_bounded_when_parsed[train_single]']),
+    ('src/tools/checkpoint_cost.py', 'parser.add_argument("--ema-decay", type=open_fraction,', 'parser.add_argument("--ema-decay", type=float,',
+     ['tests/test_flag_bounds.py::test_every_number_a_flag_takes_is_bounded_when_parsed[src.tools.checkpoint_cost]']),
+    ('src/cli.py', 'if value is not unset and value is not None}', 'if value is not None}',
+     ['tests/test_flag_bounds.py::test_a_flag_that_cannot_act_is_refused_even_at_its_default']),
+    ('src/cli.py', 'parser.refuse_unless(given, flag, args.auto_augment == policy,', 'parser.refuse_unless(given, flag, True,',
+     ['tests/test_flag_bounds.py::test_a_flag_that_cannot_act_is_refused_even_at_its_default']),
+    ('src/cli.py', 'parser.refuse_unless(given, "momentum", args.optimizer == "sgd",', 'parser.refuse_unless(given, "momentum", True,',
+     ['tests/test_flag_bounds.py::test_a_flag_that_cannot_act_is_refused_even_at_its_default']),
+    ('src/cli.py', '    if args.sync_bn and Path(name).stem == "train_single":', '    if False:',
+     ['tests/test_flag_bounds.py::test_a_flag_that_cannot_act_is_refused_even_at_its_default']),
+    ('src/cli.py', '"track", "save_every_steps"):', '"track"):',
+     ['tests/test_flag_bounds.py::test_a_flag_that_cannot_act_is_refused_even_at_its_default']),
+    ('src/models.py', 'if sync_bn and arch in classification_models() and not has_batch_norm(arch):', 'if False:',
+     ['tests/test_flag_bounds.py::test_sync_bn_of_a_model_without_batch_norm_is_refused']),
+    ('src/tools/benchmark.py', '        args.modes = ",".join(name for name in args.modes.split(",") if name != "ddp-sync-bn")\n', '',
+     ['tests/test_flag_bounds.py::test_sync_bn_of_a_model_without_batch_norm_is_refused']),
+    ('src/tools/predict.py', 'parser.refuse_unless(given, "data_dir", not args.paths,',
+     'parser.refuse_unless(given, "data_dir", True,',
+     ['tests/test_flag_bounds.py::test_tools_refuse_a_flag_that_cannot_act']),
+    ('src/tools/prepare.py', 'parser.refuse_unless(parser.given(argv), "image_size", args.cache is not None,',
+     'parser.refuse_unless(parser.given(argv), "image_size", True,',
+     ['tests/test_flag_bounds.py::test_tools_refuse_a_flag_that_cannot_act']),
+    ('src/tools/predict.py', '                check_ranks_agree(args)\n', '',
+     ['tests/test_ranks_agree.py::test_predicts_ranks_agree_on_flags_and_on_the_checkpoints_content']),
+    ('src/tools/predict.py', '"checkpoint": checkpoint_of(args)}, ("checkpoint",)),', '"checkpoint": checkpoint_of(args)}, ()),',
+     ['tests/test_ranks_agree.py::test_predicts_ranks_agree_on_flags_and_on_the_checkpoints_content']),
+    ('src/process_group.py', '    for key in files:\n', '    for key in ("weights",):\n',
+     ['tests/test_ranks_agree.py::test_predicts_ranks_agree_on_flags_and_on_the_checkpoints_content']),
+    # Trackers: a store that cannot keep the run, the database's own reason, no library output,
+    # the training thread never waiting for a store, a bounded end; outputs never in the data folder;
+    # a named pipe never opened; a last.pth given for a best.pth; Pillow's warnings once per command.
+    ('src/tracking.py', '            return one_line(orig)', '            return one_line(cause)',
+     ['tests/test_tracking.py::test_the_reason_of_a_store_is_the_databases_own_words']),
+    ('src/tracking.py', "return f\"no MLflow store takes its scheme; MLflow takes {', '.join(schemes)}\"", 'return str(cause)',
+     ['tests/test_tracking.py::test_the_reason_of_a_store_is_the_databases_own_words']),
+    ('src/tracking.py', '    if scheme.split("+")[0] == "sqlite" and sqlite_file(uri) is None:', '    if False:',
+     ['tests/test_tracking.py::test_a_store_that_cannot_keep_the_run_is_refused_when_parsed']),
+    ('src/cli.py', '    if uri is None and "mlflow" in (track or []) and variable and uri_problem(variable):', '    if False:',
+     ['tests/test_tracking.py::test_a_store_that_cannot_keep_the_run_is_refused_when_parsed']),
+    ('src/tracking.py', '    if head != SQLITE_HEADER:', '    if False:',
+     ['tests/test_tracking.py::test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was']),
+    ('src/tracking.py', '    if not set(MLFLOW_TABLES) <= tables:', '    if False:',
+     ['tests/test_tracking.py::test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was']),
+    ('src/tracking.py', '        self.sender.metrics([Metric(key, value, now, step) for key, value in values.items()])',
+     '        self._send([Metric(key, value, now, step) for key, value in values.items()])',
+     ['tests/test_tracking.py::test_the_training_thread_never_waits_for_the_store']),
+    ('src/tracking.py', 'and len(job) + len(self.jobs[0][0]) <= self.BATCH:', 'and False:',
+     ['tests/test_tracking.py::test_the_training_thread_never_waits_for_the_store']),
+    ('src/tracking.py', '            self.environment = _set_environment(RUN_REQUEST, override=False)', '            pass',
+     ['tests/test_tracking.py::test_the_training_thread_never_waits_for_the_store']),
+    ('src/tracking.py', '            self.levels = _quiet_libraries()', '            pass',
+     ['tests/test_tracking.py::test_a_store_failing_during_the_run_is_our_one_line_and_no_library_output']),
+    ('src/tracking.py', '            _loud_again(self.levels)\n            self.environment, self.levels = {}, {}',
+     '            self.environment, self.levels = {}, {}',
+     ['tests/test_tracking.py::test_a_store_failing_during_the_run_is_our_one_line_and_no_library_output']),
+    ('src/tracking.py', 'error = done.exception(timeout=END_SECONDS if failed else None)', 'error = done.exception(timeout=None)',
+     ['tests/test_tracking.py::test_the_end_of_a_run_whose_store_failed_is_given_up_after_end_seconds']),
+    ('src/tracking.py', '    if os.path.islink(folder):', '    if False:',
+     ['tests/test_tracking.py::test_a_trackers_folder_that_is_a_link_is_refused']),
+    ('src/outputs.py', '    for flag, path in [*files, *folders, *others]:  # one rule for every output: none in a folder it reads',
+     '    for flag, path in files:',
+     ['tests/test_outputs.py::test_training_refuses_an_output_that_is_an_input_or_another_output']),
+    ('src/outputs.py', '                  others=store_outputs(args))', '                  others=[])',
+     ['tests/test_outputs.py::test_training_refuses_an_output_that_is_an_input_or_another_output']),
+    ('src/image_files.py', '    if problem is not None and not broken_link(Path(path)):', '    if False:',
+     ['tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
+    ('src/image_files.py', '            raise UserError(f"{path}: {input_problem(path, folder=True)}")',
+     '            raise UserError(f"{path}: no such file or folder")',
+     ['tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
+    ('src/datasets.py', '        if input_problem(train_dir / name) is not None:  # not opened: a named pipe would wait for a writer',
+     '        if False:', ['tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
+    ('src/datasets.py', '    if os.path.lexists(csv_file) and input_problem(csv_file):', '    if False:',
+     ['tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
+    ('src/models.py', '    problem = input_problem(path)\n    if problem is not None:\n        raise UserError(f"{flag} {path}: {problem} (use',
+     '    problem = None if path.exists() else "no such file"\n    if problem is not None:\n        raise UserError(f"{flag} {path}: {problem} (use',
+     ['tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
+    ('src/inference.py', '    if os.path.lexists(info_path) and input_problem(info_path) is not None:', '    if False:',
+     ['tests/test_inputs.py::test_a_named_pipe_is_named_for_what_it_is_and_never_opened']),
+    ('src/inference.py', '        if training_checkpoint(checkpoint):', '        if False:',
+     ['tests/test_inputs.py::test_predict_and_export_given_a_last_pth_say_it_is_a_training_checkpoint']),
+    ('src/inference.py', '    return isinstance(state, dict) and {"model", "optimizer", "history"} <= set(state)',
+     '    return isinstance(state, dict)',
+     ['tests/test_inputs.py::test_predict_and_export_given_a_last_pth_say_it_is_a_training_checkpoint']),
+    ('src/errors.py', '            ignore_pillow_warnings()\n            main(argv)', '            main(argv)',
+     ['tests/test_every_image.py::test_pillows_warnings_about_an_odd_image_are_not_printed[0]']),
+    ('src/datasets.py', '    ignore_stop_signals()\n    ignore_pillow_warnings()\n', '    ignore_stop_signals()\n',
+     ['tests/test_every_image.py::test_pillows_warnings_about_an_odd_image_are_not_printed[1]']),
+    ('src/datasets.py', "    try:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings\n        image = Image.open(path)",
+     '    try:\n        warnings.filterwarnings("ignore", module="PIL")\n        image = Image.open(path)',
+     ['tests/test_fsdp.py::test_a_torch_warning_of_every_step_is_printed_once_per_run']),
+    ('src/tools/predict.py', 'parser.refuse_unless(given, "overwrite", str(args.output) != "-",',
+     'parser.refuse_unless(given, "overwrite", True,', ['tests/test_flag_bounds.py::test_tools_refuse_a_flag_that_cannot_act']),
+    ('src/tools/benchmark.py', 'parser.refuse_unless(given, "images", args.data_dir is None,',
+     'parser.refuse_unless(given, "images", True,', ['tests/test_flag_bounds.py::test_tools_refuse_a_flag_that_cannot_act']),
+    ('src/tools/chaos.py', 'parser.refuse_unless(parser.given(argv), flag, args.change_world,',
+     'parser.refuse_unless(parser.given(argv), flag, True,', ['tests/test_flag_bounds.py::test_tools_refuse_a_flag_that_cannot_act']),
+    # Your own photos: class folders at any depth, --val-dir (tests/test_val_dir.py), the layouts named.
+    ('src/datasets.py', '    if len(relative.parts) >= 2:', '    if len(relative.parts) == 2:',
+     ['tests/test_datasets.py::test_images_at_any_depth_under_a_class_folder_are_labelled_by_it',
+      'tests/test_val_dir.py::test_the_val_dir_is_the_validation_set_and_every_train_image_trains']),
+    ('src/datasets.py', '    return text + (f", or a {shown(csv_file)} of filename,label (0/cat, 1/dog) naming files in it" if csv_file else "")',
+     '    return text',
+     ['tests/test_datasets.py::test_no_labelled_images_names_every_layout_it_takes']),
+    ('src/loaders.py', '    val_dir = args.val_dir\n',
+     '    val_dir = None\n',
+     ['tests/test_val_dir.py::test_the_val_dir_is_the_validation_set_and_every_train_image_trains',
+      'tests/test_val_dir.py::test_every_rank_and_the_cache_see_the_same_validation_images']),
+    ('src/cli.py', '    if args.val_dir is not None and "val_fraction" in given:', '    if False:',
+     ['tests/test_val_dir.py::test_val_dir_refuses_val_fraction_and_an_image_it_trains_on']),
+    ('src/checkpoint.py', '"data": data, "val_data": val_data,', '"data": data, "val_data": None,',
+     ['tests/test_val_dir.py::test_resume_refuses_another_val_dir_or_none']),
+    ('src/datasets.py', '    if both:', '    if False:',
+     ['tests/test_val_dir.py::test_val_dir_refuses_val_fraction_and_an_image_it_trains_on']),
+    ('src/tools/report.py', '        val_dir = val_dir if val_dir is not None else Path(info["flags"]["val_dir"])', '        val_dir = None',
+     ['tests/test_val_dir.py::test_evaluate_and_the_report_validate_on_the_val_dir']),
+    ('src/tools/prepare.py', '        dataset = labelled_images(args.data_dir, args.image_size, True, table, val)',
+     '        dataset = labelled_images(args.data_dir, args.image_size)',
+     ['tests/test_val_dir.py::test_every_rank_and_the_cache_see_the_same_validation_images']),
+    # The guards a diff shows are marked as such (tests/test_scripts.py).
+    ('train_ddp.py', "    check_same_flags(args)  # guard: every rank launched", "    check_same_flags(args)  # every rank launched",
+     ['tests/test_scripts.py::test_every_guard_in_a_diff_is_marked_as_one']),
+    ('train_ray.py', "  # guard: this worker's GPU", "  # this worker's GPU",
+     ['tests/test_scripts.py::test_every_guard_in_a_diff_is_marked_as_one']),
+    ('train_fsdp.py', "  # guard: each validation image on one rank, once", "  # each validation image on one rank, once",
+     ['tests/test_scripts.py::test_every_guard_in_a_diff_is_marked_as_one']),
+    # A training-only install (requirements.txt; the trackers in requirements-track.txt).
+    ('src/cli.py', 'TRACKERS_FILE = "requirements-track.txt"', 'TRACKERS_FILE = "requirements.txt"',
+     ['tests/test_tracking.py::test_a_tracker_not_installed_is_refused_when_parsed',
+      'tests/test_repository.py::test_training_predict_and_the_report_need_only_requirements_txt']),
+    ('src/tracking.py', 'import contextlib\n', 'import contextlib\n\nimport mlflow  # noqa: F401\n',
+     ['tests/test_repository.py::test_training_predict_and_the_report_need_only_requirements_txt']),
+    ('Makefile', 'demo: $(VENV)/.train-installed $(SYNTHETIC)/train', 'demo: $(VENV)/.installed $(SYNTHETIC)/train',
+     ['tests/test_repository.py::test_make_demo_installs_training_alone_and_make_test_everything']),
+    # docs/slurm/train.sbatch: a port per job, the GPUs from Slurm, the code and venv named (tests/test_slurm.py).
+    ('docs/slurm/train.sbatch', 'PORT=${RDZV_PORT:-$((10000 + SLURM_JOB_ID % 20000))}', 'PORT=${RDZV_PORT:-29500}',
+     ['tests/test_slurm.py::test_two_jobs_on_one_head_node_get_different_ports']),
+    ('docs/slurm/train.sbatch', 'if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then', 'if false; then',
+     ['tests/test_slurm.py::test_a_port_in_use_on_the_head_node_is_refused_before_srun']),
+    ('docs/slurm/train.sbatch', 'GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-${SLURM_GPUS_PER_NODE##*:}}', 'GPUS_PER_NODE=${GPUS_PER_NODE:-4}',
+     ['tests/test_slurm.py::test_the_processes_per_node_are_the_gpus_slurm_allocated']),
+    ('docs/slurm/train.sbatch', 'if ! [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then', 'if false; then',
+     ['tests/test_slurm.py::test_a_job_without_gpus_or_without_the_code_and_venv_stops_before_srun']),
+    ('docs/slurm/train.sbatch', 'srun --kill-on-bad-exit=1 "$VENV/bin/torchrun"', 'srun --kill-on-bad-exit=1 torchrun',
+     ['tests/test_slurm.py::test_one_torchrun_per_node_with_a_rendezvous_on_the_first_node']),
+    ('docs/slurm/train.sbatch', 'if [ ! -f "$CODE/train_ddp.py" ] || [ ! -x "$VENV/bin/torchrun" ]; then', 'if false; then',
+     ['tests/test_slurm.py::test_a_job_without_gpus_or_without_the_code_and_venv_stops_before_srun']),
+    # docs/flags.md against every script's --help; predict's --help.
+    ('src/cli.py', '    if amp:', '    if True:',
+     ['tests/test_flags.py::test_the_flag_page_lists_each_scripts_flags_and_defaults']),
+    ('src/cli.py', 'add("--log-every", type=between(*STEPS), default=10,', 'add("--log-every", type=between(*STEPS), default=20,',
+     ['tests/test_flags.py::test_the_flag_page_lists_each_scripts_flags_and_defaults']),
+    ('src/tools/predict.py', 'formatter_class=DefaultsHelp)', ')',
+     ['tests/test_predict.py::test_help_gives_every_option_a_text_and_its_default']),
+    # Issue 60's step on the CPU: the loader workers' fork server forked from a one-thread process,
+    # started in the first data call.
+    ('src/datasets.py', '    return threading.active_count() == 1', '    return True',
+     ['tests/test_loaders.py::test_a_fresh_fork_server_imports_the_main_scripts_modules_once']),
+    ('src/datasets.py', '                _close_descriptors_but({0, 1, 2, listener.fileno(), alive_r})', '                pass',
+     ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
+    ('src/datasets.py', '        if low < fd:', '        if True:',
+     ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
+    ('src/loaders.py', '        start_worker_server()', '        pass',
+     ['tests/test_loaders.py::test_labelled_data_starts_the_workers_server_before_the_model_when_there_are_workers']),
+    # Issue 60: the normalisation in place.
+    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean_t).div_(std_t)',
+     '    return images.float().div_(255).sub_(mean_t).div_(std_t)',
+     ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
+    ('src/transforms.py', '    return images.to(torch.float32, copy=True).div_(255).sub_(mean_t).div_(std_t)',
+     '    return images.to(torch.float32, copy=True).sub_(mean_t).div_(255).div_(std_t)',
+     ['tests/test_performance.py::test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input']),
+    # Issue 60: the benchmark against a plain training loop (--reference), the CPU of a process tree.
+    ('src/tools/benchmark.py', '                todo += children.get(pid, [])', '                pass',
+     ['tests/test_benchmark.py::test_tree_cpu_adds_up_the_root_and_the_processes_below_it']),
+    ('src/tools/benchmark.py', '        legs = REFERENCE_LEGS if round_number % 2 == 0 else REFERENCE_LEGS[::-1]',
+     '        legs = REFERENCE_LEGS',
+     ['tests/test_benchmark.py::test_the_reference_alternates_the_runs_and_compares_the_best_of_each']),
+    ('src/tools/benchmark.py', '        command = [sys.executable, "train_single.py", *flags, "--augment", "--weights", "none",',
+     '        command = [sys.executable, "train_single.py", *flags, "--weights", "none",',
+     ['tests/test_benchmark.py::test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images']),
+    ('src/tools/plain_loop.py', '                              pin_memory=pinned, drop_last=True)', '                              pin_memory=pinned)',
+     ['tests/test_benchmark.py::test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images']),
     # Ray Train (train_ray.py): each Ray-specific line switched off.
     ('train_ray.py', '    if checkpoint and rank == 0:  # Ray Train restarted', '    if checkpoint and rank == -1:  # Ray Train restarted',
      ['tests/test_ray.py::test_a_lost_worker_costs_only_the_steps_since_the_last_save']),
@@ -1791,24 +2012,81 @@ def scratch_copy() -> Path:
     return folder
 
 
+class WarmPytest:
+    """checks/warm_pytest.py, started once with this repository's .venv: run() runs pytest in a
+    fork of it, which has torch, torchvision and pytest imported already (a new `python -m
+    pytest` spends seconds on those imports, for every entry)."""
+
+    def __init__(self):
+        self.process = subprocess.Popen([str(PYTHON), str(Path(__file__).with_name("warm_pytest.py"))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tempfile.gettempdir())
+        assert self.process.stdin is not None and self.process.stdout is not None  # both are PIPE
+        self.requests, self.answers = self.process.stdin, self.process.stdout
+        self.pending = b""
+
+    def _answer(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The server's next line, read from its pipe without a buffer in between (so that the
+        wait for it can time out); None when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.answers], [], [], left)[0]:
+                return None
+            chunk = os.read(self.answers.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError("checks/warm_pytest.py ended: " + self.pending.decode(errors="replace"))
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, cwd: Path, args: list[str], log: Path, env: dict, timeout: float) -> int | None:
+        """pytest ARGS in cwd, its output into log: its exit code, None if it ran past `timeout`
+        seconds (then its process group is killed)."""
+        request = {"cwd": str(cwd), "args": args, "log": str(log), "env": env}
+        self.requests.write((json.dumps(request) + "\n").encode())
+        self.requests.flush()
+        started = self._answer()
+        assert started is not None  # waited for without a timeout
+        pid = started["pid"]
+        answer = self._answer(timeout)
+        if answer is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            self._answer()
+            return None
+        return answer["code"]
+
+    def close(self) -> None:
+        self.requests.close()
+        self.process.wait()
+
+
 def _text(captured: bytes | str | None) -> str:
     """What a timed-out subprocess.run captured: bytes whatever its text=True said (as subprocess's
     documentation of TimeoutExpired says), None where it captured nothing."""
     return captured.decode(errors="replace") if isinstance(captured, bytes) else captured or ""
 
 
-def run_tests(copy: Path, tests: list[str], log: Path, timeout: float) -> tuple[str, float, list[str]]:
-    """pytest on `tests` in the copy: ("passed" | "failed" | "error", seconds, the tests that
-    failed); its output goes to log."""
+def run_tests(copy: Path, tests: list[str], log: Path, timeout: float,
+              server: WarmPytest | None = None) -> tuple[str, float, list[str]]:
+    """pytest on `tests` in the copy (in a fork of `server`, else a new Python): ("passed" |
+    "failed" | "error", seconds, the tests that failed); its output goes to log."""
     start = time.monotonic()
     basetemp = copy / ".pytest-tmp"  # its own: a session of the shared runs, not another session's folder
-    command = [str(PYTHON), "-m", "pytest", "-q", "-x", "-rfE", "--basetemp", str(basetemp), *tests]
-    try:
-        result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-        output, code = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as expired:
-        output, code = f"{_text(expired.stdout)}{_text(expired.stderr)}\ntimed out after {timeout:.0f} s", -1
+    args = ["-q", "-x", "-rfE", "--basetemp", str(basetemp), *tests]
+    command = [str(PYTHON), "-m", "pytest", *args]
+    if server is not None:
+        code = server.run(copy, args, log, {"PYTHONDONTWRITEBYTECODE": "1"}, timeout)
+        output = log.read_text(errors="replace") if log.exists() else ""
+        if code is None:
+            output, code = f"{output}\ntimed out after {timeout:.0f} s", -1
+    else:
+        try:
+            result = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=timeout,
+                                    env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+            output, code = result.stdout + result.stderr, result.returncode
+        except subprocess.TimeoutExpired as expired:
+            output, code = f"{_text(expired.stdout)}{_text(expired.stderr)}\ntimed out after {timeout:.0f} s", -1
     log.write_text(" ".join(command) + "\n\n" + output)
     shutil.rmtree(basetemp, ignore_errors=True)
     # pytest's exit codes: 0 all passed, 1 some failed, 2 interrupted or errors in collection, 4 usage, 5 none collected.
@@ -1839,20 +2117,67 @@ def run_gpu_checks(copy: Path, keys: list[str], log: Path, timeout: float) -> tu
     return outcome, time.monotonic() - start, failed
 
 
-def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool) -> tuple[str, float, list[str]]:
+def run_entry(copy: Path, tests: list[str], log: Path, timeout: float, gpu: bool,
+              server: WarmPytest | None = None) -> tuple[str, float, list[str]]:
     """The tests of an entry, then (on a GPU) its make test-gpu checks: (outcome, seconds, what
     failed), "failed" as soon as one fails; "no GPU" when it names GPU checks only and there is
     none here."""
     cpu_tests, keys = split(tests)
     outcome, seconds, failed = "passed", 0.0, list[str]()
     if cpu_tests:
-        outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout)
+        outcome, seconds, failed = run_tests(copy, cpu_tests, log, timeout, server)
     if keys and outcome == "passed":
         if not gpu:
             return ("no GPU" if not cpu_tests else outcome), seconds, failed
         outcome, more, failed = run_gpu_checks(copy, keys, log.with_suffix(".gpu.log"), timeout)
         seconds += more
     return outcome, seconds, failed
+
+
+def in_parallel(calls: list) -> None:
+    """Each call in a thread of its own, all at once; returns when every one has, raising the
+    first error one raised."""
+    errors = []
+
+    def guarded(call):
+        try:
+            call()
+        except BaseException as error:  # raised below, in the caller's thread
+            errors.append(error)
+    threads = [threading.Thread(target=guarded, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def baseline(entries: list[tuple], copies: list[Path], servers: list, logs: Path, timeout: float, gpu: bool) -> bool:
+    """The named tests on the unchanged copies, their files shared out among the copies and run
+    at once (then the named make test-gpu checks, on a GPU): whether all passed (else the log's
+    end is printed)."""
+    tests, keys = split(sorted({test for _, _, _, named in entries for test in named}))
+    files = sorted({test.split("::")[0] for test in tests})
+    shares = [[test for test in tests if files.index(test.split("::")[0]) % len(copies) == i] for i in range(len(copies))]
+    outcomes: list = [None] * len(copies)
+
+    def share(i: int) -> None:
+        outcomes[i] = run_tests(copies[i], shares[i], logs / f"baseline-tests-{i + 1}.log", timeout, servers[i]) \
+            if shares[i] else ("passed", 0.0, [])
+    in_parallel([lambda i=i: share(i) for i in range(len(copies))])
+    results = [(f"baseline-tests-{i + 1}", "tests", len(shares[i]), *outcomes[i]) for i in range(len(copies)) if shares[i]]
+    if keys and gpu:
+        results.append(("baseline-gpu", "make test-gpu checks", len(keys),
+                        *run_gpu_checks(copies[0], keys, logs / "baseline-gpu.log", timeout)))
+    for log, kind, count, outcome, seconds, _ in results:
+        print(f"baseline: {count} named {kind} on an unchanged copy {outcome} in {seconds:.0f} s", flush=True)
+        if outcome != "passed":
+            print((logs / f"{log}.log").read_text()[-5000:], file=sys.stderr)
+            print(f"the named {kind} fail without any mutation: fix them first (--keep keeps the log)",
+                  file=sys.stderr)
+            return False
+    return True
 
 
 def short(text: str, width: int = 60) -> str:
@@ -1874,11 +2199,20 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one pytest run")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy and the logs")
     parser.add_argument("--gpu", action="store_true", help="only the entries that name checks of make test-gpu")
+    parser.add_argument("--sample", type=int, default=0,
+                        help="only this many of the selected entries, evenly spread over the list (its time "
+                             "estimates the whole list's)")
+    parser.add_argument("-j", dest="jobs", type=int, default=2,
+                        help="entries run at once, each in a scratch copy of its own (default 2: a 2-core machine)")
+    parser.add_argument("--cold", action="store_true",
+                        help="start each pytest as a new Python, not as a fork of one that has imported torch")
     args = parser.parse_args()
 
     entries = [entry for entry in MUTATIONS if (args.match in entry[0] or args.match in entry[1])
                and (not args.test or any(args.test in test for test in entry[3]))
                and (not args.gpu or split(entry[3])[1])]
+    if args.sample and args.sample < len(entries):
+        entries = [entries[i * len(entries) // args.sample] for i in range(args.sample)]
     if not entries:
         print(f"no entry matches -k {args.match!r}", file=sys.stderr)
         return 2
@@ -1897,42 +2231,49 @@ def main() -> int:
         return 0
 
     gpu = any(split(entry[3])[1] for entry in entries) and has_gpu()
-    copy = scratch_copy()
-    logs = copy / ".mutation-logs"
+    jobs = max(1, min(args.jobs, len(entries)))
+    copies = [scratch_copy() for _ in range(jobs)]
+    logs = copies[0] / ".mutation-logs"
     logs.mkdir()
-    print(f"scratch copy: {copy}" + ("" if gpu or not any(split(e[3])[1] for e in entries)
-                                     else "; no GPU here: the make test-gpu checks are skipped"), flush=True)
+    servers: list[WarmPytest | None] = [None if args.cold else WarmPytest() for _ in range(jobs)]
+    print(f"scratch copies: {' '.join(map(str, copies))}" + ("" if gpu or not any(split(e[3])[1] for e in entries)
+                                                            else "; no GPU here: the make test-gpu checks are skipped"),
+          flush=True)
+    rows: list = [None] * len(entries)
     try:
-        if not args.no_baseline:
-            tests, keys = split(sorted({test for _, _, _, named in entries for test in named}))
-            for kind, names, runner in (("tests", tests, run_tests), ("make test-gpu checks", keys if gpu else [],
-                                                                       run_gpu_checks)):
-                if not names:
-                    continue
-                outcome, seconds, _ = runner(copy, names, logs / f"baseline-{kind.split()[-1]}.log", args.timeout)
-                print(f"baseline: the {len(names)} named {kind} on the unchanged copy {outcome} in {seconds:.0f} s",
-                      flush=True)
-                if outcome != "passed":
-                    print((logs / f"baseline-{kind.split()[-1]}.log").read_text()[-5000:], file=sys.stderr)
-                    print(f"the named {kind} fail without any mutation: fix them first (--keep keeps the log)",
-                          file=sys.stderr)
-                    return 1
-        rows = []
-        for number, (path, original, replacement, tests) in enumerate(entries, 1):
-            target = copy / path
-            kept = target.read_text()
-            target.write_text(kept.replace(original, replacement, 1))
-            try:
-                outcome, seconds, failed = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu)
-            finally:
-                target.write_text(kept)
-            said = verdict(outcome, failed)
-            rows.append((f"{path}: `{short(original)}` -> `{short(replacement)}`",
-                         ", ".join(test.split("::")[-1] for test in tests), said, seconds))
-            print(f"{number}/{len(entries)} {said:8} {seconds:6.0f} s  {rows[-1][0]}", flush=True)
+        if not args.no_baseline and not baseline(entries, copies, servers, logs, args.timeout, gpu):
+            return 1
+        todo = iter(enumerate(entries, 1))
+        lock = threading.Lock()
+
+        def work(copy: Path, server: WarmPytest | None) -> None:
+            while True:
+                with lock:
+                    taken = next(todo, None)
+                if taken is None:
+                    return
+                number, (path, original, replacement, tests) = taken
+                target = copy / path
+                kept = target.read_text()
+                target.write_text(kept.replace(original, replacement, 1))
+                try:
+                    outcome, seconds, failed = run_entry(copy, tests, logs / f"{number:03}.log", args.timeout, gpu,
+                                                         server)
+                finally:
+                    target.write_text(kept)
+                said = verdict(outcome, failed)
+                rows[number - 1] = (f"{path}: `{short(original)}` -> `{short(replacement)}`",
+                                    ", ".join(test.split("::")[-1] for test in tests), said, seconds)
+                with lock:
+                    print(f"{number}/{len(entries)} {said:8} {seconds:6.0f} s  {rows[number - 1][0]}", flush=True)
+        in_parallel([lambda copy=copy, server=server: work(copy, server) for copy, server in zip(copies, servers)])
     finally:
+        for server in servers:
+            if server is not None:
+                server.close()
         if not args.keep:
-            shutil.rmtree(copy, ignore_errors=True)
+            for copy in copies:
+                shutil.rmtree(copy, ignore_errors=True)
 
     print("\n| # | mutation | tests | result | seconds |\n|---|---|---|---|---|")
     for number, (mutation, named, said, seconds) in enumerate(rows, 1):

@@ -28,7 +28,7 @@ from src.devices import hardware
 from src.divergence import check_finite_weights, refuse_non_finite
 from src.errors import UserError, one_line
 from src.history import RECORD_KEYS, best_choice, history_text
-from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, output_paths
+from src.outputs import atomic_torch_save, atomic_write, atomic_write_text, input_problem, output_paths
 from src.plot import plot_history
 from src.ranks import from_rank, gather, is_first, is_node_first, restarted
 from src.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -45,9 +45,10 @@ ADDED_LATER = {"auto_augment": None, "ra_magnitude": 9, "augmix_severity": 3, "r
 RECIPE_FLAGS = ("lr", "momentum", "optimizer", "weight_decay", "lr_schedule", "warmup_epochs",
                 "label_smoothing", "clip_grad_norm", "augment", "dropout", "best_by", "freeze",
                 "freeze_epochs", "sync_bn", "ema_decay") + tuple(ADDED_LATER)
-RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data") + RECIPE_FLAGS
+RESUME_KEYS = ("arch", "image_size", "batch_size", "seed", "val_fraction", "data", "val_data") + RECIPE_FLAGS
 # How each key is spelled on the command line, where it is not --key.
-FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)"}
+FLAGS = {"batch_size": "--batch-size (x processes x --accumulate)", "data": "--data-dir (its images)",
+         "val_data": "--val-dir (its images)"}
 
 
 def flag_of(key: str) -> str:
@@ -55,15 +56,16 @@ def flag_of(key: str) -> str:
     return FLAGS.get(key, "--" + key.replace("_", "-"))
 
 
-def run_info(args: Config, global_batch: int, data: str) -> dict:
+def run_info(args: Config, global_batch: int, data: str, val_data: str | None = None) -> dict:
     """What identifies this run: best.json's content, and what --resume must find unchanged.
 
-    `data` is the digest of the label table (labelled_data); global_batch includes --accumulate.
+    `data` is the digest of the label table (labelled_data), `val_data` that of --val-dir's (None
+    without it; val_fraction is None with it); global_batch includes --accumulate.
     """
     return {"arch": args.arch, "image_size": args.image_size, "num_classes": len(CLASSES),
             "classes": list(CLASSES), "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
             "batch_size": global_batch, "seed": args.seed, "val_fraction": args.val_fraction,
-            "data": data, "epochs": args.epochs,
+            "data": data, "val_data": val_data, "epochs": args.epochs,
             **{key: getattr(args, key) for key in RECIPE_FLAGS}, **run_context(args)}
 
 
@@ -137,8 +139,10 @@ def last_state(history: list[dict], model_state: dict | None, optimizer_state: d
 
 def _read_last(path: Path, mmap: bool = False) -> dict | None:
     """last.pth, or None where there is none; mmap: map the tensors instead of reading them."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
+    if input_problem(path) is not None:  # not opened: a named pipe would wait for a writer
+        raise UserError(f"cannot resume from {_where(path)}: {input_problem(path)}; delete it to start over")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # a truncated or foreign file: many exception types
@@ -296,6 +300,8 @@ def _shown(key: str, value) -> str:
     """A saved or requested value as the user writes it on the command line."""
     if key == "dropout" and value is None:
         return "torchvision's default"
+    if key == "val_fraction" and value is None:
+        return "none (--val-dir)"
     if value is None or value is False:
         return "off"
     if value is True:

@@ -21,7 +21,8 @@ class Config:
     arch: str
     weights: str
     dropout: float | None
-    val_fraction: float
+    val_fraction: float | None  # None with --val-dir: no split
+    val_dir: str | None
     seed: int
     workers: int  # capped to this process's CPUs (cap_workers); the parser's None is resolved
     checkpoint: str
@@ -60,12 +61,12 @@ class Config:
     tracking_uri: str | None
     amp: str = "no"  # a script without --amp (train_accelerate.py) trains in full precision here
     dist_timeout: float = 60.0  # minutes; a script without --dist-timeout has no peers to wait for
-    local_rank: int | None = None
     # train_ray.py's own (src.cli.add_ray_flags)
     num_workers: int = 1
     address: str | None = None
     storage_path: str | None = None
     max_failures: int = 3
+    local_rank: int | None = None
     # Derived by parse_args: the command line as typed (the script and argv), the script's name
     # without "train_" ("ddp"), and --evaluate's file (the state_dict --weights FILE, else --checkpoint).
     command: list[str] = dataclasses.field(default_factory=list)

@@ -1,18 +1,20 @@
 """The Dogs vs. Cats images: finding them, labelling them (0 = cat, 1 = dog), reading them as RGB, and
 the processes of the DataLoader workers that read them."""
 import atexit
+import contextlib
 import functools
+import gc
 import multiprocessing
 import os
 import re
 import select
 import signal
+import socket
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pandas as pd
 import torch
@@ -20,14 +22,23 @@ from PIL import Image
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from src.errors import STOP_SIGNALS, UserError
-from src.image_files import IMAGE_SUFFIXES, broken_link, natural_key, some, to_rgb
+from src.errors import STOP_SIGNALS, UserError, ignore_pillow_warnings
+from src.image_files import IMAGE_SUFFIXES, natural_key, some, to_rgb
+from src.outputs import input_problem
 from src.terminal import shown
 
 CLASSES = ("cat", "dog")
 _KAGGLE_NAME = re.compile(r"^(cat|dog)\.\d+\.[a-z]+$", re.IGNORECASE)
 _FOLDER_LABELS = {"cat": 0, "cats": 0, "dog": 1, "dogs": 1}
-LABEL_RULES = "cat.N / dog.N images, or images in a cat(s)/ or dog(s)/ folder"
+LABEL_RULES = "cat.N / dog.N images, or images at any depth under a cat(s)/ or dog(s)/ folder"
+
+
+def layouts(folder: Path, csv_file: Path | None = None) -> str:
+    """Every layout of labelled images that `folder` may hold, for the line that finds none there
+    (`csv_file`: the filename,label table that may list them instead, for DATA_DIR/train)."""
+    text = (f"Kaggle's cat.N.jpg / dog.N.jpg in {shown(folder)}, or images at any depth under a cats/ and a "
+            f"dogs/ folder in it (or Cat/ and Dog/, any case: {shown(Path(folder) / 'cats' / '2023' / 'x.jpg')})")
+    return text + (f", or a {shown(csv_file)} of filename,label (0/cat, 1/dog) naming files in it" if csv_file else "")
 
 
 def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
@@ -37,40 +48,47 @@ def open_rgb(path: Path, draft_size: int | None = None) -> Image.Image:
     With `draft_size`, JPEGs are decoded by libjpeg at the smallest 1/2, 1/4 or 1/8 scale that
     still covers draft_size x draft_size, which is much faster than a full decode then resize.
     """
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # PIL warns about odd EXIF data in real photos
-            image = Image.open(path)
-            if draft_size:
-                image.draft("RGB", (draft_size, draft_size))
-            return to_rgb(image)
+    try:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings
+        image = Image.open(path)
+        if draft_size:
+            image.draft("RGB", (draft_size, draft_size))
+        return to_rgb(image)
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise UserError(f"cannot read image {path} ({error}); "
                         "run `python -m src.tools.prepare DATA_DIR` to leave out broken files") from None
 
 
 def _label_of(relative: Path) -> int | None:
+    """An image's label from its path in the folder: a Kaggle name at the top, or the class folder
+    at the top that holds it at any depth (torchvision's ImageFolder rule: cats/2023/x.jpg)."""
     if len(relative.parts) == 1 and _KAGGLE_NAME.match(relative.name):
         return CLASSES.index(relative.name.split(".")[0].lower())
-    if len(relative.parts) == 2:
+    if len(relative.parts) >= 2:
         return _FOLDER_LABELS.get(relative.parts[0].lower())
     return None
 
 
-def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.DataFrame, list[str]]:
+def scan_train_dir(train_dir: Path, show_progress: bool = True,
+                   flag: str | None = None) -> tuple[pd.DataFrame, list[str]]:
     """Find the labelled images under train_dir and open each one.
 
     Accepts Kaggle's flat `cat.N.jpg` / `dog.N.jpg` and one folder per class (`Cat/`, `dogs/`, any
-    case, as in Microsoft's PetImages). Returns the `filename,label` table of the readable images,
-    in natural filename order, and the names of the unreadable ones (empty, truncated, not images).
+    case, as in Microsoft's PetImages), its images at any depth under it. Returns the
+    `filename,label` table of the readable images, in natural filename order, and the names of the
+    unreadable ones (empty, truncated, not images). `flag`: the option that named the folder
+    (--val-dir), for the messages; None for DATA_DIR/train, which a train.csv beside it may replace.
     """
     train_dir = Path(train_dir)
+    csv_file = None if flag else train_dir.with_name("train.csv")
     if not train_dir.is_dir():
         archive = train_dir.with_name(train_dir.name + ".zip")
         if archive.is_file():
-            raise UserError(f"{train_dir} is not a folder, but {archive} is there: unzip it first "
-                            f"(unzip -q {archive} -d {train_dir.parent})")
-        raise UserError(f"{train_dir} is not a folder: put Kaggle's train/ images there, "
+            raise UserError(f"{(flag + ' ') if flag else ''}{train_dir} is not a folder, but {archive} is there: "
+                            f"unzip it first (unzip -q {archive} -d {train_dir.parent})")
+        if flag:
+            raise UserError(f"{flag} {train_dir} is not a folder: name a folder of labelled images ("
+                            f"{layouts(train_dir)})")
+        raise UserError(f"{train_dir} is not a folder: put your labelled images there ({layouts(train_dir, csv_file)}), "
                         "or make a synthetic set with `python -m src.tools.synthetic DATA_DIR`")
     candidates = []
     for name in train_files(train_dir):
@@ -80,17 +98,18 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
             candidates.append((name, label))
     candidates.sort(key=lambda row: natural_key(row[0]))
     if not candidates:
-        raise UserError(f"no labelled images in {train_dir}: expected cat.N.jpg / dog.N.jpg "
-                        "or Cat/ and Dog/ folders")
+        raise UserError(f"no labelled images in {(flag + ' ') if flag else ''}{train_dir}: expected "
+                        f"{layouts(train_dir, csv_file)}")
     rows, rejected = [], []
     for name, label in tqdm(candidates, desc=f"checking {train_dir}", disable=not show_progress,
                             leave=False):
+        if input_problem(train_dir / name) is not None:  # not opened: a named pipe would wait for a writer
+            rejected.append(name)
+            continue
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with Image.open(train_dir / name) as image:
-                    image.draft("RGB", (64, 64))
-                    image.load()
+            with Image.open(train_dir / name) as image:
+                image.draft("RGB", (64, 64))
+                image.load()
             rows.append((name, label))
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             rejected.append(name)
@@ -100,17 +119,19 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True) -> tuple[pd.Data
 
 
 def train_files(train_dir: Path) -> list[str]:
-    """Every file under train_dir (links to nothing and loops of links included: files that
-    cannot be read), as paths relative to it with / separators."""
-    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*")
-            if path.is_file() or broken_link(path)]
+    """Every file under train_dir (links to nothing and loops of links, named pipes, sockets and
+    devices included: files that cannot be read as images), as paths relative to it with /
+    separators."""
+    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*") if not path.is_dir()]
 
 
-def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None) -> str | None:
-    """The line that names the files of data_dir/train that the label table leaves out (those
-    not in `listed`): no label rule covers them, or (csv_file) train.csv does not list them, as
-    when images were added after `prepare` wrote it. None when every file is used."""
-    train_dir = Path(data_dir) / "train"
+def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None,
+                  folder: Path | None = None) -> str | None:
+    """The line that names the files of data_dir/train (or `folder`: --val-dir's) that the label
+    table leaves out (those not in `listed`): no label rule covers them, or (csv_file) train.csv
+    does not list them, as when images were added after `prepare` wrote it. None when every file
+    is used."""
+    train_dir = Path(data_dir) / "train" if folder is None else Path(folder)
     known = {Path(name).as_posix() for name in listed}
     unused = sorted((name for name in train_files(train_dir) if name not in known), key=natural_key)
     if not unused:
@@ -156,20 +177,25 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     if len(bad):
         raise UserError(f"{csv_file} has unknown label {bad.iloc[0]!r} ({len(bad)} rows); "
                         "labels must be 0/cat or 1/dog")
-    missing = [name for name in frame["filename"] if not (Path(root_dir) / name).is_file()]
+    missing = [(name, problem) for name in frame["filename"] if (problem := input_problem(Path(root_dir) / name))]
     if missing:
-        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir}, "
-                        f"first {missing[0]}; fix the CSV or rerun `python -m src.tools.prepare`")
+        raise UserError(f"{csv_file} names {len(missing)} file(s) missing from {root_dir} or not files there, "
+                        f"first {missing[0][0]} ({missing[0][1]}); fix the CSV or rerun `python -m src.tools.prepare`")
     return label_table(list(frame["filename"]), list(labels.astype(int)))
 
 
 def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
     """DATA_DIR/train.csv if it exists, else the same scan that `python -m src.tools.prepare` does."""
     data_dir = Path(data_dir)
+    if os.path.lexists(data_dir) and not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir}: {input_problem(data_dir, folder=True) or 'a file, not a folder'}: "
+                        "pass --data-dir, the folder holding train/")
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found: pass --data-dir, put Kaggle's train/ "
                         f"there, or run `python -m src.tools.synthetic {data_dir}` for a synthetic set")
     csv_file = data_dir / "train.csv"
+    if os.path.lexists(csv_file) and input_problem(csv_file):  # a named pipe would wait for a writer
+        raise UserError(f"{csv_file}: {input_problem(csv_file)}: remove it, or make it a CSV of filename,label")
     if csv_file.exists():
         frame = read_labels_csv(csv_file, data_dir / "train")
         if show_progress:
@@ -184,6 +210,29 @@ def load_labels(data_dir: Path, show_progress: bool = True) -> pd.DataFrame:
         said = not_used_line(data_dir, [*frame["filename"], *rejected])
         if said:
             print(said)
+    return frame
+
+
+def load_val_labels(val_dir: Path, data_dir: Path, train_table: pd.DataFrame,
+                    show_progress: bool = True) -> pd.DataFrame:
+    """--val-dir's labelled images, found by the rules of train/'s scan (every image opened, the
+    unreadable ones left out and counted, the files no rule covers named; no CSV), their names
+    relative to val_dir. An image that is also in the training table (the same file, by its real
+    path) is refused: it would be trained on and validated."""
+    val_dir = Path(val_dir)
+    frame, rejected = scan_train_dir(val_dir, show_progress, flag="--val-dir")
+    if show_progress:
+        if rejected:
+            print(f"left out {len(rejected)} unreadable image(s) of --val-dir {shown(val_dir)}, first {shown(rejected[0])}")
+        said = not_used_line(data_dir, [*frame["filename"], *rejected], folder=val_dir)
+        if said:
+            print(said)
+    trained = {os.path.realpath(Path(data_dir) / "train" / name) for name in train_table["filename"]}
+    both = [name for name in frame["filename"] if os.path.realpath(val_dir / name) in trained]
+    if both:
+        raise UserError(f"--val-dir {shown(val_dir)} holds {len(both)} image(s) that {shown(Path(data_dir) / 'train')} "
+                        f"trains on ({some(both)}): a validation image must not be a training one; name a folder "
+                        "apart from it")
     return frame
 
 
@@ -277,31 +326,117 @@ def worker_options() -> dict:
     Python threads (the heartbeat, the pinned-memory thread, tqdm's monitor, TensorBoard's
     writer), and a fork taken while another thread holds one of the interpreter's locks hangs in
     the child (CPython gh-112275, fixed in 3.11.8; seen here in a DataLoader worker of a
-    torchrun restart). The fork server is a fresh single-threaded interpreter started once per
-    process (the modules the workers need imported there once), so a worker costs a fork of it.
-    The workers of a loader stay for the loader's life (persistent: src/loaders.py)."""
+    torchrun restart). The fork server is a process with one thread, started once per process
+    (start_worker_server), so a worker costs a fork of it. The workers of a loader stay for the
+    loader's life (persistent: src/loaders.py)."""
     return {"multiprocessing_context": _fork_server(), "worker_init_fn": functools.partial(start_worker, os.getpid())}
+
+
+def start_worker_server() -> None:
+    """Start this process's fork server for the loader workers now, if it has none (worker_options
+    starts it otherwise, at the first loader). Call it as early as the workers are known to be
+    needed: forked from this process, the server holds a copy of what this process holds then."""
+    _fork_server()
 
 
 def _fork_server() -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver context, its server started with the stop signals ignored: it
     is in the training process's process group, which torchrun and SLURM signal as a whole, and it
     must outlive a SIGTERM that stops the run a few steps later (the loaders it still starts need
-    it). An ignored signal stays ignored across the exec that starts it; a handler would not."""
+    it). An ignored signal stays ignored across a fork and across the exec of a fresh server; a
+    handler would not.
+
+    The server is a fork of this process while it runs one thread (_serve_from_a_fork): it has
+    every module this process has imported, at no cost, where a fresh interpreter imports torch,
+    torchvision and the script's modules first (3.6 to 3.9 s of CPU on the 2-core AMD EPYC, which
+    the first training batch waited for: docs/performance.md#loader-workers-a-fork-server). A
+    process that runs other threads by then (the heartbeat of a launched rank) starts
+    multiprocessing's own server, a fresh interpreter that imports the modules below first."""
+    from multiprocessing import forkserver
     context = multiprocessing.get_context("forkserver")
     loaded = [name for name in sys.modules if name.startswith("src.") or name in ALSO_PRELOADED]
-    # read when the server starts: the workers' modules, the src modules loaded here, the main script's
+    # read when a fresh server starts: the workers' modules, the src modules loaded here, the main script's
     context.set_forkserver_preload(sorted(set(WORKER_MODULES + loaded)) + main_module())
     if threading_main():
         handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
         try:
-            from multiprocessing import forkserver
-            forkserver.ensure_running()
+            if _can_serve_from_a_fork() and _server_state()._forkserver_pid is None and one_thread():
+                _serve_from_a_fork()
+            forkserver.ensure_running()  # a server there and alive: nothing; else a fresh one
         finally:
             for number, handler in handlers.items():
                 signal.signal(number, handler)
     end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
     return context
+
+
+def one_thread() -> bool:
+    """Whether this process runs no Python thread but this one: a fork of it then cannot inherit a
+    lock that another thread held (the hang of CPython gh-112275)."""
+    return threading.active_count() == 1
+
+
+def _server_state() -> Any:
+    """multiprocessing.forkserver's ForkServer object, whose state (_forkserver_address,
+    _forkserver_alive_fd, _forkserver_pid) is private: typeshed declares none of it, so Any."""
+    from multiprocessing import forkserver
+    return getattr(forkserver, "_forkserver", None)
+
+
+def _can_serve_from_a_fork() -> bool:
+    """Whether this Python's multiprocessing.forkserver is the one _serve_from_a_fork drives: its
+    server's state in the attributes, and main() as CPython 3.11 to 3.13 define them (3.14 adds
+    an authentication key)."""
+    server = _server_state()
+    return (hasattr(os, "fork") and sys.version_info < (3, 14)
+            and all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd",
+                                                       "_forkserver_pid")))
+
+
+def _serve_from_a_fork() -> None:
+    """Fork this process (one thread) into multiprocessing's fork server, as its ensure_running
+    would exec a fresh interpreter: the same listening socket and "alive" pipe, the same main()
+    serving the requests, none of its modules to import. The server keeps the standard streams,
+    the socket and the pipe, and closes every other descriptor (as the exec closes them: no lock
+    file or rendezvous socket of the run stays open in it); it never runs this process's exit
+    handlers, and its objects are frozen out of the garbage collection, which would otherwise
+    touch (and copy) every page it shares with this process."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+    resource_tracker.ensure_running()  # the workers share this process's tracker, as with a fresh server
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # private: not in typeshed
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every client holds the write end: the server ends when all are gone
+        for stream in (sys.stdout, sys.stderr):  # or the server's children would write their copy again
+            with contextlib.suppress(Exception):
+                stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                _close_descriptors_but({0, 1, 2, listener.fileno(), alive_r})
+                gc.freeze()
+                forkserver.main(listener.fileno(), alive_r, [])  # returns by SystemExit when every client has gone
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    finally:
+        listener.close()
+    server = _server_state()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _close_descriptors_but(keep: set[int]) -> None:
+    """Close every file descriptor of this process but those in `keep`."""
+    low = 0
+    for fd in sorted(keep) + [os.sysconf("SC_OPEN_MAX")]:
+        if low < fd:  # os.closerange(n, n) closes every descriptor from n up (Python 3.11's close_range call)
+            os.closerange(low, fd)
+        low = fd + 1
 
 
 def main_module() -> list[str]:
@@ -329,6 +464,7 @@ def start_worker(training_pid: int, worker_id: int) -> None:
     keep it alive after a SIGKILL of the training process, holding the fork server and the
     launcher's output pipes open for ever."""
     ignore_stop_signals()
+    ignore_pillow_warnings()
     threading.Thread(target=_end_with, args=(training_pid,), name="end with the training process",
                      daemon=True).start()
 

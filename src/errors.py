@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Callable
 
 from src.terminal import shown
@@ -59,6 +60,19 @@ def before_a_silent_exit() -> None:
         time.sleep(60)
 
 
+# Pillow's warnings about odd data in real photos (corrupt EXIF, a palette's transparency, a large
+# image), by the module that warns: ignored while a command runs, and in its loader workers. One
+# filter for the command, not one around each image: every change of the filters resets Python's
+# once-per-place registry of every warning (FSDP2's "returned a view tensor" was printed at every
+# step of a run with --workers 0).
+PILLOW = r"PIL\."
+
+
+def ignore_pillow_warnings() -> None:
+    """Pillow's warnings ignored from here on, in this process (a loader worker: its own)."""
+    warnings.filterwarnings("ignore", module=PILLOW)
+
+
 # What Ctrl-C outside a run's steps says by default: the training scripts' advice. Each tool
 # passes its own (a tool has no --resume; its outputs are written whole or not at all).
 INTERRUPTED = "interrupted: the files last saved are intact; rerun with --resume"
@@ -70,9 +84,11 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
     2; a stop on a signal (src/stopping.py: rank 0 said where and how to go on) EXIT_STOPPED; Ctrl-C
     before training `interrupted` (what the command left and how to go on) and 130. A process
     group left by an error is ended. Nothing else of the process changes: main(argv) can run
-    again in it."""
+    again in it (the warnings' filters are put back: ignore_pillow_warnings)."""
     try:
-        main(argv)
+        with warnings.catch_warnings():
+            ignore_pillow_warnings()
+            main(argv)
         return 0
     except UserError as error:
         if error.quiet:

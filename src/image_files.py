@@ -10,13 +10,13 @@ image.
 import errno
 import os
 import re
-import warnings
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from src.errors import UserError
+from src.outputs import input_problem
 from src.terminal import shown
 
 # Files are taken as images by their suffix (any case); every other file is counted and skipped.
@@ -59,16 +59,17 @@ def find_images(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     order given, a folder's files in natural order of their path in it; and the other files (not
     images), for the line that names them. A path that does not exist, or no image at all, is a
     UserError. A link to nothing, or a loop of links, named as an image is listed too: it cannot
-    be decoded, and is left out with the reason (try_decode) rather than dropped without a word."""
+    be decoded, and is left out with the reason (try_decode) rather than dropped without a word;
+    so is a named pipe, a socket or a device in a folder (PATH itself must be a file or folder)."""
     images, seen, others = [], set(), []
     for path in paths:
         if path.is_dir():
-            found = sorted((p for p in path.rglob("*") if p.is_file() or broken_link(p)),
+            found = sorted((p for p in path.rglob("*") if not p.is_dir()),
                            key=lambda p: natural_key(p.relative_to(path).as_posix()))
         elif path.is_file():
             found = [path]
         else:
-            raise UserError(f"{path}: no such file or folder")
+            raise UserError(f"{path}: {input_problem(path, folder=True)}")
         for file in found:
             if file.suffix.lower() not in IMAGE_SUFFIXES:
                 others.append(file)
@@ -85,11 +86,9 @@ def find_images(paths: list[Path]) -> tuple[list[Path], list[Path]]:
 def decode(path: Path, size: int) -> np.ndarray:
     """The image as training sees it: uint8 RGB, (3, size, size). Raises OSError, ValueError or
     Image.DecompressionBombError for a file that cannot be decoded."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Pillow warns about odd EXIF data in real photos
-        with Image.open(path) as image:
-            image.draft("RGB", (size, size))  # libjpeg decodes at 1/2, 1/4 or 1/8 scale if that still covers size
-            rgb = to_rgb(image).resize((size, size), Image.Resampling.BILINEAR)
+    with Image.open(path) as image:  # Pillow's warnings about odd EXIF data: src.errors.ignore_pillow_warnings
+        image.draft("RGB", (size, size))  # libjpeg decodes at 1/2, 1/4 or 1/8 scale if that still covers size
+        rgb = to_rgb(image).resize((size, size), Image.Resampling.BILINEAR)
     return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1).copy()
 
 
@@ -101,7 +100,11 @@ def some(names: list, count: int = 3) -> str:
 
 
 def try_decode(path: Path, size: int) -> tuple[np.ndarray | None, str]:
-    """decode(), or (None, why) for a broken file."""
+    """decode(), or (None, why) for a broken file (or one that is not a regular file: opening a
+    named pipe would wait for a writer)."""
+    problem = input_problem(path)
+    if problem is not None and not broken_link(Path(path)):
+        return None, problem
     try:
         return decode(path, size), ""
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:

@@ -6,6 +6,7 @@ nothing is written; the scripts return before their epoch loop once it is done).
 """
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -25,7 +26,7 @@ from src.image_files import try_decode
 from src.loaders import ShardSampler
 from src.metrics import EPS
 from src.models import check_image_size, classification_models, model_kwargs, read_state_dict
-from src.outputs import sha256_of
+from src.outputs import input_problem, sha256_of
 from src.ranks import from_rank_0, is_first
 from src.safe_csv import csv_text
 from src.transforms import normalize
@@ -35,11 +36,20 @@ def read_info(checkpoint: Path) -> dict:
     """best.json beside best.pth, checked field by field (check_info) and to describe this very
     best.pth (its sha256)."""
     info_path = Path(checkpoint).with_suffix(".json")
-    if not Path(checkpoint).is_file():
+    problem = input_problem(checkpoint)
+    if problem == "no such file":
         raise UserError(f"checkpoint {checkpoint} not found: train first, or pass --checkpoint")
+    if problem is not None:
+        raise UserError(f"checkpoint {checkpoint}: {problem}: pass the best.pth of a training run")
+    if os.path.lexists(info_path) and input_problem(info_path) is not None:  # a named pipe would wait for a writer
+        raise UserError(f"{info_path}: {input_problem(info_path)}: the training scripts write best.json "
+                        "there, a JSON file")
     try:
         info = json.loads(info_path.read_text())
     except (OSError, ValueError):
+        if training_checkpoint(checkpoint):
+            raise UserError(f"{checkpoint} is a training checkpoint (a last.pth: the model with its optimizer "
+                            "and history, for --resume): give the best.pth beside it") from None
         raise UserError(f"{info_path} is missing or unreadable: the training scripts write it "
                         "beside best.pth; retrain, or write it by hand") from None
     check_info(info, info_path)
@@ -47,6 +57,16 @@ def read_info(checkpoint: Path) -> dict:
         raise UserError(f"{checkpoint} is not the file that {info_path} describes (a run stopped "
                         "between writing them?): rerun the training with --resume to rewrite both")
     return info
+
+
+def training_checkpoint(path: Path) -> bool:
+    """Whether the file holds what a training run saves to go on from (last.pth: a dict of the
+    model, the optimizer and the history), not a model's state_dict. Read without copying (mmap)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a torch file, or not one of ours: many types
+        return False
+    return isinstance(state, dict) and {"model", "optimizer", "history"} <= set(state)
 
 
 def _number(value) -> bool:
@@ -228,7 +248,7 @@ def load_evaluated(args: Config, info: dict, model: LoadsState) -> str:
         if path != Path(args.checkpoint):
             return read_state_dict(path), str(path)
         saved = read_info(path)
-        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data"):
+        for key in ("arch", "num_classes", "image_size", "seed", "val_fraction", "data", "val_data"):
             if saved.get(key) != info[key]:
                 raise UserError(f"{path.with_suffix('.json')} says {path} was trained with {flag_of(key)} "
                                 f"{saved.get(key)}, not {info[key]}: pass the flags it was trained "

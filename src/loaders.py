@@ -10,6 +10,7 @@ shards (ShardSampler), the loader options, the checks of a batch against the dat
 skipping of a resumed epoch's finished steps.
 """
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -20,7 +21,15 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from src.cache import MappedArray, cached
 from src.config import Config
-from src.datasets import DogCatDataset, check_both_classes, load_labels, worker_options
+from src.datasets import (
+    DogCatDataset,
+    check_both_classes,
+    label_table,
+    load_labels,
+    load_val_labels,
+    start_worker_server,
+    worker_options,
+)
 from src.devices import check_shared_memory
 from src.errors import UserError
 from src.ranks import from_rank_0, is_first
@@ -115,13 +124,26 @@ def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
                           "worker_init_fn": loader.worker_init_fn} if loader.num_workers else {}))
 
 
-def labelled_images(data_dir: Path, image_size: int, show_progress: bool = True,
-                    labels: pd.DataFrame | None = None) -> DogCatDataset:
+def labelled_images(data_dir: Path | str, image_size: int, show_progress: bool = True,
+                    labels: pd.DataFrame | None = None,
+                    val: tuple[Path | str, pd.DataFrame] | None = None) -> DogCatDataset:
     """The labelled JPEGs of data_dir/train (the `labels` table, else train.csv or a scan),
-    decoded and resized to image_size."""
+    decoded and resized to image_size; with `val` (--val-dir and its table), that folder's images
+    after them (named by their absolute path, which the table's folder, data_dir/train, leaves as
+    it is)."""
     if labels is None:
-        labels = load_labels(data_dir, show_progress)
-    return DogCatDataset(labels, data_dir / "train", image_transform(image_size), draft_size=image_size)
+        labels = load_labels(Path(data_dir), show_progress)
+    if val is not None:
+        root, val_labels = os.path.abspath(val[0]), val[1]  # each process's own: the same folder on every node
+        labels = label_table([*labels["filename"], *(os.path.join(root, name) for name in val_labels["filename"])],
+                             [*labels["label"], *val_labels["label"]])
+    return DogCatDataset(labels, Path(data_dir) / "train", image_transform(image_size), draft_size=image_size)
+
+
+def table_digest(table: pd.DataFrame) -> str:
+    """The sha256 of a label table as CSV (names that are not UTF-8, read from disk that way, hash
+    as their bytes): what best.json and last.pth record of the images, --resume and the report check."""
+    return hashlib.sha256(table.to_csv(index=False).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 class Data(NamedTuple):
@@ -129,6 +151,7 @@ class Data(NamedTuple):
     train_idx: list[int]
     val_idx: list[int]
     digest: str  # of the label table: --resume refuses other data
+    val_digest: str | None = None  # of --val-dir's table, as digest
 
 
 def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
@@ -136,21 +159,33 @@ def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
 
     Rank 0 reads train.csv or scans train/ (opening every image), and every rank gets its table:
     one scan instead of one per process, and the same table, so the same split, on every rank.
+    With --val-dir rank 0 scans that folder too: its images are the validation set, every image
+    of train/ (or train.csv) trains, and --val-fraction's split is not made (src.cli refuses it).
     --workers decode the images when the cache has to be built; `wait_seconds`: how long the
     other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
-    table = from_rank_0(lambda: load_labels(data_dir, show))
+    if args.workers:  # before the label scan and the model: the workers' server overlaps them, and holds neither
+        start_worker_server()
+    val_dir = args.val_dir
+
+    def tables() -> tuple[pd.DataFrame, tuple[str, pd.DataFrame] | None]:
+        table = load_labels(data_dir, show)
+        return table, None if val_dir is None else (val_dir, load_val_labels(Path(val_dir), data_dir, table, show))
+
+    table, val = from_rank_0(tables)
     if not args.evaluate:  # validating on one class is a fair question; training on it is not
         try:
             check_both_classes(table, data_dir)
         except UserError as error:  # every rank has the table: rank 0 says it
             raise UserError(str(error), quiet=not show) from None
-    images = labelled_images(data_dir, args.image_size, show, table)
+    images = labelled_images(data_dir, args.image_size, show, table, val)
     dataset: DogCatDataset | MappedArray = images
     if args.cache:
         dataset = cached(images, args.image_size, Path(args.cache), args.workers, show, wait_seconds)
-    train_idx, val_idx = split_indices(len(dataset), args.val_fraction, args.seed)
-    # surrogateescape: names that are not UTF-8 (read from disk that way) hash as their bytes
-    digest = hashlib.sha256(table.to_csv(index=False).encode("utf-8", "surrogateescape")).hexdigest()
-    return Data(dataset, train_idx, val_idx, digest)
+    if val is None:
+        assert args.val_fraction is not None  # None with --val-dir only (src.cli)
+        train_idx, val_idx = split_indices(len(images), args.val_fraction, args.seed)
+        return Data(dataset, train_idx, val_idx, table_digest(table))
+    return Data(dataset, list(range(len(table))), list(range(len(table), len(images))), table_digest(table),
+                table_digest(val[1]))

@@ -12,6 +12,7 @@ import torchvision
 
 from src.dropout import per_sample
 from src.errors import UserError
+from src.outputs import input_problem
 from src.ranks import is_first
 
 NUM_CLASSES = 2
@@ -94,6 +95,19 @@ def check_dropout(arch: str, dropout: float | None) -> None:
                         "squeezenet1_1, efficientnet_b0, vit_b_16, ...)")
 
 
+def has_batch_norm(arch: str) -> bool:
+    """Whether torchvision's `arch` has a batch norm layer (vgg16, squeezenet1_1 and the ViTs have none)."""
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in meta_model(arch).modules())
+
+
+def check_sync_bn(arch: str, sync_bn: bool) -> None:
+    """Refuse --sync-bn for a model without a batch norm layer: there is nothing to synchronise,
+    and best.json would record it."""
+    if sync_bn and arch in classification_models() and not has_batch_norm(arch):
+        raise UserError(f"--sync-bn: --arch {arch} has no batch norm layer for it to synchronise: drop --sync-bn, "
+                        "or use an --arch with batch norm (resnet18, efficientnet_b0, ...)")
+
+
 class _OneValue(Exception):
     """A batch norm layer's input holds one value per channel (see check_batch_norm)."""
 
@@ -171,8 +185,9 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
 def read_state_dict(path: Path, flag: str = "--weights") -> dict:
     """The state_dict in a local file (best.pth, torchvision's ImageNet files), or the model's in
     a last.pth; a UserError naming `flag` and the file if there is none."""
-    if not path.is_file():
-        raise UserError(f"{flag} {path}: no such file (use `default`, `none` or a state_dict file)")
+    problem = input_problem(path)
+    if problem is not None:
+        raise UserError(f"{flag} {path}: {problem} (use `default`, `none` or a state_dict file)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises many types for a file that is not a checkpoint

@@ -60,6 +60,25 @@ def kind_of(path: Path) -> str | None:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def input_problem(path: Path, folder: bool = False) -> str | None:
+    """Why `path` cannot be read as a file a command reads (or, with `folder`, a folder), or None:
+    "no such file" ("... or folder"), "a link to nothing", or what it is instead ("a named pipe
+    (FIFO), not a regular file": opening a pipe waits for a writer, forever; a device; a folder).
+    Links are followed."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"a symbolic link to nothing ({os.readlink(path)})"
+        return "no such file or folder" if folder else "no such file"
+    except OSError as error:  # a loop of links, a name too long, a folder that cannot be searched
+        return error.strerror or one_line(error)
+    if stat.S_ISREG(mode) or (folder and stat.S_ISDIR(mode)):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"{kind}, not a regular file" + (" or folder" if folder else "")
+
+
 def check_file_target(flag: str, path: Path, advice: str = "name a new file, or a regular file to replace") -> None:
     """Refuse an existing `path` that is not a regular file (see the module's docstring)."""
     kind = kind_of(path)
@@ -92,11 +111,14 @@ def _inside(real: str, folder_real: str) -> bool:
 
 
 def check_outputs(files: Sequence[Named], folders: Sequence[Named] = (), inputs: Sequence[Named] = (),
-                  input_folders: Sequence[Named] = (), advice: str | None = None) -> None:
+                  input_folders: Sequence[Named] = (), advice: str | None = None,
+                  others: Sequence[Named] = ()) -> None:
     """Refuse, in one line, an output file or folder that exists as something else (a device, a
     pipe, a link, a file where a folder is meant), an output file that is another output (of
-    `files` or `folders`), one of the `inputs`, or inside one of the `input_folders`. `advice`:
-    what to do instead of a target that is not a regular file."""
+    `files` or `folders`) or one of the `inputs`, and any output inside one of the
+    `input_folders` (a folder that is both, as --cache, aside). `others`: outputs that another
+    part writes as it must (a tracker's store), held to the rules of another output's name and of
+    the input folders. `advice`: what to do instead of a target that is not a regular file."""
     for flag, path in files:
         check_file_target(flag, path, *([advice] if advice else []))
     for flag, path in folders:
@@ -109,21 +131,22 @@ def check_outputs(files: Sequence[Named], folders: Sequence[Named] = (), inputs:
         if inode is not None:
             by_inode.setdefault(inode, (what, path))
     seen: list[tuple[str, Path, str, tuple[int, int] | None]] = []
-    for flag, path in [*files, *folders]:
+    for flag, path in [*files, *folders, *others]:
         real, inode = _identity(path)
         for other_flag, other, other_real, other_inode in seen:
             if real == other_real or (inode is not None and inode == other_inode):
                 raise UserError(f"{flag} {path} is also where {other_flag} writes ({other}): give each "
                                 "output its own name")
         seen.append((flag, path, real, inode))
-        if (flag, path) in folders:
+        if (flag, path) in [*folders, *others]:
             continue
         read = by_path.get(real) or (by_inode.get(inode) if inode is not None else None)
         if read is not None:
             raise UserError(f"{flag} {path} would replace {read[0]} ({read[1]}), which this command "
                             "reads: name another file")
+    for flag, path in [*files, *folders, *others]:  # one rule for every output: none in a folder it reads
         for what, folder in input_folders:
-            if _inside(real, os.path.realpath(folder)):
+            if what != flag and _inside(os.path.realpath(path), os.path.realpath(folder)):
                 raise UserError(f"{flag} {path} is inside {what} ({folder}), which this command reads: "
                                 "write elsewhere")
 
@@ -506,11 +529,15 @@ def _try_outputs(args: Config) -> RunLock:
     paths = output_paths(args)
     data = Path(args.data_dir)
     weights = [] if args.weights in ("default", "none") else [("--weights", Path(args.weights))]
+    from src.tracking import store_outputs  # here: a tracker's store is an output of the run too
     check_outputs([(OUTPUT_FLAGS[name], path) for name, path in paths.items()],
-                  folders=[("--log-dir", Path(args.log_dir))] if args.log_dir else [],
+                  folders=[(flag, Path(folder)) for flag, folder in (("--log-dir", args.log_dir), ("--cache", args.cache))
+                           if folder],
                   inputs=[("--data-dir's train.csv", data / "train.csv"), *weights],
                   input_folders=[("--data-dir's train/", data / "train")]
-                  + ([("--cache", Path(args.cache))] if args.cache else []))
+                  + ([("--val-dir", Path(args.val_dir))] if args.val_dir else [])
+                  + ([("--cache", Path(args.cache))] if args.cache else []),
+                  others=store_outputs(args))
     check_run_outputs(paths)  # before anything is made: a refusal leaves every folder as it was
     from src import sharded_checkpoint  # here: it loads torch
     sharded_checkpoint.check_ours(sharded_checkpoint.folder_of(args))  # FSDP's folders: a user's is never replaced

@@ -15,6 +15,7 @@ too).
   (src.devices.process_group_backend).
 """
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,26 +128,42 @@ def check_same_flags(args: Config) -> None:
     would train silently with rank 0's record of its own, or fail in a collective (another
     --batch-size). Every rank calls it once, after the process group exists; without one (or in
     a world of one) it does nothing."""
+    check_same_values(compared_flags(args), "paths and --workers")
+
+
+def check_same_values(mine: dict[str, Any], differ: str) -> None:
+    """check_same_flags of any command that runs on several ranks (predict under torchrun: its
+    rank 1 with --tta wrote half the CSV with it): `mine`, this rank's flags as compared (the
+    flags each node may give its own value left out, files by_content), against every rank's,
+    before any work; `differ` names what may differ, for the user."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    said = flags_that_differ(gather(compared_flags(args)))
+    said = flags_that_differ(gather(mine))
     if said:
         raise UserError(f"the ranks were launched with different flags ({said}): launch every process with the "
-                        "same flags (paths and --workers may differ per node)", quiet=not is_first())
+                        f"same flags ({differ} may differ per node)", quiet=not is_first())
 
 
-def compared_flags(args: Config) -> dict:
+def compared_flags(args: Config) -> dict[str, Any]:
     """This rank's flags as check_same_flags compares them: PER_NODE left out, the script by its
     file name, a --weights file by its content (its path is the node's)."""
     mine = {key: value for key, value in args.as_dict().items() if key not in PER_NODE}
     if args.command:
         mine["mode"] = args.command[0]
-    if mine.get("weights") not in (None, "default", "none"):
-        try:
-            mine["weights"] = f"a file of sha256 {sha256_of(mine['weights'])[:16]}"
-        except OSError as error:  # the load says it; here it only has to differ from a file that is read
-            mine["weights"] = f"a file that cannot be read ({error.strerror})"
-    return mine
+    return by_content(mine, ("weights",))
+
+
+def by_content(flags: dict[str, Any], files: tuple[str, ...]) -> dict[str, Any]:
+    """`flags` with each of `files` that names a file given by its content (a digest): its path is
+    the node's, two machines may mount one file at two places."""
+    flags = dict(flags)
+    for key in files:
+        if flags.get(key) not in (None, "default", "none"):
+            try:
+                flags[key] = f"a file of sha256 {sha256_of(flags[key])[:16]}"
+            except OSError as error:  # the load says it; here it only has to differ from a file that is read
+                flags[key] = f"a file that cannot be read ({error.strerror})"
+    return flags
 
 
 def flags_that_differ(everyone: list[dict]) -> str:

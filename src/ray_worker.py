@@ -20,11 +20,21 @@ import shutil
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from src.config import Config
-from src.errors import EXIT_STOPPED, Stopped, UserError, another_rank_said_why, end_process_group, one_line, tell_the_other_ranks
+from src.errors import (
+    EXIT_STOPPED,
+    Stopped,
+    UserError,
+    another_rank_said_why,
+    end_process_group,
+    ignore_pillow_warnings,
+    one_line,
+    tell_the_other_ranks,
+)
 
 if TYPE_CHECKING:
     from src.state import TrainingState
@@ -66,7 +76,9 @@ def worker_outcome() -> Iterator[dict]:
     by another rank. Anything else is raised: a failed worker, for Ray Train's FailureConfig."""
     outcome: dict = {}
     try:
-        yield outcome
+        with warnings.catch_warnings():  # as src.errors.run_command: Pillow's warnings filtered once, for the worker
+            ignore_pillow_warnings()
+            yield outcome
     except Stopped:
         outcome["exit"] = EXIT_STOPPED
     except UserError as error:

@@ -45,17 +45,22 @@ saved MLflow id reaches it as `run_id` (mlflow.start_run(run_id=...) sets it RUN
 artifact folder as `logging_dir` (a new experiment's artifact_location); the W&B id as `id` with
 `resume="allow"`, the folder as `dir`, the mode as `mode`.
 """
+import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import secrets
 import shutil
+import sqlite3
 import string
 import struct
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +84,18 @@ RUN_REQUEST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACK
 CHECK_REQUEST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(CHECK_SECONDS)}
 ADVICE = ("a server's http(s)://HOST:PORT, a database such as sqlite:///PATH/mlflow.db, or no "
           "--tracking-uri for the store beside --checkpoint")
+# A URI starts with its scheme (RFC 3986): a plain path would be MLflow's file store, which it refuses.
+URI_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+SQLITE_HEADER = b"SQLite format 3\0"  # the first 16 bytes of every SQLite database file
+MLFLOW_TABLES = ("experiments", "runs")  # in every MLflow store
+# MLflow's loggers and those of the libraries it calls: while a tracker lives their records
+# (SQLAlchemy's errors with their tracebacks, urllib3's retries, alembic's migrations) stay off
+# the terminal; the tracker says what failed, in one line.
+LIBRARY_LOGGERS = ("mlflow", "alembic", "sqlalchemy", "urllib3")
+# How long finish() waits to end a run whose store failed during the run (it is still ended: the
+# server may be back). A working store's last records and artifacts are waited for: each request
+# is bounded by RUN_REQUEST, and a SQLite store by MLflow's 20 s busy timeout.
+END_SECONDS = 5
 
 
 def requested(args: Config) -> list[str]:
@@ -110,13 +127,30 @@ def numbers(values: dict) -> dict[str, float]:
 
 
 def reason(error: BaseException) -> str:
-    """A short reason for a tracker's error. MLflow's HTTP errors carry the whole chain of urllib3's
-    (a URL, "Max retries exceeded", "Caused by ..."): the socket's own words are taken from it
+    """A short reason for a tracker's error. A database's own words, found in SQLAlchemy's error
+    (its `orig`) or in the text MLflow made of it ("database is locked", "file is not a
+    database"; SQLAlchemy's text ends with "(Background on this error at: URL)"); a URI scheme
+    that no MLflow store takes, named; MLflow's HTTP errors carry the whole chain of urllib3's (a
+    URL, "Max retries exceeded", "Caused by ..."): the socket's own words are taken from it
     ("Connection refused"), a read timeout or an HTTP status said plainly; any other error, its
     first sentence."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:  # the chain, innermost last
+        seen.add(id(cause))
+        orig = getattr(cause, "orig", None)
+        if orig is not None:  # sqlalchemy.exc.DBAPIError: the driver's error
+            return one_line(orig)
+        if hasattr(cause, "supported_uri_schemes"):  # MLflow's UnsupportedModelRegistryStoreURIException
+            schemes = [scheme for scheme in cause.supported_uri_schemes if scheme not in ("", "file")]
+            return f"no MLflow store takes its scheme; MLflow takes {', '.join(schemes)}"
+        cause = cause.__cause__ or cause.__context__
     if isinstance(error, OSError) and error.strerror:
         return error.strerror + (f": {error.filename}" if error.filename else "")
     text = str(error)
+    found = re.search(r"\((?:sqlite3|psycopg2?|pymysql|MySQLdb|pyodbc)[\w.]*\) ([^\n\[]+)", text)
+    if found:  # SQLAlchemy's error as MLflow re-raised it: "(sqlite3.OperationalError) database is locked"
+        return found.group(1).strip()
     found = re.search(r"\[Errno -?\d+\] ([^'\"()]+)", text)
     if found:
         return found.group(1).strip().rstrip(":")
@@ -129,46 +163,155 @@ def reason(error: BaseException) -> str:
     return re.split(r"(?<=[.!?])\s", one_line(error), maxsplit=1)[0][:300]
 
 
-@contextlib.contextmanager
-def _environment(values: dict, override: bool):
-    """MLflow's request settings for the calls inside, put back after: `override` replaces the
-    user's own, else they are kept."""
+def _set_environment(values: dict, override: bool) -> dict:
+    """Set MLflow's request settings (it reads them from os.environ at each request); returns what
+    to put back (_put_back). `override` replaces the user's own, else they are kept. Called on the
+    main thread while no thread of ours makes a request: setenv while another thread calls getenv
+    is undefined behaviour (POSIX), and glibc frees the old environment array it extends."""
     saved = {name: os.environ.get(name) for name in values}
     for name, value in values.items():
         if override or saved[name] is None:
             os.environ[name] = value
+    return saved
+
+
+def _put_back(saved: dict) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _environment(values: dict, override: bool):
+    """_set_environment for the calls inside, put back after."""
+    saved = _set_environment(values, override)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _put_back(saved)
+
+
+def _quiet_libraries() -> dict[str, int]:
+    """LIBRARY_LOGGERS silenced; returns their levels, for _loud_again."""
+    levels = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    return levels
+
+
+def _loud_again(levels: dict[str, int]) -> None:
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def mlflow_uri(args: Config, folder: Path) -> tuple[str, str]:
+    """(the MLflow store's URI, what gave it: "--tracking-uri", "MLFLOW_TRACKING_URI" or
+    "--checkpoint" for the SQLite store beside it in `folder`)."""
+    uri = args.tracking_uri
+    if uri:
+        return uri, "--tracking-uri"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+    return default_uri(folder), "--checkpoint"
+
+
+def uri_problem(uri: str) -> str | None:
+    """What the form of an MLflow URI says is wrong with it ("is not a URI", ...), or None: a plain
+    path (MLflow's file store, which MLflow refuses now: file: too), an SQLite database in memory
+    (sqlite://, sqlite:///, sqlite:///:memory:: the run vanishes when the process ends, and its
+    artifacts land in ./mlruns)."""
+    if not URI_SCHEME.match(uri):
+        return "is not a URI"
+    scheme = uri.split(":", 1)[0].lower()
+    if scheme == "file":
+        return "is MLflow's file store, which MLflow refuses now"
+    if scheme.split("+")[0] == "sqlite" and sqlite_file(uri) is None:
+        return "is an SQLite database in memory: the tracked run would vanish when the process ends"
+    return None
+
+
+def _store_file_problem(database: Path) -> str | None:
+    """What is wrong with the file of a sqlite:/// store, or None: nothing there yet (MLflow makes
+    it), or an SQLite database holding MLflow's tables. Anything else is not MLflow's to write
+    into: a user's empty file, another file, another program's database."""
+    if not os.path.lexists(database):
+        return None
+    if not os.path.isfile(database):
+        what = ("a symbolic link to " + os.readlink(database) if os.path.islink(database)
+                else "a folder" if os.path.isdir(database) else "not a regular file")
+        return f"{database} is {what}, not a database file"
+    try:
+        with open(database, "rb") as file:
+            head = file.read(len(SQLITE_HEADER))
+    except OSError as error:
+        return f"{database} cannot be read ({error.strerror})"
+    if head != SQLITE_HEADER:
+        return f"{database} is {'an empty file' if not head else 'not an SQLite database'}, which MLflow would turn into one"
+    connection = sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=ro", uri=True, timeout=CHECK_SECONDS)
+    try:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        connection.close()
+    if not set(MLFLOW_TABLES) <= tables:
+        return f"{database} is an SQLite database without MLflow's tables, and MLflow would add its own"
+    return None
+
+
+def store_outputs(args: Config) -> list[tuple[str, Path]]:
+    """What --track mlflow writes on this machine, named as its source names it: the database file
+    of a sqlite:/// store and its artifacts folder (mlartifacts/ beside it); for src.outputs, which
+    keeps every output of a run out of the data folder."""
+    if "mlflow" not in requested(args):
+        return []
+    uri, source = mlflow_uri(args, Path(args.checkpoint).parent)
+    database = sqlite_file(uri)
+    if database is None:
+        return []
+    named = "the store beside --checkpoint" if source == "--checkpoint" else f"{source}'s database"
+    return [(named, database), (f"{named}'s mlartifacts/", database.resolve().parent / "mlartifacts")]
+
+
+def _not_a_link(folder: Path, writer: str, flag: str) -> None:
+    """Refuse a folder that a tracker writes into which is a symbolic link: a user's folder it
+    points to would be written into."""
+    if os.path.islink(folder):
+        raise UserError(f"{flag}: {folder} is a symbolic link to {os.readlink(folder)}, and {writer} would write "
+                        "into the folder it points to: remove the link, or track from another folder")
 
 
 class _MLflow:
     key, name = "mlflow", "MLflow"
 
     def __init__(self, uri: str, source: str):
-        """Connects to the store and asks it for one experiment: a UserError naming `source` (what
+        """Checks the URI and what is there (uri_problem, _store_file_problem, the artifacts folder),
+        connects to the store and asks it for one experiment: a UserError naming `source` (what
         gave the URI: --tracking-uri, MLFLOW_TRACKING_URI or --checkpoint) if that fails."""
-        import logging
-        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial tables"
         from mlflow import MlflowClient
         self.uri, self.source = uri, source
-        self.artifacts = _artifact_root(uri)
         self.run_id = ""  # start() sets it
         self.epochs: set[int] = set()
         self.last_step, self.started = 0, False
         self.accelerated: Any = None  # accelerate's MLflowTracker (unannotated), under accelerate
+        self.sender: _Sender | None = None
+        problem = uri_problem(uri)
+        if problem is not None:
+            raise UserError(_unusable(source, uri, f"it {problem}"))
+        self.artifacts = _artifact_root(uri)
+        database = sqlite_file(uri)
         try:
-            database = sqlite_file(uri)
-            if database is not None:  # SQLite makes the file, not its folder
-                database.parent.mkdir(parents=True, exist_ok=True)
+            if database is not None:
+                problem = _store_file_problem(database)
+                if problem is not None:
+                    raise UserError(_unusable(source, uri, problem, "name a new file or an MLflow store"))
+                _not_a_link(database.resolve().parent / "mlartifacts", "MLflow (its artifacts)", source)
+                database.parent.mkdir(parents=True, exist_ok=True)  # SQLite makes the file, not its folder
             with _environment(CHECK_REQUEST, override=True):
                 self.client = MlflowClient(tracking_uri=uri)
                 self.client.search_experiments(max_results=1)
+        except UserError:
+            raise
         except Exception as error:  # any failure of the store: a bad scheme, a refused connection, a 403
             raise UserError(_unusable(source, uri, reason(error))) from None
 
@@ -210,6 +353,7 @@ class _MLflow:
                     self.client.log_batch(self.run_id, params=items[first:first + 100])
         else:
             self.epochs, self.last_step = self._logged()
+        self.sender = _Sender(self._send, f"{self.name} logging")
         self.started = True
         return self.run_id
 
@@ -234,13 +378,17 @@ class _MLflow:
         return logged, last
 
     def log(self, values: dict[str, float], step: int, axis: str) -> None:
-        """`values` at `step` (`axis` names the step for W&B; MLflow has one per metric)."""
+        """`values` at `step` (`axis` names the step for W&B; MLflow has one per metric), queued for
+        the sending thread (_Sender), stamped now. Under accelerate too, on the run's id: its
+        MLflowTracker.log calls mlflow.log_metrics, whose active run is the calling thread's."""
         from mlflow.entities import Metric
-        if self.accelerated is not None:
-            self.accelerated.log(values, step=step)
-            return
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+        if self.sender is None:
+            raise RuntimeError("MLflow's log() before its start()")
+        self.sender.metrics([Metric(key, value, now, step) for key, value in values.items()])
+
+    def _send(self, metrics: list) -> None:
+        self.client.log_batch(self.run_id, metrics=metrics)
 
     def finish(self, status: str, artifacts: list[Path]) -> None:
         try:
@@ -263,15 +411,16 @@ class _MLflow:
             self.client.set_terminated(self.run_id, status)
 
 
-def _unusable(source: str, uri: str, why: str) -> str:
-    """The line for a store that MLflow cannot use, with what to do about it."""
+def _unusable(source: str, uri: str, why: str, advice: str | None = None) -> str:
+    """The line for a store that MLflow cannot use, with what to do about it (`advice`, else how to
+    name another store)."""
     if source == "--checkpoint":
-        return f"--checkpoint: MLflow cannot use the store beside it, {uri} ({why})"
+        return f"--checkpoint: MLflow cannot use the store beside it, {uri} ({why})" + (f": {advice}" if advice else "")
     if source == "MLFLOW_TRACKING_URI":
-        return (f"MLFLOW_TRACKING_URI={uri}: MLflow cannot use it ({why}): set it to a server's "
-                "http(s)://HOST:PORT or a database such as sqlite:///PATH/mlflow.db, or unset it for the "
-                "store beside --checkpoint")
-    return f"--tracking-uri {uri}: MLflow cannot use it ({why}): pass {ADVICE}"
+        return (f"MLFLOW_TRACKING_URI={uri}: MLflow cannot use it ({why}): " + (advice or (
+            "set it to a server's http(s)://HOST:PORT or a database such as sqlite:///PATH/mlflow.db, or unset it "
+            "for the store beside --checkpoint")))
+    return f"--tracking-uri {uri}: MLflow cannot use it ({why}): " + (advice or f"pass {ADVICE}")
 
 
 def sqlite_file(uri: str) -> Path | None:
@@ -297,6 +446,7 @@ class _WandB:
     def __init__(self, folder: Path):
         """Offline unless WANDB_MODE asks for more; online, it needs credentials already there (no
         prompt): a UserError if there are none."""
+        _not_a_link(Path(folder) / "wandb", "W&B", "--checkpoint")
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
         self.wandb, self.folder = wandb, Path(folder)
@@ -444,8 +594,83 @@ def wandb_logged(folder: Path, run_id: str) -> tuple[set[int], int]:
     return epochs, max((int(row["optimizer_step"]) for row in rows if "optimizer_step" in row), default=0)
 
 
+class _Sender:
+    """A thread that makes one store's calls, in order, while training goes on: MLflow's log_batch
+    waits for its store (a slow server, a locked SQLite file), and rank 0 waiting there held every
+    rank at the next collective. The metrics queued meanwhile go in one call (up to MLflow's 1000
+    a request). The first call of metrics that fails ends them: `error` keeps it for the main
+    thread to say, and the metrics queued or sent later are dropped (the store is not asked again
+    in this run). call() queues another call (the end of the run) and returns its Future. A daemon
+    thread: one stuck in a store does not keep the process from exiting."""
+
+    BATCH = 1000
+
+    def __init__(self, send: Callable[[list], None], name: str):
+        self.send = send
+        self.jobs: collections.deque = collections.deque()
+        self.condition = threading.Condition()
+        self.busy = False
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def metrics(self, items: list) -> None:
+        with self.condition:
+            if self.error is None:
+                self.jobs.append((items, None))
+                self.condition.notify_all()
+
+    def call(self, function: Callable[[], None]) -> Future:
+        done: Future = Future()
+        with self.condition:
+            self.jobs.append((function, done))
+            self.condition.notify_all()
+        return done
+
+    def wait(self) -> None:
+        """Until every queued call is made (or dropped)."""
+        with self.condition:
+            self.condition.wait_for(lambda: not self.jobs and not self.busy)
+
+    def close(self) -> None:
+        """The thread ends after what is queued."""
+        with self.condition:
+            self.jobs.append((None, None))
+            self.condition.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.condition:
+                self.condition.wait_for(lambda: self.jobs)
+                job, done = self.jobs.popleft()
+                if job is None:
+                    return
+                while done is None and self.jobs and self.jobs[0][1] is None and self.jobs[0][0] is not None \
+                        and len(job) + len(self.jobs[0][0]) <= self.BATCH:
+                    job = job + self.jobs.popleft()[0]
+                self.busy = True
+            try:
+                if done is None:
+                    self.send(job)
+                elif done.set_running_or_notify_cancel():
+                    job()
+                    done.set_result(None)
+            except BaseException as error:
+                if done is not None:
+                    done.set_exception(error)
+                else:
+                    with self.condition:
+                        self.error = error
+                        self.jobs = collections.deque(item for item in self.jobs if item[1] is not None)
+            finally:
+                with self.condition:
+                    self.busy = False
+                    self.condition.notify_all()
+
+
 class Tracker:
-    """The run's trackers (--track), on rank 0 / the main process; without --track it does nothing."""
+    """The run's trackers (--track), on rank 0 / the main process; without --track it does nothing.
+    From its making to finish() MLflow's request settings (RUN_REQUEST) are in the environment,
+    and the libraries' loggers are silent (LIBRARY_LOGGERS)."""
 
     def __init__(self, args: Config, folder: Path | None = None):
         """Checks each store now, before any work: a UserError (one line, exit 2) if one cannot be
@@ -454,17 +679,23 @@ class Tracker:
         self.backends: dict[str, _MLflow | _WandB] = {}
         self.ids: dict[str, str] = {}
         self.failed: set[str] = set()
+        self.environment: dict[str, str | None] = {}
+        self.levels: dict[str, int] = {}
         names = requested(args)
-        for name in names:
-            if name == "mlflow":
-                uri, source = args.tracking_uri, "--tracking-uri"
-                if not uri and os.environ.get("MLFLOW_TRACKING_URI"):
-                    uri, source = os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
-                if not uri:
-                    uri, source = default_uri(self.folder), "--checkpoint"
-                self.backends[name] = _MLflow(uri, source)
-            else:
-                self.backends[name] = _WandB(self.folder)
+        if "mlflow" in names:
+            import mlflow  # noqa: F401  # its import sets its loggers' levels: quieted after it
+            self.levels = _quiet_libraries()
+        try:
+            for name in names:
+                if name == "mlflow":
+                    self.backends[name] = _MLflow(*mlflow_uri(args, self.folder))
+                else:
+                    self.backends[name] = _WandB(self.folder)
+        except BaseException:
+            _loud_again(self.levels)
+            raise
+        if "mlflow" in names:  # once, here: no thread of the run is making requests yet
+            self.environment = _set_environment(RUN_REQUEST, override=False)
 
     @property
     def names(self) -> list[str]:
@@ -502,7 +733,8 @@ class Tracker:
 
     def log_epoch(self, record: dict) -> None:
         """A history record's fields as metrics `epoch/<field>` at its epoch; an epoch the run
-        holds already is skipped."""
+        holds already is skipped. (MLflow's are sent by its thread: a failure is said at the next
+        call or at finish().)"""
         epoch = record["epoch"]
         values = {f"epoch/{key}": value for key, value in numbers(record).items() if key != "epoch"}
         for name, backend in self._working():
@@ -527,26 +759,68 @@ class Tracker:
         if status not in STATUSES:
             raise ValueError(f"status {status!r} is not one of {STATUSES}")
         files = [Path(path) for path in artifacts if Path(path).is_file()]
-        for name, backend in self.backends.items():
-            if backend.started:  # a failed one is still ended: the server may be back
-                self._guarded(backend, lambda: backend.finish(status, files), quiet=name in self.failed)
-        self.backends = {}
+        try:
+            for name, backend in self.backends.items():
+                if backend.started:  # a failed one is still ended: the server may be back
+                    self._end(name, backend, status, files)
+        finally:
+            self.backends = {}
+            _put_back(self.environment)
+            _loud_again(self.levels)
+            self.environment, self.levels = {}, {}
+
+    def _end(self, name: str, backend, status: str, files: list[Path]) -> None:
+        """One backend's end: its queued records sent first; then its artifacts (none for a store
+        that failed during the run) and status, from its sending thread where it has one, waited
+        for at most END_SECONDS when it failed (the run then shows as running there)."""
+        sender = getattr(backend, "sender", None)
+        if sender is not None:
+            sender.wait()
+            self._said(name, backend)
+        failed = name in self.failed
+        files = [] if failed else files
+        if sender is None or backend.accelerated is not None:  # MLflow's fluent API: this thread's run
+            self._guarded(backend, lambda: backend.finish(status, files), quiet=failed)
+        else:
+            done = sender.call(lambda: backend.finish(status, files))
+            try:
+                error = done.exception(timeout=END_SECONDS if failed else None)
+            except TimeoutError:
+                print(f"warning: {backend.name} did not end run {backend.run_id} within {END_SECONDS} s: the store "
+                      "shows it as running", file=sys.stderr)
+                error = None
+            if error is not None and not failed:
+                self._warn(backend, error)
+        if sender is not None:
+            sender.close()
 
     def _working(self):
+        for name, backend in self.backends.items():
+            self._said(name, backend)
         return [(name, backend) for name, backend in self.backends.items()
                 if name not in self.failed and backend.started]
+
+    def _said(self, name: str, backend) -> None:
+        """A failure of the backend's sending thread, said once (its warning)."""
+        error = getattr(getattr(backend, "sender", None), "error", None)
+        if error is not None and name not in self.failed:
+            self._warn(backend, error)
+
+    def _warn(self, backend, error: BaseException) -> None:
+        print(f"warning: {backend.name} tracking failed ({reason(error)}); training goes on without it",
+              file=sys.stderr)
+        self.failed.add(backend.key)
 
     def _guarded(self, backend, call, quiet: bool = False) -> bool:
         """call(); a failure is one warning line, and this backend is not asked again in this run."""
         try:
-            with _environment(RUN_REQUEST, override=False):
-                call()
+            call()
             return True
         except Exception as error:
-            if not quiet and backend.key not in self.failed:
-                print(f"warning: {backend.name} tracking failed ({reason(error)}); training goes on "
-                      f"without it", file=sys.stderr)
-            self.failed.add(backend.key)
+            if quiet or backend.key in self.failed:
+                self.failed.add(backend.key)
+            else:
+                self._warn(backend, error)
             return False
 
 

@@ -2,6 +2,7 @@
 training runs that several test modules compare against, each made once per session, whichever of
 the test runner's workers needs it first."""
 import contextlib
+import csv
 import fcntl
 import hashlib
 import importlib
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import weakref
 from pathlib import Path
 
@@ -42,7 +44,7 @@ from PIL import Image  # noqa: E402
 from src.errors import end_process_group  # noqa: E402
 from src.history import AVERAGE  # noqa: E402
 from src.tools.agreement import TOLERANCE, distance  # noqa: E402
-from src.tools.synthetic import write_dataset  # noqa: E402
+from src.tools.synthetic import TEST_LABELS, write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -124,8 +126,8 @@ LONGEST_FIRST = ["test_gpu_on_cpu_selftest.py", "test_ray.py", "test_sync_bn.py"
 # processes: those whose code, or a fixture's they use (through any other), reads the session's
 # training runs, starts a process (a command line, a launcher, a spawned worker) or runs a training
 # script's main. The rest are marked where they are (pytest.mark.slow).
-SLOW_FIXTURES = {"runs", "launch", "bench", "compared"}  # the last three: two ranks, the benchmark's and
-# compare_recipes' runs, each made once per file
+SLOW_FIXTURES = {"runs", "ddp_stops", "fsdp_stops", "launch", "bench", "compared"}  # the last three: two
+# ranks, the benchmark's and compare_recipes' runs, each made once per file
 # The tests that took 2.5 s or more each with -n 2, and the four above 1.9 s after that (pytest
 # --durations, 2026-12-05, on the 2-core AMD EPYC at a load of 4 to 9): slow, by file. A test's id
 # with its parameters marks that one alone.
@@ -399,13 +401,14 @@ if os.environ.get("TEST_COST_LOG"):
             usage = resource.getrusage(who)
             return usage.ru_utime + usage.ru_stime
         _STARTED.clear()
+        _REMOTE_CPU.clear()
         start = (time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN))
         yield
         if reaper:
             reap_orphans()
         end = (time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN))
         record = {"test": item.nodeid, "seconds": end[0] - start[0], "cpu": end[1] - start[1],
-                  "children_cpu": end[2] - start[2], "started": list(_STARTED),
+                  "children_cpu": end[2] - start[2] + sum(_REMOTE_CPU), "started": list(_STARTED),
                   "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
         with open(os.environ["TEST_COST_LOG"], "a") as log:
             log.write(json.dumps(record) + "\n")
@@ -492,11 +495,60 @@ def world_of_one(monkeypatch):
     end_process_group()
 
 
+def on_threads(world_size: int, work) -> list:
+    """work(rank) on every rank of a world of `world_size`, each rank a thread of this process in
+    torch's threaded process group (torch.testing's, as torch's own tests use it: each thread has
+    its own default group, and the collectives run between the threads, each reduction by its op);
+    the results in rank order; a rank's error is raised here. For a rank's code whose launcher is
+    not under test: what is per process stays shared (os.environ, signal handlers: the main
+    thread's only, so a test calls a handler itself)."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+    results, errors = [None] * world_size, [None] * world_size
+    store = dist.HashStore()
+
+    def rank(number: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=number, world_size=world_size, store=store)
+            results[number] = work(number)
+        except BaseException as error:
+            errors[number] = error
+            ProcessLocalGroup.exception_handle(error)  # the other ranks' collectives end
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        threads = [threading.Thread(target=rank, args=(number,)) for number in range(world_size)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        ProcessLocalGroup.reset()
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    for error in errors:
+        if error is not None and not isinstance(error, SystemExit):  # SystemExit: ended by another's error
+            raise error
+    return results
+
+
 def run(command: list[str], env: dict | None = None, timeout: int = 600, cwd: Path = ROOT):
     """Run a command as a user would (from the repo root), as processes of its own, capturing its
     output. For what needs them: a launcher (torchrun, accelerate launch), a signal, a kill, a crash,
-    the command line itself; one process's run is run_main's."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    the command line itself; one process's run is run_main's. A variable of env set to None is
+    left out of the command's environment."""
+    full_env = {key: value for key, value in {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}.items()
+                if value is not None}  # None: a variable left out
     full_env["PATH"] = f"{BIN}{os.pathsep}{full_env.get('PATH', '')}"
     return subprocess.run(command, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=timeout)
@@ -597,19 +649,115 @@ def fails(result, message: str) -> str:
     return last_line(result)
 
 
-# The modes whose run is one process: the shared runs train them in the test worker (run_main).
+# The modes whose run is one process: the shared runs train them in the test worker (run_main);
+# those of two processes under a launcher: in TwoRanks' two processes.
 SCRIPTS = {"single": "train_single", "dp": "train_dp"}
+TWO_RANK_SCRIPTS = {"ddp": "train_ddp", "fsdp": "train_fsdp", "accelerate": "train_accelerate"}
+TWO_RANKS_LIMIT = 900  # seconds a run in TwoRanks may take: past it, the run failed (a collective that waits for ever)
+_REMOTE_CPU: list[float] = []  # CPU seconds that TwoRanks' processes spent on the current test's runs
+
+
+def _two_rank_server(rank: int, connection) -> None:
+    """One process of TwoRanks, rank `rank` of a world of two: for each request (the script's
+    module, its argv, its environment, the port of rank 0's store), the script's main(argv) with
+    the variables torchrun gives a rank and the test hooks installed (run_main); replies (exit
+    code, stdout, stderr, CPU seconds spent)."""
+    import resource
+    import traceback
+
+    def cpu() -> float:
+        return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                   for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    torch.set_num_threads(1)  # as torchrun and accelerate launch give each of several processes
+    began = 0.0  # the first run's CPU seconds count this process's start
+    while (request := connection.recv()) is not None:
+        module, argv, env, port = request
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+                patch.setenv(name, value)
+            try:
+                result = run_main(importlib.import_module(module).main, argv, env=env)
+                reply = [result.returncode, result.stdout, result.stderr]
+            except BaseException:  # the harness's own failure: said as a failed run
+                reply = [1, "", traceback.format_exc()]
+            finally:
+                end_process_group()
+        spent, began = cpu() - began, cpu()
+        connection.send([*reply, spent])
+
+
+class TwoRanks:
+    """Two processes (torch.multiprocessing's spawn) that run the shared runs of the two-process
+    modes (train_ddp.py, train_fsdp.py, train_accelerate.py), one run after another, each with its
+    own process group: a run costs its training, not a launcher's and two Pythons' start (some 10
+    CPU seconds). Where the launcher itself is under test (its signals, restarts, reports), the
+    tests start it. A run that fails or takes past TWO_RANKS_LIMIT ends both processes; the next
+    run starts two new ones."""
+
+    def __init__(self):
+        self.processes: list = []
+        self.connections: list = []
+        self.counted = 0.0  # CPU seconds of these processes reported to TEST_COST_LOG's tests
+
+    def run(self, script: str, argv: list[str], env: dict) -> subprocess.CompletedProcess:
+        """main(argv) of `script` (train_ddp, ...) on both ranks: exit code 0 if both ended 0 (else
+        the first other), rank 0's output then rank 1's, as a launcher passes both on."""
+        if not self.processes or not all(process.is_alive() for process in self.processes):
+            self.start()
+        port = free_port()
+        for connection in self.connections:
+            connection.send([script, argv, env, port])
+        replies = []
+        for connection in self.connections:
+            if not connection.poll(TWO_RANKS_LIMIT):
+                self.stop()
+                return subprocess.CompletedProcess([script, *argv], 1, "", f"no answer in {TWO_RANKS_LIMIT} s")
+            replies.append(connection.recv())
+        _REMOTE_CPU.append(sum(reply[3] for reply in replies))
+        self.counted += _REMOTE_CPU[-1]
+        codes = [reply[0] for reply in replies]
+        if any(codes):
+            self.stop()  # a rank may still wait in a collective, or for its launcher
+        return subprocess.CompletedProcess([script, *argv], next((code for code in codes if code), 0),
+                                           "".join(reply[1] for reply in replies),
+                                           "".join(reply[2] for reply in replies))
+
+    def start(self) -> None:
+        import multiprocessing
+        self.stop()
+        context = multiprocessing.get_context("spawn")
+        pipes = [context.Pipe() for _ in range(2)]
+        self.connections = [ours for ours, _ in pipes]
+        self.processes = [context.Process(target=_two_rank_server, args=(rank, theirs), name=f"rank {rank}")
+                          for rank, (_, theirs) in enumerate(pipes)]  # not daemons: their loaders start workers
+        for process in self.processes:
+            process.start()
+
+    def stop(self) -> None:
+        for connection in self.connections:
+            with contextlib.suppress(OSError):
+                connection.send(None)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self.processes:  # reaped here: the seconds their runs reported must not count twice
+            _REMOTE_CPU.append(-self.counted)
+        self.processes, self.connections, self.counted = [], [], 0.0
 
 
 class Runs:
     """Training runs shared by the whole session (every worker of it): run(mode, *flags) trains
     once per distinct (mode, flags, env, data) and returns (output folder, finished process). A
-    one-process mode trains in the worker's own process (run_main), unless own_process says to run
-    its command line, or the run compiles (torch.compile's caches are the process's); the others
-    under their launcher."""
+    one-process mode trains in the worker's own process (run_main), a two-process mode in TwoRanks,
+    unless own_process says to run its command line (under its launcher), the run compiles
+    (torch.compile's caches are the process's) or a hook of env needs a process of its own."""
 
     def __init__(self, root: Path, exact_data: Path):
         self.root, self.exact_data = root, exact_data
+        self.two_ranks = TwoRanks()
 
     def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None,
                  own_process: bool = False):
@@ -624,10 +772,13 @@ class Runs:
                             "ACCELERATE_USE_CPU": "1",
                             **{k: v.replace("{run}", str(out)) for k, v in (env or {}).items()}}
                 argv = ["--data-dir", str(data or self.exact_data), *flags, *outputs(out / "out")]
-                if (mode in SCRIPTS and not own_process and "--compile" not in flags
-                        and set(env or {}) <= in_process_variables()):
+                here = not own_process and "--compile" not in flags and set(env or {}) <= in_process_variables()
+                if here and mode in SCRIPTS:
                     full_env.pop("PYTHONPATH")
                     result = run_main(importlib.import_module(SCRIPTS[mode]).main, argv, env=full_env)
+                elif here and mode in TWO_RANK_SCRIPTS:
+                    full_env.pop("PYTHONPATH")
+                    result = self.two_ranks.run(TWO_RANK_SCRIPTS[mode], argv, full_env)
                 else:
                     result = run([*LAUNCH[mode](), *argv], env=full_env)
                 assert result.returncode == 0, result.stderr[-3000:]
@@ -644,7 +795,9 @@ class Runs:
 
 @pytest.fixture(scope="session")
 def runs(request, exact_data) -> Runs:
-    return Runs(shared_folder(request.config) / "runs", exact_data)
+    made = Runs(shared_folder(request.config) / "runs", exact_data)
+    yield made
+    made.two_ranks.stop()
 
 
 @pytest.fixture(scope="session")
@@ -682,6 +835,108 @@ def last_average(folder: Path) -> dict | None:
     """The weight average (--ema-decay) in last.pth, None without one."""
     average = weights(folder, "last.pth")["average"]
     return None if average is None else average["model"]
+
+
+# No user setting of the machine reaches the tracked runs: W&B offline, MLflow's default store
+# (the offline_trackers fixture; the same for the runs made once per session).
+TRACKER_SETTINGS = ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
+                    "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+OFFLINE_TRACKERS = {**dict.fromkeys(TRACKER_SETTINGS), "WANDB_DISABLE_GIT": "true"}
+TORCHRUN = ["torchrun", "--standalone", "--nproc_per_node=2"]
+# torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
+SLURM_SIGNALS = re.search(r"--signals-to-handle=(\S+)", (ROOT / "docs" / "slurm" / "train.sbatch").read_text())[1]
+# The runs that stop and go on (ddp_stops, fsdp_stops): 2 processes of 5 images (10 optimizer steps
+# an epoch), 2 epochs, a step checkpoint every 3 steps of the run, step metrics every 4, tracked in
+# MLflow.
+STOPS = [*RESUMABLE, *VAL, "--epochs", "2", "--batch-size", "5", "--save-every-steps", "3", "--log-every", "4",
+         "--track", "mlflow"]
+
+
+class Stage(typing.NamedTuple):
+    """One launch of a chain of runs: a copy of the output folder as the launch left it, and its
+    finished launcher (args, exit code, stdout, stderr)."""
+    out: Path
+    result: subprocess.CompletedProcess
+
+
+def chain(request, name: str, script: str, stages: list[tuple[str, list[str], list[str], dict]]) -> dict[str, Stage]:
+    """Launches of `script` with STOPS that go on one after another in one output folder (each
+    stage: its name, the launcher, the script's extra flags, the hooks' variables), made once per
+    session, each stage's folder copied as it left it; by stage name. A launch names the folder
+    it wrote as Stage.out.parent / "out"."""
+    folder = shared_folder(request.config) / name
+    out = folder / "out"
+    flags = [script, "--data-dir", str(shared_folder(request.config) / "exact"), *STOPS, *outputs(out)]
+    with made_once(folder) as missing:
+        if missing:
+            for number, (_, launcher, extra, env) in enumerate(stages):
+                result = run([*launcher, *flags, *extra], env={"PYTHONPATH": HOOKS, **OFFLINE_TRACKERS, **env},
+                             timeout=600)
+                shutil.copytree(out, folder / str(number), symlinks=True)
+                (folder / f"{number}.json").write_text(json.dumps([result.args, result.returncode, result.stdout,
+                                                                   result.stderr]))
+    return {stage: Stage(folder / str(number), subprocess.CompletedProcess(
+        *json.loads((folder / f"{number}.json").read_text()))) for number, (stage, _, _, _) in enumerate(stages)}
+
+
+@pytest.fixture(scope="session")
+def ddp_stops(request, exact_data) -> dict[str, Stage]:
+    """train_ddp.py under torchrun (STOPS) stopped three times and gone on each time with --resume,
+    then a worker killed and restarted by torchrun, to the end (conftest.chain):
+
+    - "at step 8": SIGUSR1 to rank 1 alone (kill -USR1 to one worker) as its step 1 starts: the
+      agreement check after step 4 carries it, the one after step 8 reads it, both ranks stop
+      there; rank 0, never signalled, gets a SIGUSR1 as the stop's save renames last.pth (the
+      third rename: after steps 3 and 6 first), which changes nothing;
+    - "after epoch 1": --resume; SIGUSR1 to rank 1 alone in the run's step 9: the blocking
+      agreement at epoch 2's start stops both, epoch 1's files saved;
+    - "at step 16": --resume under torchrun started as docs/slurm/train.sbatch starts it
+      (--signals-to-handle with SIGUSR1); SIGUSR1 to torchrun in the run's step 11, which it
+      forwards to both ranks: they stop after step 16 (epoch 2 step 6);
+    - "restarted": --resume under --max-restarts=1; rank 0 killed (SIGKILL) as its 3rd step (the
+      run's 19th) starts, once the step checkpoint after step 18 is written: torchrun restarts both
+      workers, which resume from it on their own and go on to the end.
+
+    test_stopping (the stops and the end bit for bit), test_reliability (the restart),
+    test_tracking_scripts (one tracked run across all four) and test_sharded_checkpoint (the
+    first stage's two-rank step checkpoint) read it; the uninterrupted run to compare with is
+    stops_straight(runs, "ddp")."""
+    one = {"SIGNAL_AT_STEP": "1", "SIGNAL_RANK": "1", "SIGNAL_NAME": "SIGUSR1"}
+    return chain(request, "ddp-stops", "train_ddp.py", [
+        ("at step 8", TORCHRUN, [], {**one, "SIGNAL_AT_REPLACE": "last.pth:3"}),
+        ("after epoch 1", TORCHRUN, ["--resume"], one),
+        ("at step 16", [*TORCHRUN, f"--signals-to-handle={SLURM_SIGNALS}"], ["--resume"],
+         {"SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGUSR1"}),
+        ("restarted", [*TORCHRUN, "--max-restarts=1"], ["--resume"], {"KILL_AT_STEP": "3", "KILL_RANK": "0"}),
+    ])
+
+
+@pytest.fixture(scope="session")
+def fsdp_stops(request, exact_data) -> dict[str, Stage]:
+    """train_fsdp.py under torchrun (STOPS) stopped once, then gone on with a worker killed in the
+    middle of a save and restarted by torchrun, to the end (conftest.chain):
+
+    - "at step 8": SIGTERM to rank 0 as its step 1 starts (as SLURM sends it to each task): the
+      ranks agree after step 4 and stop after step 8 of epoch 1, each rank's shards in last.dcp;
+    - "restarted": --resume under --max-restarts=1; rank 1 killed (SIGKILL) as it starts writing
+      its shard of its third save (after step 9, at epoch 1's end, then after step 12: a step
+      checkpoint written by dcp.async_save while training goes on): torchrun restarts both
+      workers, which find epoch 1's last.dcp whole (the half-written one removed) and go on to the
+      end.
+
+    test_sharded_checkpoint (the shards, the resumes in other modes and numbers of processes, the
+    kill in a save) and test_tracking_scripts (one tracked run across both) read it; the
+    uninterrupted run to compare with is stops_straight(runs, "fsdp")."""
+    return chain(request, "fsdp-stops", "train_fsdp.py", [
+        ("at step 8", TORCHRUN, [], {"SIGNAL_AT_STEP": "1", "SIGNAL_NAME": "SIGTERM"}),
+        ("restarted", [*TORCHRUN, "--max-restarts=1"], ["--resume"], {"KILL_AT_SHARD": "3", "KILL_RANK": "1"}),
+    ])
+
+
+def stops_straight(runs: Runs, mode: str) -> Path:
+    """The uninterrupted run of ddp_stops or fsdp_stops (a stop, a resume or a restart must change
+    nothing of it: the step checkpoints, the step metrics and the tracker are left out)."""
+    return runs(mode, *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", "5")[0]
 
 
 def resumable_run(runs: Runs, mode: str):
@@ -913,8 +1168,7 @@ def fails_in_process(main, argv: list[str], monkeypatch, capsys, message: str) -
 @pytest.fixture
 def offline_trackers(monkeypatch):
     """No user setting of the machine reaches the tracking tests' runs: W&B offline, MLflow's default store."""
-    for name in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
-                 "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+    for name in TRACKER_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
 
@@ -1068,6 +1322,25 @@ def untrained(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = torchvision.models.squeezenet1_1(num_classes=2)
     return write_checkpoint(tmp_path_factory.mktemp("untrained"), model.state_dict())
+
+
+# Where tiny_data's labelled test images go in the validation folder: two depths under each class.
+VAL_PLACES = ("cats/2023", "Dogs/trip/day 2")
+
+
+def val_folder(tiny_data: Path, folder: Path) -> tuple[Path, dict[Path, int]]:
+    """tiny_data's 6 labelled test images laid out as class folders, at depths 2 and 3; each
+    file with its label (0 cat, 1 dog)."""
+    with open(tiny_data / TEST_LABELS) as file:
+        labels = {int(row["id"]): int(row["label"]) for row in csv.DictReader(file)}
+    files = {}
+    for image_id, label in labels.items():
+        target = folder / VAL_PLACES[label] / f"{image_id}.jpg"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tiny_data / "test" / f"{image_id}.jpg", target)
+        files[target] = label
+    (folder / "cats" / "2023" / ".notes.txt").write_text("a hidden file, not an image\n")
+    return folder, files
 
 
 @pytest.fixture(scope="session")

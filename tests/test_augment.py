@@ -549,12 +549,13 @@ def test_the_flags_reach_the_transforms():
 CHANGES = [("--auto-augment", "ta_wide", "off, not ta_wide"), ("--ra-magnitude", "5", "9, not 5"),
            ("--augmix-severity", "4", "3, not 4"), ("--random-erase", "0.25", "0.0, not 0.25"),
            ("--mixup-alpha", "0.2", "0.0, not 0.2"), ("--cutmix-alpha", "1.0", "0.0, not 1.0")]
+TUNED = {"--ra-magnitude": ["--auto-augment", "ra"], "--augmix-severity": ["--auto-augment", "augmix"]}
 
 
-def _resume(tmp_path, *argv: str, drop: tuple = ()) -> list:
-    """checkpoint.load_last of a last.pth written with the default flags (less the info keys `drop`,
-    as a last.pth older than them), asked with argv."""
-    flags = ["--checkpoint", str(tmp_path / "best.pth"), "--workers", "0"]
+def _resume(tmp_path, *argv: str, drop: tuple = (), base: tuple = ()) -> list:
+    """checkpoint.load_last of a last.pth written with the default flags and `base` (less the info
+    keys `drop`, as a last.pth older than them), asked with base and argv."""
+    flags = ["--checkpoint", str(tmp_path / "best.pth"), "--workers", "0", *base]
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -569,7 +570,7 @@ def _resume(tmp_path, *argv: str, drop: tuple = ()) -> list:
 @pytest.mark.parametrize("flag, value, shown", CHANGES)
 def test_resume_refuses_another_augmentation(flag, value, shown, tmp_path):
     with pytest.raises(UserError) as caught:
-        _resume(tmp_path, flag, value)
+        _resume(tmp_path, flag, value, base=tuple(TUNED.get(flag, ())))
     assert f"was trained with {flag} {shown}" in str(caught.value) and "\n" not in str(caught.value)
 
 

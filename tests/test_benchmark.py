@@ -24,6 +24,7 @@ from src.profiling import Profiler, breakdown, schedule_for
 from src.progress import Progress
 from src.tools import benchmark
 from src.tools.benchmark import loader_alone
+from src.tools.commands import run_script
 
 # Not single-jpeg, dp and accelerate: three runs less (their --profile tables are checked on the
 # runs of test_modes, in test_watch.py), and --modes is exercised.
@@ -621,3 +622,89 @@ def test_the_worker_start_table_shows_the_first_pass_and_the_median_of_the_later
         assert row == (f"| {kind} | {start} | {found['first'][0]:.2f} | {statistics.median(later):.2f} "
                        f"| {statistics.median(rates):.0f} |")
     assert "4 passes" in markdown and "2 workers, batch 8, 32 px" in markdown
+
+
+def _reference_table(printed: str) -> dict[str, list[str]]:
+    """--reference's table rows by their first cell: the other cells."""
+    rows = [line.strip("|").split("|") for line in printed.splitlines() if line.startswith("| ") and ", round " in line]
+    return {cells[0].strip(): [cell.strip() for cell in cells[1:]] for cells in rows}
+
+
+def test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images(small_data, tmp_path, capsys):
+    """--reference: one round of the plain loop of imagenet/main.py and train_single.py --augment, each a
+    fresh process over the same copy of the data: both train on the training split's whole batches
+    (190 of its 192 images at batch 10), train_single.py with --augment, each run's table row is its
+    own figures (history.json's, the plain loop's JSON line), and the CPU columns hold what /proc
+    saw of the training process and of its loader worker."""
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)  # the benchmark writes train.csv into it
+    out = tmp_path / "bench"
+    argv = ["--reference", "--data-dir", str(data), "--out-dir", str(out), "--arch", "resnet18", "--image-size", "32",
+            "--batch-size", "10", "--epochs", "1", "--workers", "1", "--rounds", "1"]
+    with torch.random.fork_rng():
+        printed = printed_by(benchmark.main, argv)
+    rows = _reference_table(printed)
+    assert list(rows) == ["plain loop, round 1", "train_single.py --augment, round 1"], printed
+    runs = out / "runs" / "reference"
+    plain = json.loads((runs / "plain-loop-1" / "log.txt").read_text().strip().splitlines()[-1])
+    ours = history(runs / "train_single-1")[-1]
+    assert plain["train_images"] == ours["train_samples"] == 190
+    assert json.loads((runs / "train_single-1" / "best.json").read_text())["flags"]["augment"] is True
+    for name, (images, seconds) in {"plain loop, round 1": (plain["train_images"], plain["train_seconds"]),
+                                    "train_single.py --augment, round 1": (ours["train_samples"],
+                                                                           ours["train_seconds"])}.items():
+        cells = rows[name]
+        assert int(cells[0]) == images and float(cells[1]) == pytest.approx(images / seconds, abs=0.006)
+        assert float(cells[4]) > 0 and float(cells[5]) > 0  # the training process's CPU, the worker's
+    assert "x the plain loop's images/s (target >= 1)" in printed
+
+
+def test_the_reference_alternates_the_runs_and_compares_the_best_of_each(monkeypatch, tmp_path, capsys):
+    """Two rounds run the plain loop, train_single.py, train_single.py, the plain loop; the check
+    compares the best images/s of each (figures given: 10 and 12 for the plain loop, 11 and 9
+    for train_single.py: 11 / 12 = 0.92, not met); the CPU columns are per training image."""
+    order = []
+    given = {"plain loop": [10.0, 12.0], "train_single.py --augment": [11.0, 9.0]}
+
+    def reference_run(leg, args, data_dir, out):
+        order.append((leg, out.name))
+        return {"leg": leg, "images": 100, "images_per_s": given[leg].pop(0), "data_wait": 0.5, "wall": 30.0,
+                "main_cpu": 25.0, "other_cpu": 5.0}
+    monkeypatch.setattr(benchmark, "reference_run", reference_run)
+    args = benchmark.parse_args(["--reference", "--rounds", "2", "--workers", "2", "--out-dir", str(tmp_path)])
+    printed = benchmark.reference_report(args, tmp_path / "data")
+    assert order == [("plain loop", "plain-loop-1"), ("train_single.py --augment", "train_single-1"),
+                     ("train_single.py --augment", "train_single-2"), ("plain loop", "plain-loop-2")]
+    rows = _reference_table(printed)
+    assert rows["plain loop, round 2"][1] == "12.00" and rows["train_single.py --augment, round 2"][1] == "9.00"
+    assert rows["plain loop, round 1"][4:6] == ["0.2500", "0.0500"]
+    assert "- [ ] train_single.py --augment trains at 0.92x the plain loop's images/s (target >= 1)" in printed
+
+
+SPINNER = """
+import os, subprocess, sys, time
+def spin(seconds):
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+if sys.argv[1] == "root":
+    child = subprocess.Popen([sys.executable, __file__, "child"])
+    spin(0.3)
+    child.wait()
+    time.sleep(1)  # for the last look
+else:
+    spin(0.6)
+    time.sleep(1)
+"""
+
+
+def test_tree_cpu_adds_up_the_root_and_the_processes_below_it(tmp_path):
+    """A process that spins 0.3 s of CPU and starts one that spins 0.6 s, each then sleeping for a
+    look: what TreeCPU saw of each, the root's apart, is at least that (by /proc, which counts in
+    clock ticks), and the root's is not the child's."""
+    script = tmp_path / "spin.py"
+    script.write_text(SPINNER)
+    cpu = benchmark.TreeCPU()
+    run_script("spinner", [sys.executable, str(script), "root"], tmp_path / "out", watch=cpu)
+    root, below = cpu.read()
+    assert 0.3 <= root < 0.6 <= below

@@ -79,24 +79,31 @@ def test_the_steps_after_a_save_train_while_it_is_written(stop_signals, tmp_path
 def test_an_epochs_last_pth_is_never_replaced_by_an_older_steps_write(tmp_path, monkeypatch):
     """A step checkpoint still being written when the epoch ends: the epoch's save waits for it,
     so last.pth ends as the epoch's (step 0). The step's write is held until the epoch's files are
-    written or 2 s have passed: a save_epoch that did not wait would write first and be replaced."""
+    written or the training thread waits for the writer: a save_epoch that did not wait would
+    write first and be replaced (no timeout: how fast the machine is decides nothing)."""
     args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", *outputs(tmp_path)])
     model, loader, optimizer, scaler, schedule, state = _tiny(args, 6)
     state.step = 2
-    epoch_written, save, write_epoch = threading.Event(), checkpoint_writer.atomic_torch_save, checkpoint.write_epoch
+    go_on, save, write_epoch = threading.Event(), checkpoint_writer.atomic_torch_save, checkpoint.write_epoch
+    wait = state.writer.wait
 
     def held_save(state_dict, path, *rest):
-        epoch_written.wait(timeout=2)
+        go_on.wait()
         save(state_dict, path, *rest)
 
     def written(*given, **named):
         try:
             return write_epoch(*given, **named)
         finally:
-            epoch_written.set()
+            go_on.set()
+
+    def waited():
+        go_on.set()  # the training thread waits for the write from here: let it go
+        wait()
     monkeypatch.setattr(checkpoint_writer, "atomic_torch_save", held_save)
     monkeypatch.setattr(checkpoint, "write_epoch", written)
     state.save_step(torch.zeros(4))
+    monkeypatch.setattr(state.writer, "wait", waited)  # from here on: a wait for the held write
     state.save_epoch(epoch_record(epoch=0, train_sums=torch.tensor([1.0, 1.0, 2.0, 1.0]),
                                   val_sums=torch.tensor([1.0, 1.0, 2.0, 1.0]), average_sums=None, train_seconds=1.0,
                                   val_seconds=1.0, data_wait_seconds=0.0, lr=0.001))

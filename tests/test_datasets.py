@@ -67,6 +67,47 @@ def test_folder_per_class_layout_any_case(tmp_path):
     assert list(frame["label"]) == [0, 0, 0, 1] and rejected == []
 
 
+def test_images_at_any_depth_under_a_class_folder_are_labelled_by_it(tmp_path, capsys):
+    """cats/2023/x.jpg was left out (one level under the class folder only): torchvision's
+    ImageFolder takes every image under a class folder, and so does the scan. The class is the
+    folder at the top (other/cats/1.jpg is no class's); hidden files and links to nothing are
+    treated at depth as at the top (a hidden text file named as not used, a link to nothing
+    counted as unreadable)."""
+    image = Image.new("RGB", (40, 30), (10, 20, 30))
+    for name in ["cats/2023/1.jpg", "cats/2023/summer/2.jpg", "Cats/3.jpg", "DOGS/a/b/c/4.jpg", "dogs/5.png",
+                 "other/cats/6.jpg", "cats/.hidden/7.jpg"]:
+        _save(image, tmp_path / "train" / name, "PNG" if name.endswith(".png") else "JPEG")
+    (tmp_path / "train" / "cats" / "2023" / ".notes.txt").write_text("hidden")
+    (tmp_path / "train" / "dogs" / "2023").mkdir()
+    (tmp_path / "train" / "dogs" / "2023" / "gone.jpg").symlink_to("nowhere.jpg")
+    frame = load_labels(tmp_path)
+    assert dict(zip(frame["filename"], frame["label"])) == {
+        "cats/.hidden/7.jpg": 0, "cats/2023/1.jpg": 0, "cats/2023/summer/2.jpg": 0, "Cats/3.jpg": 0,
+        "DOGS/a/b/c/4.jpg": 1, "dogs/5.png": 1}
+    out = capsys.readouterr().out
+    assert "left out 1 unreadable image(s), first dogs/2023/gone.jpg" in out
+    assert "that no label rule covers (cat.N / dog.N images, or images at any depth under a cat(s)/ or dog(s)/ " \
+           "folder; " in out and out.rstrip().endswith(": cats/2023/.notes.txt, other/cats/6.jpg")
+
+
+def test_no_labelled_images_names_every_layout_it_takes(tmp_path):
+    """The line named Cat/ and Dog/ only: it names Kaggle's names, class folders at any depth
+    and train.csv (for --val-dir, which reads no CSV, the first two)."""
+    (tmp_path / "train" / "birds").mkdir(parents=True)
+    _save(Image.new("RGB", (8, 8)), tmp_path / "train" / "birds" / "1.jpg")
+    with pytest.raises(UserError) as error:
+        load_labels(tmp_path)
+    train = tmp_path / "train"
+    assert str(error.value) == (
+        f"no labelled images in {train}: expected Kaggle's cat.N.jpg / dog.N.jpg in {train}, or images at any "
+        f"depth under a cats/ and a dogs/ folder in it (or Cat/ and Dog/, any case: {train}/cats/2023/x.jpg), "
+        f"or a {tmp_path / 'train.csv'} of filename,label (0/cat, 1/dog) naming files in it")
+    with pytest.raises(UserError) as error:
+        scan_train_dir(train, show_progress=False, flag="--val-dir")
+    assert str(error.value).startswith(f"no labelled images in --val-dir {train}: expected Kaggle's")
+    assert "train.csv" not in str(error.value)
+
+
 def test_dataset_reads_the_csv_and_labels(small_data):
     dataset = DogCatDataset(load_labels(small_data, show_progress=False), small_data / "train",
                             image_transform(48))

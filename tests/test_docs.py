@@ -52,3 +52,24 @@ def test_every_code_block_says_how_it_is_checked():
     kinds = {command.kind for command in found}
     assert {"run", "small", "long", "skip"} <= kinds, kinds
     assert all(command.reason for command in found if command.kind == "skip")
+
+
+def test_predicts_sample_output_is_what_the_command_above_it_prints():
+    """docs/inference.md showed a sample of photos/holiday/... under `predict data/test`, which
+    cannot print it: the sample's rows are of the folder the command predicts, as many as the
+    synthetic set's command above writes into it, in predict's natural order."""
+    lines = (ROOT / "docs" / "inference.md").read_text().splitlines()
+    command = lines.index("    python -m src.tools.predict data/test")
+    assert lines[command - 2] == "<!-- commands: run -->" and lines[command + 2] == "<!-- commands: text -->"
+    sample = []
+    for line in lines[command + 4:]:
+        if not line.startswith("    "):
+            break
+        sample.append(line[4:])
+    synthetic = next(line.split() for line in lines if line.startswith("    python -m src.tools.synthetic data "))
+    images = int(synthetic[synthetic.index("--test") + 1])
+    rows = [line.split()[0] for line in sample[1:] if not line.startswith(("...", "predicted"))]
+    assert sample[0].split() == ["path", "p(dog)", "label"]
+    assert rows == [f"data/test/{i}.jpg" for i in range(1, len(rows) + 1)] and len(rows) == 10
+    assert sample[-2] == f"... {images - len(rows)} more rows"
+    assert sample[-1].startswith(f"predicted {images} images (")

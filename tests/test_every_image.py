@@ -19,6 +19,7 @@ from conftest import (
     outputs,
     read_predictions,
     run,
+    run_main,
     validation_pass,
 )
 from PIL import Image
@@ -69,8 +70,8 @@ def test_files_no_label_rule_covers_are_named_and_a_labelled_tiff_is_used(tiny_d
     (train / "notes.txt").write_text("not an image\n")
     with Image.open(train / "cat.2.jpg") as image:
         image.save(train / "cat.50.tif")
-    line = (f"not used: 4 file(s) in {train} that no label rule covers (cat.N / dog.N images, or images in a "
-            "cat(s)/ or dog(s)/ folder; .bmp, .gif, .jpeg, .jpg, .png, .tif, .tiff, .webp): cat.jpg, "
+    line = (f"not used: 4 file(s) in {train} that no label rule covers (cat.N / dog.N images, or images at any "
+            "depth under a cat(s)/ or dog(s)/ folder; .bmp, .gif, .jpeg, .jpg, .png, .tif, .tiff, .webp): cat.jpg, "
             "extra/cat.5.jpg, horse.1.jpg and 1 more")
     table = load_labels(data)
     assert line in capsys.readouterr().out.splitlines()
@@ -189,3 +190,27 @@ def test_a_16_bit_grayscale_png_is_its_high_byte_not_white(tmp_path):
     assert 60 < want.mean() < 200, "a mid-grey image: white would show"
     for got in _both_decodes(tmp_path / "deep.png", 32):
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_pillows_warnings_about_an_odd_image_are_not_printed(workers, untrained, tmp_path, capfd):
+    """A palette image with its transparency in bytes makes Pillow warn as it is converted to RGB
+    (odd EXIF data does too): not printed by predict, in its own process (--workers 0) nor in a
+    loader worker, as a plain interpreter would show it (once per place)."""
+    import warnings
+    image = Image.fromarray(np.arange(32 * 32, dtype=np.uint8).reshape(32, 32) % 200, "P")
+    image.putpalette(list(range(256)) * 3)
+    image.save(tmp_path / "palette.png", transparency=bytes([0] * 10 + [255] * 246))
+    with warnings.catch_warnings(record=True) as plain:  # the warning, as it comes without the filter
+        warnings.simplefilter("default")
+        Image.open(tmp_path / "palette.png").convert("RGB")
+    assert [str(item.message) for item in plain] == [
+        "Palette images with Transparency expressed in bytes should be converted to RGBA images"]
+    said = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = lambda message, *where: said.append(str(message))
+        result = run_main(predict.main, [str(tmp_path / "palette.png"), "--checkpoint", str(untrained), "--output",
+                                         str(tmp_path / "p.csv"), "--workers", workers])
+    assert result.returncode == 0 and "predicted 1 images" in result.stdout, result.stderr
+    assert said == [] and "Palette images" not in capfd.readouterr().err + result.stderr

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -250,3 +251,99 @@ def test_a_momentum_outside_0_to_1_is_refused_as_a_flag(value, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: argument --momentum: must be in [0, 1), got {float(value)}" in err, err
     assert parse_args("", [*TINY, "--momentum", "0.99"]).momentum == 0.99
+
+
+@pytest.fixture
+def pipes():
+    """pipes(path, ...): named pipes (FIFOs) made there; pipes.opened: those a command opened.
+    Opening one to read waits for a writer: should a command open
+    one, a thread of the test opens its other end after 10 s and closes it at once, so that the
+    command reads an empty file rather than wait for ever, and the test fails."""
+    import threading
+    import time
+    made, done, opened = [], threading.Event(), []
+
+    def unblock():
+        if done.wait(10):
+            return
+        while not done.is_set():
+            for path in made:
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # succeeds only if a reader has it open
+                    opened.append(path)
+                except OSError:
+                    pass
+            time.sleep(0.1)
+
+    def make(*paths: Path) -> list[Path]:
+        for path in paths:
+            os.mkfifo(path)
+            made.append(path)
+        return list(paths)
+    make.opened = opened
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    yield make
+    done.set()
+    thread.join()
+
+
+def test_a_named_pipe_is_named_for_what_it_is_and_never_opened(pipes, untrained, tiny_data, tmp_path, monkeypatch,
+                                                                 capsys):
+    """`predict fifo.jpg` said "no such file or folder", `--weights fifo.pth` "no such file"; a FIFO
+    named cat.200.jpg in train/ was skipped without being named. Opening a pipe waits for a
+    writer: none is opened, each is named as a named pipe (FIFO) in one line, and a pipe among
+    the files of a folder is left out with that reason, as an image that cannot be decoded is."""
+    fifo_jpg, fifo_pth = pipes(tmp_path / "fifo.jpg", tmp_path / "fifo.pth")
+    fails_in_process(predict.main, [str(fifo_jpg), "--checkpoint", str(untrained), "--output", str(tmp_path / "p.csv")],
+                     monkeypatch, capsys, f"error: {fifo_jpg}: a named pipe (FIFO), not a regular file or folder")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    shutil.copy(sorted((tiny_data / "test").iterdir())[0], folder / "real.jpg")
+    pipes(folder / "pipe.jpg")
+    code, out, err = in_process(predict.main, [str(folder), "--checkpoint", str(untrained), "--output",
+                                               str(tmp_path / "p.csv")], monkeypatch, capsys)
+    assert code == 0 and f"left out {folder / 'pipe.jpg'}: cannot decode it (a named pipe (FIFO), not a regular " \
+                          "file)" in out and "predicted 1 images" in out, (out, err)
+    fails_in_process(train_single.main, [*TINY, "--data-dir", str(tiny_data), "--weights", str(fifo_pth),
+                                         *outputs(tmp_path / "out")], monkeypatch, capsys,
+                     f"--weights {fifo_pth}: a named pipe (FIFO), not a regular file (use `default`")
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data / "train", data / "train")
+    pipes(data / "train" / "cat.200.jpg")
+    code, out, err = in_process(prepare.main, [str(data)], monkeypatch, capsys)
+    assert code == 0 and "left out (unreadable): cat.200.jpg" in out and "1 left out as unreadable" in out, (out, err)
+    (data / "train.csv").unlink()
+    pipes(data / "train.csv")
+    fails_in_process(train_single.main, [*TINY, "--data-dir", str(data), *outputs(tmp_path / "out")], monkeypatch,
+                     capsys, f"{data / 'train.csv'}: a named pipe (FIFO), not a regular file: remove it")
+    pipes(tmp_path / "data-pipe")
+    fails_in_process(train_single.main, [*TINY, "--data-dir", str(tmp_path / "data-pipe"), *outputs(tmp_path / "out")],
+                     monkeypatch, capsys, f"data folder {tmp_path / 'data-pipe'}: a named pipe (FIFO), not a regular file "
+                     "or folder: pass --data-dir")
+    checkpoint = tmp_path / "run" / "best.pth"
+    checkpoint.parent.mkdir()
+    shutil.copy(untrained, checkpoint)
+    pipes(checkpoint.with_suffix(".json"))
+    fails_in_process(predict.main, [str(folder), "--checkpoint", str(checkpoint), "--output", str(tmp_path / "q.csv")],
+                     monkeypatch, capsys, f"{checkpoint.with_suffix('.json')}: a named pipe (FIFO), not a regular file")
+    assert not (tmp_path / "out" / "best.pth").exists() and not (tmp_path / "q.csv").exists()
+    assert pipes.opened == []
+
+
+def test_predict_and_export_given_a_last_pth_say_it_is_a_training_checkpoint(untrained, tiny_data, tmp_path,
+                                                                             monkeypatch, capsys):
+    """predict and export given last.pth said "last.json is missing or unreadable"; it is a
+    training checkpoint (what --resume goes on from), and best.pth is beside it."""
+    last = tmp_path / "last.pth"
+    state = torch.load(untrained, weights_only=True)
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": []}, "history": [], "epoch": 1}, last)
+    said = f"error: {last} is a training checkpoint (a last.pth: the model with its optimizer and history, for " \
+           "--resume): give the best.pth beside it"
+    fails_in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(last), "--output",
+                                    str(tmp_path / "p.csv")], monkeypatch, capsys, said)
+    fails_in_process(export.main, [str(last), str(tmp_path / "m.onnx")], monkeypatch, capsys, said)
+    torch.save(state, last)  # a state_dict named last.pth: no best.json, as before
+    fails_in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(last)], monkeypatch, capsys,
+                     f"{tmp_path / 'last.json'} is missing or unreadable")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.pth"]

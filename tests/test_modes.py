@@ -133,7 +133,8 @@ def test_ddp_validation_metrics_are_what_one_process_computes(exact_data, runs):
     last.pth on the split, computed here without the project's metric code."""
     out = mode_run(runs, "ddp")[0]
     args = defaults(data_dir=str(exact_data), image_size=64, val_fraction=0.5025, seed=42, cache=None, workers=0)
-    dataset, _, val_idx, _ = labelled_data(args)
+    data = labelled_data(args)
+    dataset, val_idx = data.dataset, data.val_idx
     model = torchvision.models.squeezenet1_1(num_classes=2)
     model.load_state_dict(last_model(out))
     model.eval()

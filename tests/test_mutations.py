@@ -3,6 +3,7 @@ names missing) is refused before anything runs, and `--check` reports every such
 (CI runs it; the test suite does not read the list's text, which would fail on any edit of a listed
 line, right or wrong); the verdict is "caught" only when pytest named a failed test; the runner
 reads those names from a real pytest run."""
+import shutil
 import subprocess
 import sys
 
@@ -73,41 +74,64 @@ def test_the_verdict_says_caught_only_when_pytest_named_a_failed_test(outcome, f
     assert mutations.verdict(outcome, failed) == said
 
 
-def test_the_runner_reads_which_tests_failed_from_pytest(tmp_path, monkeypatch):
-    """run_tests on a real pytest run: a failing test and one whose fixture fails are named, the
-    passing one is not, and -x stops before the rest."""
+@pytest.mark.parametrize("warm", [False, True], ids=["a new python", "a fork of a warm one"])
+def test_the_runner_reads_which_tests_failed_from_pytest(warm, tmp_path, monkeypatch):
+    """run_tests on a real pytest run, started as a new Python or forked from checks/warm_pytest.py:
+    a failing test and one whose fixture fails are named, the passing one is not, and -x stops
+    before the rest. The fork runs as `python -m pytest` in the copy would (its folder first on
+    sys.path, pytest's __main__), and one that runs past the timeout is killed and said to."""
     monkeypatch.setattr(mutations, "PYTHON", sys.executable)  # in the runner's copy there is no .venv
-    (tmp_path / "test_a.py").write_text(
-        "import pytest\n\n@pytest.fixture\ndef broken():\n    raise OSError('no')\n\n"
-        "def test_passes():\n    pass\n\ndef test_fails():\n    assert 1 == 2\n\n"
-        "def test_never_runs():\n    assert False\n")
-    outcome, _, failed = mutations.run_tests(tmp_path, ["test_a.py"], tmp_path / "log", 120)
-    assert (outcome, failed) == ("failed", ["test_a.py::test_fails"])
-    (tmp_path / "test_a.py").write_text(
-        "import pytest\n\n@pytest.fixture\ndef broken():\n    raise OSError('no')\n\n"
-        "def test_passes():\n    pass\n\ndef test_setup(broken):\n    pass\n")
-    outcome, _, failed = mutations.run_tests(tmp_path, ["test_a.py"], tmp_path / "log", 120)
-    assert (outcome, failed) == ("failed", ["test_a.py::test_setup"])
+    server = mutations.WarmPytest() if warm else None
+    try:
+        (tmp_path / "test_a.py").write_text(
+            "import os, sys\nimport pytest\n\n@pytest.fixture\ndef broken():\n    raise OSError('no')\n\n"
+            "def test_passes():\n    assert sys.path[0] in ('', os.getcwd()) and os.getcwd() == " + repr(str(tmp_path))
+            + "\n    assert sys.modules['__main__'].__spec__.name == 'pytest.__main__'\n\n"
+            "def test_fails():\n    assert 1 == 2\n\ndef test_never_runs():\n    assert False\n")
+        outcome, _, failed = mutations.run_tests(tmp_path, ["test_a.py"], tmp_path / "log", 120, server)
+        assert (outcome, failed) == ("failed", ["test_a.py::test_fails"]), (tmp_path / "log").read_text()
+        (tmp_path / "test_a.py").write_text(
+            "import pytest\n\n@pytest.fixture\ndef broken():\n    raise OSError('no')\n\n"
+            "def test_passes():\n    pass\n\ndef test_setup(broken):\n    pass\n")
+        outcome, _, failed = mutations.run_tests(tmp_path, ["test_a.py"], tmp_path / "log", 120, server)
+        assert (outcome, failed) == ("failed", ["test_a.py::test_setup"])
+        (tmp_path / "test_a.py").write_text("import time\n\ndef test_sleeps():\n    time.sleep(600)\n")
+        outcome, _, failed = mutations.run_tests(tmp_path, ["test_a.py"], tmp_path / "log", 3, server)
+        assert (outcome, failed) == ("error", []) and "timed out after 3 s" in (tmp_path / "log").read_text()
+    finally:
+        if server is not None:
+            server.close()
 
 
-def test_each_entry_is_run_after_the_baseline_and_reported(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_each_entry_is_run_after_the_baseline_and_reported(jobs, tmp_path, monkeypatch, capsys):
     """The named tests run once unchanged, then once per entry with its change made (and undone
-    after); the table says caught or SURVIVED, and the exit code that not every one was caught."""
-    _tree(tmp_path, monkeypatch, [("a.py", "y = 2", "y = 3", [BEHAVIOUR]), ("a.py", "y = 2", "y = 4", [BEHAVIOUR])])
-    (tmp_path / "tests" / "test_predict.py").write_text("def test_a_mixed_folder_gives_the_validation_pass_p_dog():\n")
-    monkeypatch.setattr(mutations, "scratch_copy", lambda: tmp_path)
+    after), each entry in one of `jobs` scratch copies; the table says caught or SURVIVED in the
+    list's order, and the exit code that not every one was caught."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _tree(repo, monkeypatch, [("a.py", "y = 2", "y = 3", [BEHAVIOUR]), ("a.py", "y = 2", "y = 4", [BEHAVIOUR])])
+    (repo / "tests" / "test_predict.py").write_text("def test_a_mixed_folder_gives_the_validation_pass_p_dog():\n")
+    copies = []
+
+    def scratch_copy():
+        copies.append(shutil.copytree(repo, tmp_path / f"copy-{len(copies)}"))
+        return copies[-1]
+    monkeypatch.setattr(mutations, "scratch_copy", scratch_copy)
     ran = []
 
-    def run_tests(copy, tests, log, timeout):
-        ran.append((tests, (copy / "a.py").read_text()))
+    def run_tests(copy, tests, log, timeout, server=None):
+        ran.append((copy.name, tests, (copy / "a.py").read_text()))
         broken = "y = 3" in (copy / "a.py").read_text()
         return ("failed", 1.0, [BEHAVIOUR]) if broken else ("passed", 1.0, [])
     monkeypatch.setattr(mutations, "run_tests", run_tests)
-    monkeypatch.setattr(sys, "argv", ["mutations.py", "--keep"])
+    monkeypatch.setattr(sys, "argv", ["mutations.py", "--keep", "--cold", "-j", jobs])
     assert mutations.main() == 1
-    assert ran == [([BEHAVIOUR], "x = 1\nx = 1\ny = 2\n"), ([BEHAVIOUR], "x = 1\nx = 1\ny = 3\n"),
-                   ([BEHAVIOUR], "x = 1\nx = 1\ny = 4\n")]
-    assert (tmp_path / "a.py").read_text() == "x = 1\nx = 1\ny = 2\n", "each change undone"
+    assert len(copies) == int(jobs)
+    assert ran[0] == ("copy-0", [BEHAVIOUR], "x = 1\nx = 1\ny = 2\n"), "the baseline first, unchanged"
+    assert sorted(text for _, _, text in ran[1:]) == ["x = 1\nx = 1\ny = 3\n", "x = 1\nx = 1\ny = 4\n"]
+    assert {name for name, _, _ in ran[1:]} == {copy.name for copy in copies}, "each copy ran an entry"
+    assert all((copy / "a.py").read_text() == "x = 1\nx = 1\ny = 2\n" for copy in copies), "each change undone"
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "`" in line]
     assert [row[3] for row in rows] == ["caught", "SURVIVED"]
 

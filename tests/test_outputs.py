@@ -92,7 +92,14 @@ def test_training_refuses_an_output_that_is_an_input_or_another_output(tiny_data
              (["--plot", str(tmp_path / "curves.png")], "would replace --data-dir's train.csv"),
              (["--weights", str(tmp_path / "weights.pth"), "--checkpoint", str(tmp_path / "weights.pth")],
               "would replace --weights"),
-             (["--cache", str(cache), "--plot", str(cache / "curves.png")], f"is inside --cache ({cache})")]
+             (["--cache", str(cache), "--plot", str(cache / "curves.png")], f"is inside --cache ({cache})"),
+             # One rule for every output of a run: none inside the data folder (these were taken).
+             (["--log-dir", str(data / "train" / "tb")], f"--log-dir {data / 'train' / 'tb'} is inside --data-dir's train/"),
+             (["--cache", str(data / "train" / "pixels")], f"--cache {data / 'train' / 'pixels'} is inside --data-dir's"),
+             (["--track", "mlflow", "--tracking-uri", f"sqlite:///{data / 'train' / 'mlflow.db'}"],
+              f"--tracking-uri's database {data / 'train' / 'mlflow.db'} is inside --data-dir's train/ ({data / 'train'})"),
+             (["--track", "mlflow", "--tracking-uri", f"sqlite:///{data / 'store' / 'mlflow.db'}", "--log-dir",
+               str(data / "store" / "mlartifacts")], "is also where --log-dir writes")]
     before = _snapshot(tmp_path)
     for flags, message in cases:
         _train_fails(["--data-dir", str(data), *outputs(out), *flags], monkeypatch, capsys, message)

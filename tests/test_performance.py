@@ -1,6 +1,6 @@
 """The speed options change nothing they should not, and each really takes effect: --cache (also
 shared by ranks, several builders, a damaged file), the draft JPEG decode, --channels-last,
---compile, --amp bf16 and fp16."""
+--compile, --amp bf16 and fp16; the normalisation on the device, in place, gives what the formula does."""
 import json
 import shutil
 import subprocess
@@ -32,7 +32,7 @@ from src.datasets import open_rgb
 from src.errors import UserError
 from src.loaders import labelled_data, labelled_images
 from src.tools import prepare
-from src.transforms import image_transform, model_inputs
+from src.transforms import IMAGENET_MEAN, IMAGENET_STD, image_transform, model_inputs, normalize
 
 
 def _dataset(data_dir, size):
@@ -286,3 +286,20 @@ def test_fp16_scales_the_loss_and_stays_near_float32(runs, far):
     assert scaler["scale"] == 65536.0 and scaler["_growth_tracker"] == 10  # 10 steps, none skipped
     low, high = LOW_PRECISION
     assert low < distance(last_model(out), last_model(mode_run(runs, "single")[0])) / far < high
+
+
+@pytest.mark.parametrize("shape, channels_last", [((4, 3, 37, 21), False), ((3, 3, 16, 16), True)])
+def test_normalize_in_place_gives_the_formulas_values_and_leaves_its_input(shape, channels_last):
+    """normalize() divides, subtracts and divides in place on one float copy: every value is the one
+    that (x.float() / 255 - mean) / std gives, bit for bit, in the layout asked for; and a float
+    batch given to it (predict's and export's callers could pass one) comes back unchanged."""
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    source = images.contiguous(memory_format=torch.channels_last) if channels_last else images
+    expected = (source.float() / 255 - mean) / std
+    found = normalize(images, channels_last)
+    assert torch.equal(found, expected) and found.stride() == expected.stride()
+    floats = images.float()
+    kept = floats.clone()
+    assert torch.equal(normalize(floats), expected if not channels_last else (images.float() / 255 - mean) / std)
+    assert torch.equal(floats, kept)

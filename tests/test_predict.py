@@ -218,3 +218,17 @@ def test_kaggle_test_folder_with_a_broken_image_is_refused(exact_data, checkpoin
     _fails(["--data-dir", tmp_path, "--checkpoint", checkpoint, "--output", tmp_path / "s.csv", "--workers", "0"],
            monkeypatch, capsys, "a submission needs a prediction for every test image")
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_help_gives_every_option_a_text_and_its_default(monkeypatch, capsys):
+    """`predict --help` showed no default and no text for --batch-size: every option has a text
+    and says its default (in its own words, or argparse's "(default: ...)" after it)."""
+    code, out, _ = in_process(predict.main, ["--help"], monkeypatch, capsys)
+    assert code == 0
+    entries = re.split(r"\n(?=  -)", out[out.index("\n  -h, --help"):])[2:]  # after -h's
+    assert len(entries) >= 10
+    for entry in entries:
+        text = entry.strip().partition(" ")[2]
+        assert text.strip() and "default" in text, entry
+    batch = next(entry for entry in entries if entry.lstrip().startswith("--batch-size"))
+    assert " ".join(batch.split()).endswith("(default: 100)")

@@ -7,9 +7,10 @@ says it), the launcher's 1; nothing written."""
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, outputs, run
+from conftest import TINY, fails_in_process, in_process, on_threads, outputs, run
 
 from src.errors import UserError
 from src.process_group import check_same_flags
@@ -197,6 +198,41 @@ def test_a_quiet_rank_waits_for_the_launcher_and_rank_0_does_not(monkeypatch):
         assert slept == waits, (rank, world_size)
 
 
+def test_rank_0_alone_says_a_refusal_that_every_rank_finds_and_the_others_end_quietly():
+    """Two ranks (threads of this process, their collectives run between them) launched with
+    different flags, or with fewer validation images or training images than they need: every
+    rank refuses with the same line, rank 0 prints it (quiet=False) and rank 1 ends without a
+    word (quiet=True), whose exit then waits for the launcher (before_a_silent_exit). Under a
+    launcher, which of the two exits first is a race: the launches above cannot tell who spoke."""
+    import torch
+
+    from src.cli import parse_args
+    from src.loaders import Data, check_batches
+
+    def refusal(check):
+        try:
+            check()
+        except UserError as error:
+            return str(error), error.quiet
+        return None
+
+    def different_flags(rank: int):
+        argv = ["--arch", "squeezenet1_1", "--lr", "0.01" if rank == 0 else "0.5"]
+        return refusal(lambda: check_same_flags(parse_args("", argv, script="train_ddp.py")))
+    said = on_threads(2, different_flags)
+    assert [quiet for _, quiet in said] == [False, True] and said[0][0] == said[1][0]
+    assert said[0][0].startswith("the ranks were launched with different flags (--lr: 0.01 on rank 0, 0.5 on rank 1)")
+
+    dataset = [(torch.zeros(1), i) for i in range(10)]
+    for train, val, batch, line in (
+            (8, 1, 1, "2 processes but only 1 validation images"),
+            (3, 2, 2, "--batch-size 2 x 2 process(es) = 4 is more than the 3 training images")):
+        data = Data(dataset, list(range(train)), list(range(train, train + val)), "")
+        args = parse_args("", ["--batch-size", str(batch), "--workers", "0"])
+        said = on_threads(2, lambda rank: refusal(lambda: check_batches(data, args, 2)))
+        assert [quiet for _, quiet in said] == [False, True] and said[0][0].startswith(line), said
+
+
 def test_one_rank_of_three_with_another_flag_is_named(monkeypatch):
     """Three ranks, rank 2 alone launched with --lr 0.5: refused, naming it (a check that asked
     whether every other rank differs from rank 0 would let it train)."""
@@ -211,3 +247,47 @@ def test_one_rank_of_three_with_another_flag_is_named(monkeypatch):
     monkeypatch.setattr(ranks, "gather", lambda mine: [mine, ranks.compared_flags(same), ranks.compared_flags(other)])
     with pytest.raises(UserError, match=r"different flags \(--lr: 0.01 on ranks 0-1, 0.5 on rank 2\)"):
         check_same_flags(same)
+
+
+def test_predicts_ranks_agree_on_flags_and_on_the_checkpoints_content(untrained, tiny_data, tmp_path, monkeypatch,
+                                                                       capsys):
+    """predict under a launcher compared nothing: rank 1 with --tta (or another --checkpoint) wrote
+    a CSV whose rows 1-4 were without TTA and 5-8 with it, exit 0. Rank 0 here runs in this
+    process, rank 1's flags handed over as gather hands them (what predict's own check on rank 1
+    sends). Another --tta, --batch-size or checkpoint content: one line, no CSV. Another path to
+    the same bytes (each node its own copy) and another --output or --workers: predicted."""
+    import src.process_group as ranks
+    from src.tools import predict
+    copy = tmp_path / "node1" / "best.pth"
+    copy.parent.mkdir()
+    shutil.copy(untrained, copy)
+    shutil.copy(untrained.with_suffix(".json"), copy.with_suffix(".json"))
+    other = tmp_path / "other" / "best.pth"
+    other.parent.mkdir()
+    other.write_bytes(untrained.read_bytes() + b"\0")
+    images = str(tiny_data / "test")
+    rank_0 = [images, "--checkpoint", str(untrained), "--output", str(tmp_path / "p.csv"), "--workers", "0"]
+
+    def sent_by_rank_1(argv: list[str]) -> dict:
+        """What predict's check of rank 1 hands to gather, launched with `argv`."""
+        sent = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ranks, "gather", lambda mine: sent.append(mine) or [mine])
+            predict.check_ranks_agree(predict.parse_args(argv))
+        return sent[0]
+
+    # A world of two as src.process_group sees it (the rest of predict runs as one process).
+    monkeypatch.setattr(ranks, "dist", SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda: 2,
+                                                       get_rank=lambda: 0))
+    same = "launch every process with the same flags (--output and --workers may differ per node)"
+    for rank_1, named in ([[*rank_0, "--tta"], "--tta: not given on rank 0, given on rank 1"],
+                          [[*rank_0, "--batch-size", "4"], "--batch-size: 100 on rank 0, 4 on rank 1"],
+                          [[images, "--checkpoint", str(other)], "--checkpoint: a file of sha256 "]):
+        monkeypatch.setattr(ranks, "gather", lambda mine, theirs=sent_by_rank_1(rank_1): [mine, theirs])
+        line = fails_in_process(predict.main, rank_0, monkeypatch, capsys, "the ranks were launched with different flags (")
+        assert named in line and line.endswith(same), line
+    assert not (tmp_path / "p.csv").exists()
+    agree = sent_by_rank_1([images, "--checkpoint", str(copy), "--output", str(tmp_path / "q.csv"), "--workers", "1"])
+    monkeypatch.setattr(ranks, "gather", lambda mine: [mine, agree])
+    code, out, err = in_process(predict.main, rank_0, monkeypatch, capsys)
+    assert code == 0 and "predicted 6 images" in out, err

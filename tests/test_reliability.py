@@ -37,6 +37,7 @@ from conftest import (
     run_main,
     same_end,
     stop_line,
+    stops_straight,
     weights,
 )
 
@@ -61,11 +62,6 @@ def _flags(data, out, batch, epochs, *extra):
 def straight(runs):
     """Two epochs of train_single.py --batch-size 2B with dropout, never stopped."""
     return resumable_run(runs, "single")[0]
-
-
-@pytest.fixture(scope="module")
-def straight_ddp(runs):
-    return resumable_run(runs, "ddp")[0]
 
 
 def _interrupted(result, tmp_path, epoch, step):
@@ -123,15 +119,18 @@ def test_ctrl_c_anywhere_then_resume_equals_the_straight_run(exact_data, straigh
     assert 500 < epoch_2["data_wait_seconds"] < epoch_2["train_seconds"] - 499
 
 
-def test_killed_worker_is_restarted_and_the_job_finishes_the_same(exact_data, straight_ddp, tmp_path):
-    """SIGKILL rank 1 at its 8th step (epoch 2 of 2); torchrun restarts the workers, which
-    resume on their own from the step checkpoint after step 6 (--save-every-steps 3) and redo 7."""
-    result = run([*TORCHRUN, "--max-restarts=1", "train_ddp.py", *_flags(exact_data, tmp_path, B, 2),
-                  "--save-every-steps", "3"], env={"PYTHONPATH": HOOKS, "KILL_AT_STEP": "8", "KILL_RANK": "1"})
+def test_killed_worker_is_restarted_and_the_job_finishes_the_same(ddp_stops, runs):
+    """SIGKILL of rank 0 as its 3rd step starts (the run's 19th, epoch 2 of 2, after a resume from
+    step 16; conftest.ddp_stops' last launch); torchrun restarts the workers, which resume on their
+    own from the step checkpoint after step 18 (--save-every-steps 3) and redo 19."""
+    out, result = ddp_stops["restarted"]
+    where = out.parent / "out"
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resumed from {tmp_path}/last.pth in epoch 2 of 2 after its step 1: going on" in result.stdout
     assert "exitcode: -9" in result.stderr  # torchrun saw the SIGKILL
-    same_end(tmp_path, straight_ddp)
+    first, restart = result.stdout.split("resumed from")[1:]
+    assert first.startswith(f" {where}/last.pth in epoch 2 of 2 after its step 6: going on")
+    assert restart.startswith(f" {where}/last.pth in epoch 2 of 2 after its step 8: going on")
+    same_end(out, stops_straight(runs, "ddp"))
 
 
 def test_a_dead_rank_ends_the_job_within_the_bound(exact_data, tmp_path):

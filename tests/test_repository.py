@@ -1,11 +1,12 @@
 """The repository itself: no large file in git, every package the code imports pinned, the Python
 version stated where tools read it (pyproject.toml) and where people read it (README)."""
 import ast
+import json
 import subprocess
 import sys
 import tomllib
 
-from conftest import ROOT
+from conftest import ROOT, TINY, outputs, python
 
 MB = 1_000_000
 # Import names that differ from the name pip installs.
@@ -46,7 +47,7 @@ def _pinned() -> dict[str, str]:
             line = line.split("#")[0].strip()
             if "==" in line:
                 name, version = line.split("==")
-                pins[name.strip().lower()] = version.strip()
+                pins[name.split("[")[0].strip().lower()] = version.strip()  # ray[train]: the package ray
     return pins
 
 
@@ -115,8 +116,8 @@ def test_make_test_sees_to_the_browser_before_the_tests_and_ci_runs_only_readme_
     without chromium), and shows the reasons of skipped tests; CI (.ci/run) runs README's
     commands and nothing that they do not (it installed chromium itself)."""
     from doc_commands import commands
-    planned = subprocess.run(["make", "-n", "-o", ".venv/.installed", "test"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.splitlines()
+    planned = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert [line.split()[1:] for line in planned] == [["checks/browser.py"], ["-m", "pytest", "-q", "-rs", "-n", "2",
                                                                              "tests"]], planned
     readme = {command.text.split("#")[0].strip() for command in commands(ROOT) if command.page == "README.md"}
@@ -124,3 +125,101 @@ def test_make_test_sees_to_the_browser_before_the_tests_and_ci_runs_only_readme_
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert "make test" in ci and "make lint" in ci
     assert [line for line in ci if line not in readme] == []
+
+
+def _installed_by(requirements: str) -> set[str]:
+    """The distributions `pip install -r requirements` brings (its pins, the files it includes with
+    -r, and everything they require, with the extras they ask for, on this platform), read from the
+    installed packages' metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    lines = [line.split("#")[0].strip() for line in (ROOT / requirements).read_text().splitlines()]
+    pending = [(Requirement(line), tuple(Requirement(line).extras)) for line in lines if line and not line.startswith("-r ")]
+    found: set[str] = set().union(*(_installed_by(line.removeprefix("-r ")) for line in lines if line.startswith("-r ")))
+    while pending:
+        requirement, extras = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name in found and not extras:
+            continue
+        found.add(name)
+        for text in metadata.requires(name) or []:
+            needed = Requirement(text)
+            if needed.marker is None or any(needed.marker.evaluate({"extra": extra}) for extra in ("", *extras)):
+                pending.append((needed, tuple(needed.extras)))
+    return found
+
+
+# Run in a fresh interpreter: the top-level modules that only the other installed distributions
+# provide are absent as a package not installed is (None in sys.modules: `import x` raises
+# ModuleNotFoundError, importlib.util.find_spec("x") answers None); then the code of argv[2] runs.
+ONLY = """
+import json, sys
+sys.modules.update(dict.fromkeys(json.loads(sys.argv[1])))
+exec(sys.argv[2])
+"""
+
+
+def test_training_predict_and_the_report_need_only_requirements_txt(tiny_data, tmp_path):
+    """`pip install -r requirements.txt` installs training alone (the trackers, ONNX and the tests
+    have files of their own): with only its distributions importable, train_single.py trains,
+    predict predicts a folder and the report is written; --track mlflow is one line naming the file
+    that installs it. requirements.txt held MLflow and W&B (630 MB), the tests' packages and ONNX
+    came with make demo's install."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+    training = _installed_by("requirements.txt")
+    assert {"torch", "torchvision", "accelerate", "pandas", "pillow", "tqdm", "matplotlib", "jinja2"} <= training
+    assert not {"mlflow", "wandb", "onnx", "onnxruntime", "pytest", "playwright"} & training
+    assert {"mlflow", "wandb"} <= _installed_by("requirements-track.txt")
+    tests = _installed_by("requirements-test.txt")
+    assert training | {"mlflow", "wandb", "onnx", "onnxruntime", "pytest"} <= tests
+    others = sorted(module for module, names in metadata.packages_distributions().items()
+                    if not any(canonicalize_name(name) in training for name in names))
+    assert {"mlflow", "wandb", "onnx", "pytest"} <= set(others)
+    out = tmp_path / "run"
+    predicted = [str(tiny_data / "test"), "--checkpoint", str(out / "best.pth"), "--output", str(tmp_path / "p.csv"),
+                 "--workers", "0"]
+    program = (f"import train_single\nfrom src.tools import predict, report\n"
+               f"train_single.main({[*TINY, '--data-dir', str(tiny_data), *outputs(out)]!r})\n"
+               f"predict.main({predicted!r})\nreport.main({[str(out), '--workers', '0']!r})\n")
+    result = python("-c", ONLY, json.dumps(others), program)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "report.html").is_file() and (tmp_path / "p.csv").read_text().count("\n") == 1 + 6
+    tracked = python("-c", ONLY, json.dumps(others), f"import train_single\ntrain_single.main({[*TINY, '--track', 'mlflow']!r})")
+    assert tracked.returncode == 2 and tracked.stderr.splitlines() == [
+        "train_single.py: error: argument --track: mlflow is not installed in this environment: "
+        "pip install -r requirements-track.txt (see --help)"], tracked.stderr
+
+
+# NVIDIA's minimum Linux x86_64 driver of each CUDA release (the CUDA Toolkit release notes' table).
+CUDA_DRIVERS = {"13.0": "580.65.06"}
+
+
+def test_the_docs_name_the_cuda_and_driver_of_the_pinned_torch():
+    """The driver torch 2.14.1 needs was named nowhere: docs/gpus.md and requirements.txt name the
+    CUDA release the installed torch wheel requires (its cuda-toolkit pin) and NVIDIA's minimum
+    driver for it."""
+    from importlib import metadata
+    pins = [text for text in metadata.requires("torch") or [] if text.startswith("cuda-toolkit")]
+    assert pins, "torch's wheel here is a CUDA one (its cuda-toolkit requirement)"
+    cuda = ".".join(pins[0].split("==")[1].split(";")[0].strip().split(".")[:2])
+    page = " ".join((ROOT / "docs" / "gpus.md").read_text().split())
+    assert f"built for **CUDA {cuda}**" in page and f"driver must be {CUDA_DRIVERS[cuda]} or newer" in page
+    assert f"CUDA {cuda}" in (ROOT / "requirements.txt").read_text() and CUDA_DRIVERS[cuda] in (ROOT / "README.md").read_text()
+
+
+def test_make_demo_installs_training_alone_and_make_test_everything(tmp_path):
+    """`make -n` on a machine without .venv: make demo installs requirements.txt alone (it was the
+    whole test environment, trackers and ONNX included), make test requirements-test.txt."""
+    for name in ("Makefile", *(path.name for path in ROOT.glob("requirements*.txt"))):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+
+    def installs(target: str) -> list[str]:
+        made = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, check=True)
+        return [line.split(" -r ", 1)[1] for line in made.stdout.splitlines() if "pip install -r " in line]
+
+    assert installs("demo") == ["requirements.txt"]
+    assert installs("test") == ["requirements-test.txt"]

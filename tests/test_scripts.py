@@ -2,8 +2,10 @@
 from the syntax tree, so a comment naming them does not count), written as their documentation
 writes them, and none of the other modes' calls; the saving and stopping are in its loop; it is a
 top-to-bottom recipe of at most 200 lines. (`diff train_single.py train_ddp.py` shows DDP: the
-diffs may grow, as long as what they show is the mode.)"""
+diffs may grow, as long as what they show is the mode, and each line there that calls what guards
+the mode, not the mode itself, is marked `# guard:`.)"""
 import ast
+import difflib
 
 import pytest
 import torch.nn as nn
@@ -43,6 +45,10 @@ MODE_ONLY = {
     "accelerator.init_trackers": "train_accelerate.py", "dist.init_process_group": "train_ddp.py train_fsdp.py",
     "ray.init": "train_ray.py", "ray.train.torch.TorchTrainer": "train_ray.py", "ray.train.report": "train_ray.py",
 }
+# What guards a mode, in src/ (the restart attempt's store, the same flags on every rank, the heartbeat,
+# unpadded validation shards, the launch checks): not the mode's own calls, marked where a script makes them.
+GUARDS = ("process_device", "torchrun_store", "check_same_flags", "watch_ranks", "ShardSampler",
+          "check_data_parallel", "check_launch", "check_accelerator")
 # The training state's verbs, which every script calls where the reader sees them (src/state.py).
 STATE_VERBS = {"state.resume", "state.epoch_sums", "state.stop_agreed", "state.checkpoint_due", "state.save_step",
                "state.stop", "state.record", "state.save_epoch", "state.stop_signals", "state.track"}
@@ -203,6 +209,49 @@ def test_each_script_is_a_short_recipe(script):
     functions = [node.name for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)]
     worker = ["train_loop_per_worker"] if script == "train_ray.py" else []  # what a Ray Train worker runs
     assert functions == ["loaders", "train_epoch", "evaluate", "train", *worker, "main"], functions
+
+
+def unmarked_guards(script: str, against: str = "train_single.py") -> list[str]:
+    """The statements of `script` that call a guard and that `diff against script` shows (a line of
+    theirs among the script's added or changed ones), without a `# guard:` comment on one of their
+    lines or opening the comment lines right above them."""
+    text = (ROOT / script).read_text()
+    lines, theirs = text.splitlines(), (ROOT / against).read_text().splitlines()
+    added = {i for tag, _, _, start, end in difflib.SequenceMatcher(None, theirs, lines, autojunk=False).get_opcodes()
+             if tag in ("replace", "insert") for i in range(start, end)}
+    tree = ast.parse(text)
+
+    def guarded(node: ast.AST) -> bool:
+        return any(isinstance(call, ast.Call) and (dotted(call.func) or "").split(".")[-1] in GUARDS
+                   for call in ast.walk(node))
+    # Simple statements (a compound one's body is other statements), and the items of a `with`.
+    spans = [node for node in ast.walk(tree) if isinstance(node, ast.stmt) and not hasattr(node, "body") and guarded(node)]
+    spans += [item.context_expr for node in ast.walk(tree) if isinstance(node, ast.With) for item in node.items
+              if guarded(item.context_expr)]
+    statements = {(node.lineno - 1, node.end_lineno or node.lineno) for node in spans}
+
+    def comment_above(first: int) -> str:
+        top = first
+        while top and lines[top - 1].strip().startswith("#"):
+            top -= 1
+        return lines[top].strip() if top < first else ""
+
+    return [lines[first].strip() for first, end in sorted(statements) if added & set(range(first, end))
+            and not any("# guard:" in line for line in lines[first:end]) and not comment_above(first).startswith("# guard:")]
+
+
+@pytest.mark.parametrize("script, against", [("train_dp.py", "train_single.py"), ("train_ddp.py", "train_single.py"),
+                                             ("train_fsdp.py", "train_single.py"), ("train_fsdp.py", "train_ddp.py"),
+                                             ("train_accelerate.py", "train_single.py"), ("train_ray.py", "train_ddp.py"),
+                                             ("train_ray.py", "train_single.py")])
+def test_every_guard_in_a_diff_is_marked_as_one(script, against):
+    """`diff train_single.py train_ddp.py` showed the restart attempt's store, the flag check, the
+    heartbeat and the validation shards among DDP's calls, nothing telling them apart: each call of
+    a guard the diff shows is marked `# guard:` where it stands, and README says what the mark means."""
+    found = calls(script)
+    assert any(guard in found for guard in GUARDS), "the script calls a guard"
+    assert unmarked_guards(script, against) == []
+    assert "`# guard:`" in (ROOT / "README.md").read_text()
 
 
 def test_readmes_table_names_each_modes_calls():

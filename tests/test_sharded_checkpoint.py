@@ -8,7 +8,6 @@ average), ending where the straight run ends within the modes' tolerance."""
 import os
 import pickle
 import shutil
-import sys
 import threading
 import traceback
 from datetime import timedelta
@@ -35,9 +34,11 @@ from conftest import (
     last_model,
     outputs,
     run,
+    run_main,
     same_end,
     shard_as_train_fsdp,
     stop_line,
+    stops_straight,
     weights,
 )
 
@@ -628,7 +629,9 @@ def test_a_folder_holding_a_last_dcp_holds_an_earlier_run(fsdp_stopped, tmp_path
     args = defaults(checkpoint=str(tmp_path / "out" / "best.pth"), plot=str(tmp_path / "p.png"),
                     overwrite=True, resume=False)
     _check_overwrite(args, output_paths(args))
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock"]  # the lock file stays, meaning nothing
+    # The lock file stays, meaning nothing; so does the run's MLflow store (--track mlflow), which
+    # keeps the earlier runs (docs/watching.md).
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".run.lock", "mlflow.db"]
 
 
 # A failed save: one line, the new folder removed, the last checkpoint intact.
@@ -815,14 +818,17 @@ def _resume(main, data, folder: Path, monkeypatch, capsys, *extra: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def fsdp_stopped(exact_data, module_tmp):
-    folder = module_tmp / "fsdp-stopped"
-    result = _stopped("fsdp", exact_data, folder)
-    return folder, result
+def fsdp_stopped(fsdp_stops):
+    """The two-process FSDP run stopped by SIGTERM after step 8 (conftest.fsdp_stops): (its
+    folder, torchrun's result)."""
+    return fsdp_stops["at step 8"]
 
 
 def test_an_fsdp_run_stopped_on_two_processes_leaves_one_shard_per_rank(fsdp_stopped):
     folder, result = fsdp_stopped
+    assert result.returncode == 1 and result.stderr.count("exitcode  : 75") == 2, result.stderr[-3000:]
+    where = folder.parent / "out" / "last.dcp"
+    assert stop_line(result.stderr).startswith(f"stopped by SIGTERM at epoch 1 step 8 of 10: {where} saved there;")
     assert sorted(os.listdir(folder / "last.dcp")) == SHARDS
     assert not (folder / "last.pth").exists() and sharded_checkpoint.position(folder / "last.dcp") == (0, 8)
 
@@ -838,21 +844,23 @@ def test_resumed_on_one_process_with_twice_the_batch_it_ends_where_the_straight_
     shutil.copytree(folder, tmp_path / "out")
     printed = _resume(main, runs.exact_data, tmp_path / "out", monkeypatch, capsys)
     assert f"resumed from {tmp_path / 'out' / 'last.dcp'} in epoch 1 of 2 after its step 8: going on" in printed
-    straight = runs("fsdp", *FLAGS, "--batch-size", "5")[0]
+    straight = stops_straight(runs, "fsdp")
     assert_same_run(tmp_path / "out", straight, far)
     assert (tmp_path / "out" / "last.dcp").exists() == (main is train_fsdp.main)
     assert (tmp_path / "out" / "last.pth").exists() == (main is train_ddp.main), "one last, the newest"
 
 
-def test_a_ddp_last_pth_resumes_under_fsdp_on_one_process(exact_data, runs, far, tmp_path, world_of_one, monkeypatch,
+def test_a_ddp_last_pth_resumes_under_fsdp_on_one_process(ddp_stops, runs, far, tmp_path, world_of_one, monkeypatch,
                                                            capsys):
-    """DDP's step checkpoint of two processes (whole tensors, each rank's sums) into FSDP's shards
-    of one process, weight average and all: the same end as the straight DDP run."""
-    _stopped("ddp", exact_data, tmp_path / "out")
+    """DDP's step checkpoint of two processes (whole tensors, each rank's sums; conftest.ddp_stops'
+    stop after step 8) into FSDP's shards of one process, weight average and all: the same end as
+    the straight DDP run."""
+    shutil.copytree(ddp_stops["at step 8"].out, tmp_path / "out")
     assert weights(tmp_path / "out", "last.pth")["step"] == 8
+    assert weights(tmp_path / "out", "last.pth")["partial"]["sums"].shape[0] == 2, "each rank's row"
     printed = _resume(train_fsdp.main, runs.exact_data, tmp_path / "out", monkeypatch, capsys)
     assert f"resumed from {tmp_path / 'out' / 'last.pth'} in epoch 1 of 2 after its step 8" in printed
-    assert_same_run(tmp_path / "out", runs("ddp", *FLAGS, "--batch-size", "5")[0], far)
+    assert_same_run(tmp_path / "out", stops_straight(runs, "ddp"), far)
     assert not (tmp_path / "out" / "last.pth").exists(), "last.dcp replaced it"
 
 
@@ -866,43 +874,52 @@ def test_another_global_batch_is_refused_before_any_work(fsdp_stopped, runs, tmp
     assert sharded_checkpoint.position(tmp_path / "out" / "last.dcp") == (0, 8)
 
 
-def test_a_kill_in_a_save_leaves_the_previous_last_dcp_and_the_restart_goes_on_from_it(exact_data, runs, tmp_path):
-    """Rank 1 killed as it starts writing its shard of the second step checkpoint (after step 6;
-    the first was after step 3): torchrun restarts both workers, which find last.dcp of step 3 whole
-    (the half-written new folder removed) and end bit for bit where the straight run does."""
-    straight = runs("fsdp", *FLAGS, "--batch-size", "5")[0]
-    result = run([*TORCHRUN, "--max-restarts=1", "train_fsdp.py", "--data-dir", str(exact_data), *FLAGS, "--batch-size",
-                  "5", "--save-every-steps", "3", *outputs(tmp_path)],
-                 env={"PYTHONPATH": HOOKS, "KILL_AT_SHARD": "2", "KILL_RANK": "1"}, timeout=600)
+def test_a_kill_in_a_save_leaves_the_previous_last_dcp_and_the_restart_goes_on_from_it(fsdp_stops, runs):
+    """The stopped run resumed under --max-restarts=1, rank 1 killed as it starts writing its
+    shard of the step checkpoint after step 12 (its third save: after step 9, at epoch 1's end,
+    then this one; conftest.fsdp_stops): torchrun restarts both workers, which find epoch 1's
+    last.dcp whole (the half-written new folder removed) and end bit for bit where the straight
+    run does."""
+    out, result = fsdp_stops["restarted"]
+    where = out.parent / "out" / "last.dcp"
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exitcode: -9" in result.stderr
-    assert f"resumed from {tmp_path / 'last.dcp'} in epoch 1 of 2 after its step 3: going on" in result.stdout
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".last", "last"))) == ["last.dcp"]
-    same_end(tmp_path, straight)
+    first, restart = result.stdout.split("resumed from")[1:]
+    assert first.startswith(f" {where} in epoch 1 of 2 after its step 8: going on")
+    assert restart.startswith(f" {where} after epoch 1 of 2: going on")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".last", "last"))) == ["last.dcp"]
+    same_end(out, stops_straight(runs, "fsdp"))
 
 
-# ResNet-18 with batch norm synchronised and a weight average, in float64 (test_sync_bn.py says why).
-
-RESNET = [*LEARN, *VAL, "--workers", "0", "--epochs", "2", "--sync-bn", "--ema-decay", "0.9"]
+# ResNet-18 with batch norm synchronised and a weight average, in float64 (test_sync_bn.py says
+# why; ShuffleNet V2 x0.5, whose two-process run takes half as long in float32, took longer than
+# ResNet-18 in float64: its depthwise convolutions have no fast float64 kernel on a CPU).
+BATCH_NORM = [*LEARN, *VAL, "--workers", "0", "--epochs", "2", "--sync-bn", "--ema-decay", "0.9"]
 FLOAT64 = {"FLOAT64": "1"}
 
 
-@pytest.mark.parametrize("script", ["train_fsdp.py", "train_ddp.py"])
-def test_resnet18_with_sync_bn_and_ema_stopped_on_two_resumes_on_one(script, exact_data, runs, module_tmp, tmp_path):
+@pytest.fixture(scope="module")
+def batch_norm_stopped(exact_data, module_tmp):
+    """FSDP on two processes (BATCH_NORM) stopped by SIGTERM after step 8."""
+    folder = module_tmp / "batch-norm-stopped"
+    _stopped("fsdp", exact_data, folder, *BATCH_NORM, env=FLOAT64)
+    return folder
+
+
+@pytest.mark.parametrize("main", [train_fsdp.main, train_ddp.main], ids=["fsdp", "ddp"])
+def test_resnet18_with_sync_bn_and_ema_stopped_on_two_resumes_on_one(main, batch_norm_stopped, runs, tmp_path,
+                                                                        world_of_one):
     """FSDP on two processes (--sync-bn, --ema-decay) stopped mid-epoch, resumed by one process of
-    FSDP or DDP with twice the batch: the weights, their average and batch norm's statistics end
-    where the straight two-process run's do; the yardstick is the same job with another global
-    batch."""
-    stopped = module_tmp / "resnet-stopped"
-    if not stopped.exists():
-        _stopped("fsdp", exact_data, stopped, *RESNET, env=FLOAT64)
-    shutil.copytree(stopped, tmp_path / "out")
-    result = run([sys.executable, script, "--data-dir", str(exact_data), *RESNET, "--batch-size", "10", "--resume",
-                  *outputs(tmp_path / "out")], env={"PYTHONPATH": HOOKS, **FLOAT64})
+    FSDP or DDP with twice the batch (a world of one in this process): the weights, their average
+    and batch norm's statistics end where the straight two-process run's do; the yardstick is the
+    same job with another global batch."""
+    shutil.copytree(batch_norm_stopped, tmp_path / "out")
+    result = run_main(main, ["--data-dir", str(runs.exact_data), *BATCH_NORM, "--batch-size", "10", "--resume",
+                             *outputs(tmp_path / "out")], env=FLOAT64)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "in epoch 1 of 2 after its step 8: going on" in result.stdout
-    straight = runs("fsdp", *RESNET, "--batch-size", "5", env=FLOAT64)[0]
-    other = runs("single", *RESNET, "--batch-size", "20", env=FLOAT64)[0]
+    straight = runs("fsdp", *BATCH_NORM, "--batch-size", "5", env=FLOAT64)[0]
+    other = runs("single", *BATCH_NORM, "--batch-size", "20", env=FLOAT64)[0]
     far = distance(last_model(other), last_model(straight))
     assert_same_run(tmp_path / "out", straight, far)
     statistics = [key for key in last_model(straight) if "running" in key]

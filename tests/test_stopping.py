@@ -4,7 +4,6 @@ does; every mode resumes a mid-epoch last.pth; the ranks agree on the step; a st
 micro-batches of a step waits for the step; bad input. Ctrl-C of train_single.py:
 test_reliability.py; the chaos check: test_chaos.py; a rank that stops answering: test_hung_rank.py."""
 import os
-import re
 import shutil
 import signal
 
@@ -15,8 +14,6 @@ from conftest import (
     EXACT,
     HOOKS,
     LAUNCH,
-    RESUMABLE,
-    ROOT,
     TOLERANCE,
     VAL,
     B,
@@ -27,6 +24,7 @@ from conftest import (
     history,
     in_process,
     mode_run,
+    on_threads,
     outputs,
     read_last_copy,
     run,
@@ -35,6 +33,7 @@ from conftest import (
     script_loader,
     script_pass,
     stop_line,
+    stops_straight,
     weights,
 )
 
@@ -50,69 +49,56 @@ from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
 from src.stopping import CHECK_EVERY, StopSignals, how_to_go_on
 
-TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
-# torchrun's signals in docs/slurm/train.sbatch: its default list and SIGUSR1, which srun forwards
-_SLURM_SIGNALS = re.search(r"--signals-to-handle=(\S+)", (ROOT / "docs" / "slurm" / "train.sbatch").read_text())[1]
-
-
-def _flags(data, out, batch, *extra):
-    return ["--data-dir", str(data), *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", str(batch),
-            *outputs(out), *extra]
-
 
 def _at(folder) -> tuple[int, int]:
     state = weights(folder, "last.pth")
     return state["epoch"], state["step"]
 
 
-def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end(exact_data, runs,
-                                                                                        tmp_path):
-    """Two DDP processes, 10 steps an epoch, 3 epochs, --save-every-steps 9 (after a step, the ranks
-    start an all-reduce of their flags every CHECK_EVERY = 4 steps of the run and read it at the
-    next check, whatever --log-every says; at an epoch's start they agree at once):
-    1. SIGTERM to torchrun in step 1, which forwards it to both workers: the check after step 4
-       carries it, the one after step 8 reads it, and both stop after step 8; a second SIGTERM
+def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_same_end(ddp_stops, runs):
+    """Two DDP processes, 10 steps an epoch, 2 epochs, --save-every-steps 3 (conftest.ddp_stops;
+    after a step, the ranks start an all-reduce of their flags every CHECK_EVERY = 4 steps of the
+    run and read it at the next check, whatever --log-every says; at an epoch's start they agree
+    at once):
+    1. SIGUSR1 to rank 1 alone in step 1: the check after step 4 carries it, the one after step 8
+       reads it, and both stop after step 8 (not at the next epoch's start); a signal to rank 0
        during the stop's save changes nothing;
     2. --resume; SIGUSR1 to rank 1 alone in the run's step 9 (torchrun does not see it): both stop
        at the next epoch's start, epoch 1's files saved;
     3. --resume under torchrun started as docs/slurm/train.sbatch starts it (--signals-to-handle with
        SIGUSR1); SIGUSR1 to torchrun in step 11, which forwards it: both stop after step 16 (epoch 2
        step 6) (Ctrl-C to torchrun: test_chaos.py);
-    4. --resume ends with the weights, weight average, history and best.pth of the straight run."""
+    4. --resume (a worker killed and restarted on the way: test_reliability.py) ends with the
+       weights, weight average, history and best.pth of the straight run."""
     assert CHECK_EVERY == 4  # the steps below
-    common = [*RESUMABLE, *VAL, "--epochs", "3", "--batch-size", "5", "--log-every", "1"]
-    straight = runs("ddp", *common)[0]
-    flags = ["--data-dir", str(exact_data), *common, *outputs(tmp_path), "--save-every-steps", "9"]
+    where = ddp_stops["at step 8"].out.parent / "out"  # the folder the launches wrote, as they name it
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags],
-                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGTERM",
-                      "SIGNAL_AT_REPLACE": "last.pth:1"}, timeout=300)
-    assert result.returncode == 1, result.stderr[-3000:]  # torchrun's own code after it forwarded a signal
-    assert "got signal: 15" in result.stderr and result.stderr.count("Traceback") == 1, "torchrun's, no worker's"
+    out, result = ddp_stops["at step 8"]
+    assert result.returncode == 1, result.stderr[-3000:]  # torchrun's own code when a worker exits non-zero
+    assert result.stderr.count("exitcode  : 75") == 2 and "received by PID" not in result.stderr, result.stderr[-3000:]
     said, command = stop_line(result.stderr).split("; to go on, launch the same way: ")
-    assert said == f"stopped by SIGTERM at epoch 1 step 8 of 10: {tmp_path}/last.pth saved there"
+    assert said == f"stopped by SIGUSR1 at epoch 1 step 8 of 10: {where}/last.pth saved there"
     assert command.endswith(" --resume") and command.startswith("train_ddp.py --data-dir ")
-    assert _at(tmp_path) == (0, 8) and not (tmp_path / "history.json").exists()
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert _at(out) == (0, 8) and not (out / "history.json").exists()
+    assert not list(out.glob(".*.tmp"))
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300,
-                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_RANK": "1", "SIGNAL_NAME": "SIGUSR1"})
-    assert f"resumed from {tmp_path}/last.pth in epoch 1 of 3 after its step 8: going on" in result.stdout
-    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 3: {tmp_path}/last.pth holds it; ")
+    out, result = ddp_stops["after epoch 1"]
+    assert f"resumed from {where}/last.pth in epoch 1 of 2 after its step 8: going on" in result.stdout
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 after epoch 1 of 2: {where}/last.pth holds it; ")
     assert "exitcode: 75" in result.stderr and "received by PID" not in result.stderr, result.stderr[-3000:]
-    assert _at(tmp_path) == (1, 0) and [r["epoch"] for r in history(tmp_path)] == [1]
+    assert _at(out) == (1, 0) and [r["epoch"] for r in history(out)] == [1]
 
-    result = run([*TORCHRUN, f"--signals-to-handle={_SLURM_SIGNALS}", "train_ddp.py", *flags, "--resume"],
-                 timeout=300, env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent",
-                                   "SIGNAL_NAME": "SIGUSR1"})
-    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 at epoch 2 step 6 of 10: {tmp_path}/last.pth saved")
-    assert "got signal: 10" in result.stderr and _at(tmp_path) == (1, 6)
+    out, result = ddp_stops["at step 16"]
+    assert stop_line(result.stderr).startswith(f"stopped by SIGUSR1 at epoch 2 step 6 of 10: {where}/last.pth saved")
+    assert "got signal: 10" in result.stderr and _at(out) == (1, 6)
+    assert result.stderr.count("Traceback") == 1, "torchrun's, no worker's"
 
-    result = run([*TORCHRUN, "train_ddp.py", *flags, "--resume"], timeout=300)
+    out, result = ddp_stops["restarted"]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "in epoch 2 of 3 after its step 6: going on" in result.stdout
-    same_end(tmp_path, straight)
-    assert_same_best(tmp_path, straight)
+    assert "in epoch 2 of 2 after its step 6: going on" in result.stdout
+    straight = stops_straight(runs, "ddp")
+    same_end(out, straight)
+    assert_same_best(out, straight)
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +327,33 @@ def test_the_agreement_is_read_a_check_late_without_waiting_when_it_is_done(monk
     for done in (True, False):
         event = _Collective(done)
         assert signals._read(torch.ones(1), event) == 1 and event.waited == (0 if done else 1)
+
+
+def test_a_signal_to_one_rank_early_in_a_long_epoch_stops_every_rank_within_two_checks():
+    """A stop signal that reaches one rank only (`kill -USR1` to one worker, a scheduler signalling
+    one node), before step 1 of a 40-step epoch, on two ranks (threads of this process, their
+    agreement's collectives run between them): the check after step 4 carries it, the one after
+    step 8 reads it, and both ranks stop after step 8, not at the next epoch's start (where the
+    grace period may have run out). At an epoch's start the blocking agreement of a flag on one
+    rank stops both too; with no signal, no rank stops."""
+    assert CHECK_EVERY == 4
+
+    def steps_until_stop(rank: int, signalled: bool):
+        signals = StopSignals()
+        assert signals.distributed and not signals.on_gpu
+        if signalled and rank == 1:
+            signals._note(signal.SIGUSR1, None)  # what the handler does when the signal comes
+        stopped = next((step for step in range(1, 41) if signals.agreed_at(step)), None)
+        return stopped, signals.agreed
+    assert on_threads(2, lambda rank: steps_until_stop(rank, True)) == [(8, signal.SIGUSR1)] * 2
+    assert on_threads(2, lambda rank: steps_until_stop(rank, False)) == [(None, 0)] * 2
+
+    def at_an_epochs_start(rank: int):
+        signals = StopSignals()
+        if rank == 1:
+            signals._note(signal.SIGTERM, None)
+        return signals.agreed_now(), signals.agreed
+    assert on_threads(2, at_an_epochs_start) == [(True, signal.SIGTERM)] * 2
 
 
 def _bare_state(steps_per_epoch: int, **flags) -> TrainingState:

@@ -206,6 +206,7 @@ def test_saved_run_missing_from_the_store_is_one_line(tmp_path, monkeypatch):
     other = Tracker(_args(tmp_path / "b", "--track", "mlflow", "--resume"))  # another store
     with pytest.raises(UserError, match=f"last.pth's MLflow run {ids['mlflow']} is not in sqlite:///"):
         other.start(ids, _context(args))
+    other.finish("FAILED")  # as rank_0_tracker ends it: the environment as it was
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -223,6 +224,8 @@ def test_tracking_flags_refused_when_parsed(flags, message, capsys):
 
 
 def test_a_tracker_not_installed_is_refused_when_parsed(monkeypatch, capsys):
+    """One line naming the file that installs the trackers: requirements.txt, which the line named,
+    is the training-only install and holds neither (requirements-track.txt does, and only that)."""
     import importlib.util
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else find_spec(name, *rest))
@@ -231,7 +234,9 @@ def test_a_tracker_not_installed_is_refused_when_parsed(monkeypatch, capsys):
         parse_args("", ["--track", "mlflow", "--track", "wandb"])
     err = capsys.readouterr().err
     assert ended.value.code == 2 and "argument --track: wandb is not installed in this environment: " \
-        "pip install -r requirements.txt" in err, err
+        "pip install -r requirements-track.txt" in err, err
+    pins = {line.split("==")[0] for line in (ROOT / "requirements-track.txt").read_text().splitlines() if "==" in line}
+    assert pins == {"mlflow", "wandb"}
 
 
 def _refused(uri: str, capsys) -> str:
@@ -282,7 +287,7 @@ def test_a_server_that_never_answers_is_refused_in_bounded_time(tmp_path):
 
 def test_a_tracker_failing_during_the_run_is_one_warning(tmp_path, monkeypatch, capsys):
     """The store fails at the second epoch: one warning line, nothing raised, nothing asked of it
-    again in this run; the run is still ended (the server may be back)."""
+    again in this run; the run is still ended (the server may be back), without its artifacts."""
     from mlflow.exceptions import MlflowException
     monkeypatch.setattr(sys, "argv", ["train_single.py"])
     args = _args(tmp_path, "--track", "mlflow")
@@ -290,6 +295,7 @@ def test_a_tracker_failing_during_the_run_is_one_warning(tmp_path, monkeypatch, 
     ids = tracker.start(None, _context(args))
     tracker.log_epoch(_record(1))
     backend = tracker.backends["mlflow"]
+    backend.sender.wait()  # epoch 1 is in the store
     calls = []
 
     def down(*args, **kwargs):
@@ -299,6 +305,9 @@ def test_a_tracker_failing_during_the_run_is_one_warning(tmp_path, monkeypatch, 
     tracker.log_epoch(_record(2))
     tracker.log_step({"loss": 0.5}, 30)
     tracker.log_epoch(_record(3))
+    backend.sender.wait()  # its thread has sent them (in one call) and failed
+    assert capsys.readouterr().err == ""  # said by the training thread, at its next call
+    tracker.log_epoch(_record(4))
     assert len(calls) == 1
     err = capsys.readouterr().err
     assert err == "warning: MLflow tracking failed (API request to http://tracking:5000 failed: the server is down); " \
@@ -369,3 +378,244 @@ def test_a_wandb_file_cut_short_by_a_kill_reads_up_to_its_last_whole_record(tmp_
     resumed.log_epoch(_record(3))
     resumed.finish("FINISHED")
     assert [row["epoch"] for row in wandb_history(tmp_path, ids["wandb"]) if "epoch" in row] == [1, 2, 3]
+
+
+def _mlflow_store(folder: Path) -> Path:
+    """A store with one run (tracked and finished here), as a user's earlier run left it."""
+    args = _args(folder, "--track", "mlflow")
+    tracker = Tracker(args)
+    tracker.start(None, _context(args))
+    tracker.finish("FINISHED")
+    return folder / "mlflow.db"
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("empty", "is an empty file, which MLflow would turn into one): name a new file or an MLflow store"),
+    ("text", "is not an SQLite database, which MLflow would turn into one"),
+    ("another database", "is an SQLite database without MLflow's tables, and MLflow would add its own"),
+    ("truncated store", "MLflow cannot use it (database disk image is malformed)"),
+    ("not a database", "MLflow cannot use it (file is not a database)"),
+])
+def test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was(kind, said, tmp_path, monkeypatch, capsys):
+    """--tracking-uri sqlite:///.../empty.txt turned a user's empty file into a database; a corrupt,
+    truncated or foreign file was refused with SQLAlchemy's "(Background on this error at: ...)"
+    for its reason. Now each is one line naming what the file is, and the file is as it was."""
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    path = tmp_path / "store.db"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("notes of mine\n" * 20)
+    elif kind == "another database":
+        import sqlite3
+        with sqlite3.connect(path) as connection:
+            connection.execute("CREATE TABLE notes (text TEXT)")
+        connection.close()
+    else:
+        store = _mlflow_store(tmp_path / "run").read_bytes()
+        path.write_bytes(store[:4096] if kind == "truncated store" else store[:16] + os.urandom(4096))
+    before = path.read_bytes()
+    err = _refused(f"sqlite:///{path}", capsys)
+    assert f"error: --tracking-uri sqlite:///{path}: MLflow cannot use it (" in err and said in err, err
+    assert path.read_bytes() == before and not (tmp_path / "mlartifacts").exists()
+
+
+@pytest.mark.parametrize("uri, said", [
+    ("sqlite:///", "is an SQLite database in memory: the tracked run would vanish when the process ends"),
+    ("sqlite:///:memory:", "is an SQLite database in memory"),
+    ("sqlite://", "is an SQLite database in memory"),
+    ("file:///tmp/mlruns", "is MLflow's file store, which MLflow refuses now"),
+])
+def test_a_store_that_cannot_keep_the_run_is_refused_when_parsed(uri, said, tmp_path, monkeypatch, capsys):
+    """sqlite:/// and sqlite:///:memory: were taken: the tracked run vanished at exit and its
+    artifacts landed in ./mlruns. MLFLOW_TRACKING_URI="not a uri" was refused with MLflow's "the
+    filesystem backend is in maintenance mode"; it is held to --tracking-uri's rule now."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        parse_args("", ["--track", "mlflow", "--tracking-uri", uri])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument --tracking-uri: {uri!r} {said}" in err, err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "not a uri")
+    with pytest.raises(SystemExit):
+        parse_args("", ["--track", "mlflow"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: MLFLOW_TRACKING_URI='not a uri' is not a URI: set it to" in err, err
+    assert parse_args("", ["--track", "wandb"]).track == ["wandb"]  # MLflow's variable: not MLflow's run
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_reason_of_a_store_is_the_databases_own_words():
+    """SQLAlchemy's error ends with "(Background on this error at: URL)", which was taken for the
+    reason; MLflow re-raises it as text too; an unknown scheme was "Model registry functionality
+    is unavailable"."""
+    import sqlite3
+
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
+
+    from src.tracking import reason
+    locked = sqlalchemy.exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError("database is locked"))
+    assert str(locked).endswith("(Background on this error at: https://sqlalche.me/e/21/e3q8)")
+    assert reason(locked) == "database is locked"
+    try:
+        try:
+            raise locked
+        except sqlalchemy.exc.OperationalError as error:
+            raise MlflowException(f"{error}") from error
+    except MlflowException as wrapped:
+        assert reason(wrapped) == "database is locked"
+    assert reason(MlflowException(str(locked))) == "database is locked"  # the text alone
+    unsupported = UnsupportedModelRegistryStoreURIException("ftp://x", ["", "file", "http", "https", "sqlite"])
+    assert reason(unsupported) == "no MLflow store takes its scheme; MLflow takes http, https, sqlite"
+
+
+def test_an_unknown_scheme_and_a_locked_store_are_named_at_start(tmp_path, capsys):
+    import sqlite3
+    err = _refused("ftp://tracking/x", capsys)
+    assert "--tracking-uri ftp://tracking/x: MLflow cannot use it (no MLflow store takes its scheme; MLflow " \
+           "takes databricks" in err, err
+    store = _mlflow_store(tmp_path)
+    holder = sqlite3.connect(store, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another program writing there: SQLite's lock, for CHECK_SECONDS
+    try:
+        err = _refused(f"sqlite:///{store}", capsys)
+    finally:
+        holder.close()
+    assert f"--tracking-uri sqlite:///{store}: MLflow cannot use it (database is locked)" in err, err
+
+
+def test_the_training_thread_never_waits_for_the_store(tmp_path, monkeypatch):
+    """MLflow's log_batch ran on the training thread: against a server whose log-batch took 2 s
+    each logged step took 2.09 s there (docs/measurements.md), and under a launcher every rank
+    waited for rank 0 at the next collective. Now a thread of the tracker sends them: here the
+    store does not answer until the test lets it, and every log call returns meanwhile. Nothing
+    is lost: what is queued meanwhile goes in one call, and finish() sends what is left before it
+    ends the run. MLflow's request
+    settings are put in the environment once, and not changed while the sending thread reads
+    them (setenv beside another thread's getenv is undefined behaviour); put back at the end."""
+    import threading
+
+    from src.tracking import RUN_REQUEST
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    for name in RUN_REQUEST:
+        monkeypatch.delenv(name, raising=False)
+    args = _args(tmp_path, "--track", "mlflow")
+    tracker = Tracker(args)
+    assert {name: os.environ.get(name) for name in RUN_REQUEST} == RUN_REQUEST
+    ids = tracker.start(None, _context(args))
+    backend = tracker.backends["mlflow"]
+    asked, answer, threads, sent = threading.Event(), threading.Event(), [], []
+    log_batch = backend.client.log_batch
+
+    def slow(run_id, metrics=(), **kwargs):
+        threads.append(threading.current_thread())
+        asked.set()
+        assert answer.wait(30), "the store was never let answer: something waited for it"
+        sent.append(sorted((metric.key, metric.step) for metric in metrics))
+        log_batch(run_id, metrics=metrics, **kwargs)
+
+    monkeypatch.setattr(backend.client, "log_batch", slow)
+    environ, writes = dict(os.environ), []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "putenv", lambda *change: writes.append(change))
+        patch.setattr(os, "unsetenv", lambda *change: writes.append(change))
+        tracker.log_step({"loss": 0.1}, 10)
+        assert asked.wait(60)  # the store is asked, and holds the sending thread
+        for step in (20, 30):
+            tracker.log_step({"loss": step / 100}, step)  # returns while the store has not answered
+        tracker.log_epoch(_record(1))
+        answer.set()
+        backend.sender.wait()
+    assert writes == [] and dict(os.environ) == environ
+    tracker.finish("FINISHED")
+    assert threads and all(thread is not threading.main_thread() for thread in threads)
+    assert [[step for key, step in batch if key == "step/loss"] for batch in sent] == [[10], [20, 30]]
+    client, runs = _mlflow_runs(tmp_path)
+    assert sorted(metric.step for metric in client.get_metric_history(ids["mlflow"], "step/loss")) == [10, 20, 30]
+    assert [metric.step for metric in client.get_metric_history(ids["mlflow"], "epoch/val_acc")] == [1]
+    assert runs[0].info.status == "FINISHED"
+    assert all(name not in os.environ for name in RUN_REQUEST), "put back as it was (none set)"
+
+
+def test_a_store_failing_during_the_run_is_our_one_line_and_no_library_output(tmp_path, monkeypatch, capfd):
+    """An MLflow store that fails during the run (locked, or its file replaced): SQLAlchemy's
+    errors with their tracebacks came on the terminal through MLflow's logger (about 250 lines)
+    around our warning, whose reason was SQLAlchemy's "(Background on this error at: ...)". Now
+    the one warning line, naming the database's reason, is all that is printed, by either
+    stream; and no logger is left silenced after finish()."""
+    import logging
+
+    from src.tracking import LIBRARY_LOGGERS
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    args = _args(tmp_path, "--track", "mlflow")
+    levels = {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS}
+    tracker = Tracker(args)
+    tracker.start(None, _context(args))
+    tracker.log_step({"loss": 0.5}, 10)
+    tracker.backends["mlflow"].sender.wait()
+    capfd.readouterr()
+    with open(tmp_path / "mlflow.db", "r+b") as store:  # another program overwrites it
+        store.write(b"not a database" * 100)
+    tracker.log_step({"loss": 0.4}, 20)
+    tracker.backends["mlflow"].sender.wait()
+    tracker.log_epoch(_record(1))  # the training thread says it
+    tracker.finish("FINISHED")  # a failed store is ended quietly (it cannot be here)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "warning: MLflow tracking failed (file is not a database); training goes on " \
+                                "without it\n", err
+    assert {name: logging.getLogger(name).level for name in LIBRARY_LOGGERS} == levels
+
+
+def test_the_end_of_a_run_whose_store_failed_is_given_up_after_end_seconds(tmp_path, monkeypatch, capsys):
+    """A store locked through the end: the failed store's end waited on SQLite's busy timeout for
+    each call, and the process exited about 60 s after "done". Now it is tried once, from the
+    tracker's thread, for END_SECONDS (here the store never answers), then given up in one line."""
+    import threading
+
+    from mlflow.exceptions import MlflowException
+
+    import src.tracking as tracking
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    monkeypatch.setattr(tracking, "END_SECONDS", 0.5)
+    args = _args(tmp_path, "--track", "mlflow")
+    tracker = Tracker(args)
+    ids = tracker.start(None, _context(args))
+    backend, held = tracker.backends["mlflow"], threading.Event()
+
+    def locked(*args, **kwargs):
+        raise MlflowException("(sqlite3.OperationalError) database is locked")
+
+    def never(*args, **kwargs):
+        held.wait(30)
+
+    monkeypatch.setattr(backend.client, "log_batch", locked)
+    monkeypatch.setattr(backend.client, "set_terminated", never)
+    monkeypatch.setattr(backend.client, "log_artifact", never)
+    tracker.log_step({"loss": 0.5}, 10)
+    backend.sender.wait()
+    try:
+        tracker.finish("FINISHED", [tmp_path / "missing.png"])
+    finally:
+        held.set()
+    assert capsys.readouterr().err == (
+        "warning: MLflow tracking failed (database is locked); training goes on without it\n"
+        f"warning: MLflow did not end run {ids['mlflow']} within 0.5 s: the store shows it as running\n")
+
+
+@pytest.mark.parametrize("track, link", [("mlflow", "mlartifacts"), ("wandb", "wandb")])
+def test_a_trackers_folder_that_is_a_link_is_refused(track, link, tmp_path, monkeypatch, capsys):
+    """wandb/ or mlartifacts/ beside --checkpoint that are links to a user's folder were followed
+    and written into. Refused at start, the user's folder as it was."""
+    monkeypatch.setattr(sys, "argv", ["train_single.py"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / link).symlink_to(mine)
+    args = _args(tmp_path / "run", "--track", track)
+    with pytest.raises(SystemExit) as ended:
+        exit_on_error(lambda argv: Tracker(args))
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1, err
+    assert f"{tmp_path / 'run' / link} is a symbolic link to {mine}" in err and "remove the link" in err, err
+    assert list(mine.iterdir()) == []

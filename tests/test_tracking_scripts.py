@@ -52,11 +52,12 @@ def _steps(client, run_id: str, key: str) -> list[int]:
     return sorted(metric.step for metric in client.get_metric_history(run_id, key))
 
 
-def _assert_one_finished_run(out: Path, info: dict, mode: str, steps: list[int]):
+def _assert_one_finished_run(out: Path, info: dict, mode: str, steps: list[int], downloads: Path | None = None):
     """The store holds one run, the one whose id last.pth and best.json carry: FINISHED, each of
     history.json's epochs once with its values, each report step once, the first start's flags
     (`info`: the first start's last.pth info), mode, processes and machine as parameters, best.pth,
-    best.json and the curves as artifacts, byte for byte. Returns (client, run)."""
+    best.json and the curves as artifacts, byte for byte (downloaded into `downloads`, by default
+    beside `out`). Returns (client, run)."""
     client, runs = _store(out)
     run_id = _saved(out)["info"]["tracking"]["mlflow"]
     assert [run.info.run_id for run in runs] == [run_id]
@@ -77,7 +78,7 @@ def _assert_one_finished_run(out: Path, info: dict, mode: str, steps: list[int])
     assert run.data.params["resume"] == "False"  # the first start's, not the resume's
     assert sorted(artifact.path for artifact in client.list_artifacts(run_id)) == sorted(ARTIFACTS)
     for name in ARTIFACTS:
-        got = Path(client.download_artifacts(run_id, name, str(out.parent / f"downloaded-{name}")))
+        got = Path(client.download_artifacts(run_id, name, str((downloads or out.parent) / f"downloaded-{name}")))
         assert got.read_bytes() == (out / name).read_bytes(), name
     return client, run
 
@@ -89,6 +90,17 @@ def _stopped(out: Path, steps: list[int], stopped_at: int) -> dict:
     client, runs = _store(out)
     assert [(run.info.run_id, run.info.status) for run in runs] == [(info["tracking"]["mlflow"], "KILLED")]
     assert _steps(client, runs[0].info.run_id, "epoch/val_acc") == [1]
+    assert _steps(client, runs[0].info.run_id, "step/loss") == [step for step in steps if step <= stopped_at]
+    return info
+
+
+def _stopped_in_epoch_1(out: Path, steps: list[int], stopped_at: int) -> dict:
+    """After a stop inside epoch 1: the KILLED run holds no epoch yet and the report steps up to the
+    stop; last.pth (or last.dcp) of the stop's step carries its ids. Returns its info."""
+    info = _saved(out)["info"]
+    client, runs = _store(out)
+    assert [(run.info.run_id, run.info.status) for run in runs] == [(info["tracking"]["mlflow"], "KILLED")]
+    assert _steps(client, runs[0].info.run_id, "epoch/val_acc") == []
     assert _steps(client, runs[0].info.run_id, "step/loss") == [step for step in steps if step <= stopped_at]
     return info
 
@@ -138,28 +150,21 @@ def test_single_stopped_and_resumed_is_one_tracked_run(exact_data, tmp_path, mon
     assert _steps(client, new["mlflow"], "epoch/val_acc") == [1] and _steps(client, ids["mlflow"], "epoch/val_acc") == [1, 2]
 
 
-def test_torchrun_stopped_resumed_and_restarted_is_one_tracked_run(exact_data, tmp_path):
-    """train_ddp.py on 2 processes of 5 images (10 steps an epoch, --log-every 4): SIGTERM to rank 0
-    in step 11 stops both after step 16 (src/stopping.py's agreement: CHECK_EVERY 4); the resume,
-    under --max-restarts 1, loses rank 1 (SIGKILL) at its second step, and torchrun's restarted
-    workers resume from last.pth on their own: one tracked run, FINISHED, each epoch and report
-    step once, its parameters those of the first start on 2 processes."""
-    out = tmp_path / "out"
-    flags = _flags(exact_data, out, 5, 4, "--track", "mlflow")
-    steps = _report_steps(10, 4)
-    torchrun = LAUNCH["ddp"]()[:-1]
-    result = run([*torchrun, "train_ddp.py", *flags], timeout=300,
-                 env={"PYTHONPATH": HOOKS, "SIGNAL_AT_STEP": "11", "SIGNAL_NAME": "SIGTERM"})
-    assert "exitcode  : 75" in result.stderr, result.stderr[-3000:]
-    assert (_saved(out)["epoch"], _saved(out)["step"]) == (1, 6)
-    info = _stopped(out, steps, 16)
+def test_torchrun_stopped_resumed_and_restarted_is_one_tracked_run(ddp_stops, tmp_path):
+    """train_ddp.py on 2 processes of 5 images (10 steps an epoch, --log-every 4; conftest.ddp_stops):
+    stopped after step 8, after epoch 1 and after step 16, each time resumed; the last resume
+    loses rank 0 (SIGKILL) in step 19, and torchrun's restarted workers resume from last.pth on
+    their own: one tracked run, KILLED after each stop with what it logged so far, FINISHED at the
+    end, each epoch and report step once (but step 8's: a stop ends its step before its report),
+    its parameters those of the first start on 2 processes."""
+    steps = [step for step in _report_steps(10, 4) if step != 8]  # none at the step a run stops at
+    info = _stopped_in_epoch_1(ddp_stops["at step 8"].out, steps, 8)  # the first start's
     assert info["processes"] == 2
-
-    result = run([*torchrun, "--max-restarts=1", "train_ddp.py", *flags, "--resume"], timeout=300,
-                 env={"PYTHONPATH": HOOKS, "KILL_AT_STEP": "2", "KILL_RANK": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "exitcode: -9" in result.stderr and result.stdout.count("after its step 6: going on") == 2
-    _assert_one_finished_run(out, info, "ddp", steps)
+    for stage, stopped_at in (("after epoch 1", 10), ("at step 16", 16)):
+        assert _stopped(ddp_stops[stage].out, steps, stopped_at)["tracking"] == info["tracking"]
+    out, result = ddp_stops["restarted"]
+    assert "exitcode: -9" in result.stderr and "after its step 8: going on" in result.stdout
+    _assert_one_finished_run(out, info, "ddp", steps, downloads=tmp_path)
 
 
 def test_accelerate_stopped_and_resumed_is_one_tracked_run(exact_data, tmp_path):
@@ -183,14 +188,18 @@ def test_accelerate_stopped_and_resumed_is_one_tracked_run(exact_data, tmp_path)
     assert {path.parent.name for path in (tmp_path / "tb").rglob("events.out.tfevents.*")} == {PROJECT}
 
 
-def test_fsdp_logs_each_epoch_after_its_sharded_save(exact_data, tmp_path):
+def test_fsdp_logs_each_epoch_after_its_sharded_save(fsdp_stops, tmp_path):
     """train_fsdp.py on 2 processes writes last.dcp (each rank its shards), not last.pth: its tracked
-    run still logs each epoch once, FINISHED, its id in last.dcp and best.json."""
-    out = tmp_path / "out"
-    result = run([*LAUNCH["fsdp"](), *_flags(exact_data, out, 5, 4, "--track", "mlflow")], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run, stopped after step 8 (KILLED) and resumed with a worker killed in a save and restarted
+    (conftest.fsdp_stops), still logs each epoch and report step once, FINISHED, its id in last.dcp
+    and best.json."""
+    steps = [step for step in _report_steps(10, 4) if step != 8]  # none at the step a run stops at
+    info = _stopped_in_epoch_1(fsdp_stops["at step 8"].out, steps, 8)
+    assert info["processes"] == 2
+    out, result = fsdp_stops["restarted"]
+    assert result.returncode == 0 and "exitcode: -9" in result.stderr, result.stderr[-3000:]
     assert (out / "last.dcp").is_dir() and not (out / "last.pth").exists()
-    _assert_one_finished_run(out, _saved(out)["info"], "fsdp", _report_steps(10, 4))
+    _assert_one_finished_run(out, info, "fsdp", steps, downloads=tmp_path)
 
 
 def test_a_run_that_fails_ends_its_tracked_run_failed(exact_data, tmp_path, monkeypatch, capsys):

@@ -76,7 +76,8 @@ def test_the_plot_holds_both_curves_of_every_epoch(learned):
 
 
 FLAGS = ["--data-dir", "--epochs", "--batch-size", "--lr", "--momentum", "--image-size", "--arch", "--weights",
-         "--dropout", "--val-fraction", "--seed", "--workers", "--checkpoint", "--plot", "--resume", "--save-every-steps", "--cache",
+         "--dropout", "--val-fraction", "--val-dir", "--seed", "--workers", "--checkpoint", "--plot", "--resume",
+         "--save-every-steps", "--cache",
          "--channels-last", "--compile", "--deterministic", "--augment", "--auto-augment", "--ra-magnitude",
          "--augmix-severity", "--random-erase", "--mixup-alpha", "--cutmix-alpha", "--optimizer", "--weight-decay",
          "--lr-schedule", "--warmup-epochs", "--label-smoothing", "--clip-grad-norm", "--accumulate", "--sync-bn",

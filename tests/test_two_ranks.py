@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torchvision
-from conftest import HOOKS, TINY, free_port, outputs, read_predictions, weights, write_checkpoint
+from conftest import HOOKS, TINY, free_port, outputs, read_predictions, val_folder, weights, write_checkpoint
 
 from src.errors import end_process_group
 from src.metrics import batch_sums
@@ -218,7 +218,20 @@ def _restart_attempt(rank: int, attempt: int, folder: str) -> None:
 RESTART_DELAY = 3
 
 
-SCENARIOS = [ddp, ddp_resume, ddp_evaluate, fsdp, accelerate, predict, newest_last, fsdp_validation, restart]
+def val_dir(rank: int, folder: Path, data: Path):
+    """labelled_data with --val-dir (rank 0 scans both folders and sends the tables), then
+    train_ddp.py's loaders: the names of the validation images in this rank's shard, in order."""
+    import train_ddp
+    from src.cli import defaults
+    from src.loaders import labelled_data
+    _plain_group(rank)
+    args = defaults(["--data-dir", str(data), "--val-dir", str(folder / "val"), "--image-size", "32"])
+    loaded = labelled_data(args)
+    val_loader = train_ddp.loaders(loaded.dataset, loaded, args, torch.device("cpu"), rank, 2)[1]
+    return [loaded.dataset.frame["filename"][loaded.val_idx[i]] for i in val_loader.sampler]
+
+
+SCENARIOS = [ddp, ddp_resume, ddp_evaluate, fsdp, accelerate, predict, newest_last, fsdp_validation, restart, val_dir]
 
 
 def _rank(rank: int, ports: dict, folder: str, data: str) -> None:
@@ -260,6 +273,7 @@ def launch(tiny_data, module_tmp):
         source = tiny_data / "test" / f"{i % 6 + 1}.jpg"
         (folder / "images" / f"{i}.jpg").write_bytes(source.read_bytes()[:100] if i == BROKEN else source.read_bytes())
     (folder / "images" / "notes.txt").write_text("not an image")
+    val_folder(tiny_data, folder / "val")
     torch.manual_seed(0)  # an untrained ResNet-18 with a head of larger weights: each image its own p(dog)
     model = torchvision.models.resnet18(num_classes=2)
     nn.init.normal_(model.fc.weight, std=0.2)
@@ -430,6 +444,19 @@ def test_fsdp_gathers_uneven_shards_into_the_whole_state(launch):
 def test_every_rank_resumes_from_the_newest_last_pth_of_any_node(case, want, launch):
     found = [result(launch, "newest_last", rank)[NEWEST_CASES.index(case)] for rank in (0, 1)]
     assert found == [want, want]
+
+
+def test_each_rank_validates_its_share_of_the_val_dir_and_together_the_whole_once(launch, tiny_data):
+    """--val-dir under two ranks: rank 1 holds rank 0's tables (it scans nothing), so the shares of
+    train_ddp.py's validation loader are the folder's 6 images, 3 a rank, each once, in the order
+    one process validates them (labelled_data in this process)."""
+    from src.cli import defaults
+    from src.loaders import labelled_data
+    shares = [result(launch, "val_dir", rank) for rank in (0, 1)]
+    one = labelled_data(defaults(["--data-dir", str(tiny_data), "--val-dir", str(launch / "val"), "--image-size", "32"]))
+    whole = [one.dataset.frame["filename"][i] for i in one.val_idx]
+    assert [len(share) for share in shares] == [3, 3] and shares[0] + shares[1] == whole
+    assert sorted(whole) == sorted(str(path) for path in (launch / "val").rglob("*.jpg"))
 
 
 def test_a_restarted_attempt_joins_a_store_holding_the_dead_attempts_keys(launch):

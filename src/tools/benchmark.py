@@ -38,8 +38,9 @@ two rounds that alternate the rows. It prints a table and writes nothing.
 
 measures what starting the loader workers costs (docs/performance.md#loader-workers-a-fork-server):
 train_single.py's training loader over the JPEGs and over the --cache, its workers started from
-the fork server as the scripts start them, from a fork server importing only the worker's modules
-(not the main script's), and forked from the training process; each in a fresh process whose main
+the fork server as the scripts start them (forked from the training process while it runs one
+thread), from a fresh interpreter as the fork server (what a process running other threads
+starts), and forked from the training process; each in a fresh process whose main
 module is train_single.py (a worker from a fork server runs it again, as a run's workers do), for
 PASSES passes: the seconds from a pass's start to its first batch (the workers' start; the first
 pass's includes the fork server's own) and the images/s of a pass. It prints a table.
@@ -52,6 +53,15 @@ the way a save wrote it before (in the training thread: copied from the device, 
 and the way it does now (src/checkpoint_writer.py: the training thread only takes a host copy, a
 thread writes it); best of N rounds each; and one training step of the model at the run's shape
 (N steps timed), for the --save-every-steps at which a write ends before the next save. A table.
+    python -m src.tools.benchmark --reference [--data-dir DIR] [--images N] [--arch A] [--image-size S]
+        [--batch-size B] [--workers W] [--epochs E] [--rounds R]
+
+times train_single.py --augment against the plain loop of pytorch/examples' imagenet/main.py
+(src/tools/plain_loop.py: torchvision alone, the same images, model and optimizer) instead: R
+rounds, the two alternating, each run a fresh process writing into OUT/runs/reference; per run
+the last epoch's training images/s by its own clock and the whole run's CPU seconds per training
+image, of its training process and of the processes it started (loader workers, fork server),
+read from /proc. It prints a table.
 OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
@@ -62,6 +72,7 @@ import io
 import json
 import math
 import multiprocessing
+import os
 import shutil
 import sys
 import time
@@ -79,7 +90,19 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from src.cache import cached  # noqa: E402
-from src.cli import OneLineParser, amp_dtype, at_least, defaults  # noqa: E402
+from src.cli import (  # noqa: E402
+    BATCH_SIZES,
+    EPOCHS,
+    IMAGE_COUNTS,
+    IMAGE_SIZES,
+    STEPS,
+    OneLineParser,
+    amp_dtype,
+    between,
+    defaults,
+    processes_count,
+    workers_count,
+)
 from src.cli import parse_args as script_args  # noqa: E402
 from src.datasets import DogCatDataset, open_rgb  # noqa: E402
 from src.devices import (
@@ -127,6 +150,9 @@ class Options:
     dropout_cost: bool
     augment_cost: bool
     save_cost: bool
+    reference: bool
+    workers: int | None  # --reference's; None: the scripts' default
+    rounds: int
     worker_start: bool
 
 
@@ -134,20 +160,20 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data-dir", type=Path, help="a Kaggle-layout folder (default: a synthetic set in OUT/data)")
-    add("--images", type=at_least(1), default=25000, help="labelled images of the synthetic set")
+    add("--images", type=between(*IMAGE_COUNTS), default=25000, help="labelled images of the synthetic set")
     add("--out-dir", type=Path, default=Path("benchmark"), help="where the table, chart and runs go")
-    add("--processes", type=at_least(1), default=torch.cuda.device_count() or 2,
+    add("--processes", type=processes_count, default=torch.cuda.device_count() or 2,
         help="processes for DP (devices), DDP and accelerate")
     add("--arch", default="vgg16")
     add("--weights", default="none", help="as in the scripts; the speed does not depend on it")
-    add("--image-size", type=at_least(32), default=224)
-    add("--batch-size", type=at_least(1), default=50, help="per process; single and DP use it x processes")
-    add("--epochs", type=at_least(1), default=2, help="the last one is reported")
+    add("--image-size", type=between(*IMAGE_SIZES), default=224)
+    add("--batch-size", type=between(*BATCH_SIZES), default=50, help="per process; single and DP use it x processes")
+    add("--epochs", type=between(*EPOCHS), default=2, help="the last one is reported")
     add("--amp", choices=["no", "bf16", "fp16"], default="no",
         help="autocast in every mode (accelerate: --mixed_precision)")
     add("--channels-last", action="store_true")
     add("--modes", default=",".join(MODES), help="comma-separated subset of the runs")
-    add("--steps", type=at_least(1), default=20,
+    add("--steps", type=between(*STEPS), default=20,
         help="timed steps of the bare-step ceilings (with --dropout-cost: rounds)")
     add("--dropout-cost", action="store_true",
         help="only per-sample dropout against torch's: times, ops, a table (see above); writes nothing")
@@ -155,13 +181,27 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help="only the training loader with each augmentation, one worker (see above); writes nothing")
     add("--save-cost", action="store_true",
         help="only what a step checkpoint costs the training, before and now (see above): a table")
+    add("--reference", action="store_true",
+        help="only train_single.py --augment against the plain loop of imagenet/main.py, alternating (see above)")
+    add("--workers", type=workers_count, default=None, help="--reference's loader workers (default: the scripts')")
+    add("--rounds", type=between(*EPOCHS), default=2, help="--reference's rounds of the two runs")
     add("--worker-start", action="store_true",
         help="only the loader workers' start, from the fork server and forked (see above), over the "
              "JPEGs and the cache: a table")
     args = parser.parse_args(argv)
+    given = parser.given(argv)
+    parser.refuse_unless(given, "images", args.data_dir is None,
+                         "it is the size of the synthetic set written without --data-dir: drop --data-dir")
     unknown = [name for name in args.modes.split(",") if name not in MODES]
     if unknown:
         parser.error(f"argument --modes: unknown run {unknown[0]!r} (choose from {', '.join(MODES)})")
+    from src.models import classification_models, has_batch_norm
+    if "ddp-sync-bn" in args.modes.split(",") and args.arch in classification_models() and not has_batch_norm(args.arch):
+        # Nothing for --sync-bn to synchronise (the scripts refuse it): out of the default runs.
+        if "modes" in given:
+            parser.error(f"argument --modes: ddp-sync-bn: --arch {args.arch} has no batch norm layer to "
+                         "synchronise: leave that run out")
+        args.modes = ",".join(name for name in args.modes.split(",") if name != "ddp-sync-bn")
     return Options(**vars(args))
 
 
@@ -566,10 +606,11 @@ def save_cost_report(args: Options, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-# How the loader workers start: the scripts' fork server (the worker's modules and the main
-# script's imported in it once), the fork server as it was before it imported the main script's,
-# and forks of the training process (src.datasets.worker_options says why not).
-WORKER_STARTS = {"fork server": None, "fork server, worker modules only": "no main", "fork": "fork"}
+# How the loader workers start: the scripts' fork server, forked from the training process while
+# it runs one thread; a fresh interpreter as the fork server (the worker's modules and the main
+# script's imported in it first), the one a process running other threads starts; and forks of the
+# training process (src.datasets.worker_options says why not).
+WORKER_STARTS = {"fork server, forked": None, "fork server, fresh interpreter": "fresh", "fork": "fork"}
 
 
 def worker_start(start: str, dataset_kind: str, data_dir: Path, cache_dir: Path, size: int, batch: int,
@@ -584,8 +625,8 @@ def worker_start(start: str, dataset_kind: str, data_dir: Path, cache_dir: Path,
     how = WORKER_STARTS[start]
     if how == "fork":
         src.datasets._fork_server = lambda: multiprocessing.get_context("fork")
-    elif how == "no main":
-        src.datasets.main_module = lambda: []
+    elif how == "fresh":
+        src.datasets.one_thread = lambda: False
     images = labelled_images(data_dir, size, show_progress=False)
     dataset = images if dataset_kind == "JPEG" else cached(images, size, cache_dir, workers, show_progress=False)
     firsts, rates = [], []
@@ -623,6 +664,122 @@ def worker_start_report(data_dir: Path, cache_dir: Path, size: int, batch: int, 
             lines.append(f"| {kind} | {start} | {found['first'][0]:.2f} | {sorted(later)[len(later) // 2]:.2f} "
                          f"| {sorted(rates)[len(rates) // 2]:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+# --reference: train_single.py --augment against the plain loop of imagenet/main.py (src/tools/plain_loop.py).
+REFERENCE_LEGS = ("plain loop", "train_single.py --augment")
+REFERENCE_TARGET = 1.0  # train_single.py's images/s at least the plain loop's
+
+
+def process_cpu() -> dict[int, tuple[int, float]]:
+    """Every process's (parent pid, CPU seconds: user + system) from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+            except OSError:  # ended meanwhile
+                continue
+            found[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+class TreeCPU:
+    """The CPU seconds of a process and of every process it started (and they started), each as
+    last seen: call it with the root's pid while they run (read() adds up what it saw). A process
+    that ends between two looks loses what it used since the last one."""
+
+    def __init__(self):
+        self.root: int | None = None
+        self.seen: dict[int, float] = {}
+
+    def __call__(self, root: int) -> None:
+        self.root = root
+        processes = process_cpu()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in processes.items():
+            children.setdefault(parent, []).append(pid)
+        todo = [root]
+        while todo:
+            pid = todo.pop()
+            if pid in processes:
+                self.seen[pid] = processes[pid][1]
+                todo += children.get(pid, [])
+
+    def read(self) -> tuple[float, float]:
+        """(the root's CPU seconds, those of the processes below it)."""
+        root = self.seen.get(self.root, 0.0) if self.root is not None else 0.0
+        return root, sum(self.seen.values()) - root
+
+
+def reference_run(leg: str, args: Options, data_dir: Path, out: Path) -> dict:
+    """One run of a --reference leg in a fresh process, its figures: the last epoch's training
+    images, seconds and data wait by the run's own clock, the whole run's wall seconds and the CPU
+    seconds of its training process and of the processes that one started."""
+    shutil.rmtree(out, ignore_errors=True)
+    flags = ["--data-dir", str(data_dir), "--arch", args.arch, "--image-size", str(args.image_size),
+             "--batch-size", str(args.batch_size), "--workers", str(args.workers), "--epochs", str(args.epochs)]
+    if leg == "plain loop":
+        command = [sys.executable, "-m", "src.tools.plain_loop", *flags, "--out-dir", str(out)]
+    else:
+        command = [sys.executable, "train_single.py", *flags, "--augment", "--weights", "none",
+                   "--checkpoint", str(out / "best.pth"), "--plot", str(out / "curves.png")]
+    print(f"running {leg}: {' '.join(command)}", flush=True)
+    cpu, start = TreeCPU(), time.perf_counter()
+    stdout = run_script(leg, command, out, watch=cpu)
+    wall = time.perf_counter() - start
+    if leg == "plain loop":
+        last = json.loads(stdout.strip().splitlines()[-1])
+        images, seconds, waited = last["train_images"], last["train_seconds"], last["data_wait_seconds"]
+    else:
+        last = json.loads((out / "history.json").read_text())[-1]
+        images, seconds, waited = last["train_samples"], last["train_seconds"], last["data_wait_seconds"]
+    main_cpu, other_cpu = cpu.read()
+    return {"leg": leg, "images": images, "images_per_s": images / seconds, "data_wait": waited,
+            "wall": wall, "main_cpu": main_cpu, "other_cpu": other_cpu}
+
+
+def reference_lines(runs: list[dict]) -> list[str]:
+    """--reference's table of `runs` (reference_run's figures, each with its round), the best of
+    each leg and its check."""
+    lines = ["| run | training images | training images/s | data wait s | whole run s "
+             "| CPU s per training image: training process | other processes |", "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        lines.append(f"| {run['leg']}, round {run['round']} | {run['images']} | {run['images_per_s']:.2f} "
+                     f"| {run['data_wait']:.2f} | {run['wall']:.1f} | {run['main_cpu'] / run['images']:.4f} "
+                     f"| {run['other_cpu'] / run['images']:.4f} |")
+    best = {leg: max(run["images_per_s"] for run in runs if run["leg"] == leg) for leg in REFERENCE_LEGS}
+    ratio = best[REFERENCE_LEGS[1]] / best[REFERENCE_LEGS[0]]
+    return lines + ["", f"Best of each: {REFERENCE_LEGS[1]} {best[REFERENCE_LEGS[1]]:.2f} images/s, "
+                        f"{REFERENCE_LEGS[0]} {best[REFERENCE_LEGS[0]]:.2f}.", "", "Checks:",
+                    f"- [{'x' if ratio >= REFERENCE_TARGET else ' '}] {REFERENCE_LEGS[1]} trains at {ratio:.2f}x "
+                    f"the plain loop's images/s (target >= {REFERENCE_TARGET:g})"]
+
+
+def reference_report(args: Options, data_dir: Path) -> str:
+    """--reference's Markdown: --rounds rounds of the two legs, their order alternating."""
+    args = dataclasses.replace(args, workers=default_workers() if args.workers is None else args.workers)
+    runs = []
+    for round_number in range(args.rounds):
+        legs = REFERENCE_LEGS if round_number % 2 == 0 else REFERENCE_LEGS[::-1]
+        for leg in legs:
+            name = "plain-loop" if leg == "plain loop" else "train_single"
+            out = args.out_dir / "runs" / "reference" / f"{name}-{round_number + 1}"
+            runs.append({**reference_run(leg, args, data_dir, out), "round": round_number + 1})
+    command = " ".join(["python -m src.tools.benchmark", *sys.argv[1:]])
+    lines = [f"train_single.py --augment against the plain loop of imagenet/main.py, {date.today().isoformat()}, "
+             f"{hardware()}", "", f"`{command}`", "",
+             f"{args.arch} from random weights, {args.image_size} px random resized crops and flips, batch "
+             f"{args.batch_size}, {args.workers} loader workers, {args.epochs} epoch(s); {args.rounds} round(s), the "
+             "two runs alternating, each a fresh process. Training images/s: the last epoch's training images "
+             "over its seconds by the run's own clock (from the start of its pass, the workers' start included, "
+             "to its last step), wall time, which other work on the machine slows. CPU seconds per training "
+             "image: the whole run's (start-up, validation and saving included) over the last epoch's training "
+             "images, of the training process and of the processes it started (loader workers, fork server), "
+             "each as /proc showed it last (every 0.25 s).", ""]
+    return "\n".join(lines + reference_lines(runs)) + "\n"
 
 
 def decode_per_worker(dataset: DogCatDataset, size: int, n: int = 100,
@@ -677,7 +834,7 @@ def run_mode(name: str, args: Options, data_dir: Path, cache_dir: Path) -> dict:
         flags += ["--cache", str(cache_dir)]
     if name == "freeze":  # its first run computes the backbone's outputs into the cache folder
         flags.append("--freeze")
-    if name == "ddp-sync-bn":  # batch norm over both processes' samples (a model without any: as ddp)
+    if name == "ddp-sync-bn":  # batch norm over both processes' samples (parse_args: a model with some)
         flags.append("--sync-bn")
     if args.channels_last:
         flags.append("--channels-last")
@@ -841,6 +998,9 @@ def main(argv: list[str] | None = None) -> None:
     jpegs = labelled_images(data_dir, args.image_size)
     if not (data_dir / "train.csv").exists():  # so that no run rescans every image
         atomic_write_text(data_dir / "train.csv", jpegs.frame.to_csv(index=False))
+    if args.reference:
+        print(reference_report(args, data_dir), end="")
+        return
     if args.worker_start:
         print(worker_start_report(data_dir, args.out_dir / "cache", args.image_size, args.batch_size,
                                   default_workers(), args.steps), end="")

@@ -55,6 +55,7 @@ from pathlib import Path
 
 from src import sharded_checkpoint
 from src.checkpoint import RESUME_KEYS, last_position, read_last
+from src.cli import BATCH_SIZES, EPOCHS, SEEDS, STEPS, OneLineParser, between, ranged
 from src.errors import UserError, exit_on_error
 from src.outputs import claim_folder
 from src.stopping import CHECK_EVERY
@@ -137,20 +138,23 @@ class Options:
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--stops", type=int, default=3, help="how many times to stop the run")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the steps, ranks and means of the stops")
-    parser.add_argument("--epochs", type=int, default=None,
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each stop is a launch or a restart of the run (seconds each): a hundred is an afternoon.
+    parser.add_argument("--stops", type=between(1, 100), default=3, help="how many times to stop the run")
+    parser.add_argument("--seed", type=between(*SEEDS), default=0, help="seeds the steps, ranks and means of the stops")
+    parser.add_argument("--epochs", type=between(*EPOCHS), default=None,
                         help="epochs of the run (default: 3, or enough for 3 optimizer steps a stop)")
-    parser.add_argument("--batch-size", type=int, default=5, help="images per process and step")
-    parser.add_argument("--save-every-steps", type=int, default=3, help="the run's --save-every-steps")
+    parser.add_argument("--batch-size", type=between(*BATCH_SIZES), default=5, help="images per process and step")
+    parser.add_argument("--save-every-steps", type=between(*STEPS), default=3, help="the run's --save-every-steps")
     parser.add_argument("--data-dir", default=None,
                         help="the images (default: a synthetic set of 201, 100 of them for training)")
     parser.add_argument("--reference", default=None,
                         help="output folder of an uninterrupted run of the same flags (default: train one)")
     parser.add_argument("--work-dir", default=None, help="where the runs go (default: a temporary folder)")
-    parser.add_argument("--launch-timeout", type=float, default=600, help="seconds one launch may take")
+    # subprocess's waits poll in milliseconds held in a C int: at most 24.8 days.
+    parser.add_argument("--launch-timeout", type=ranged(0, 24 * 86400, True, False), default=600,
+                        help="seconds one launch may take")
     parser.add_argument("--change-world", action="store_true",
                         help="resume each launch in another mode and number of processes (the same global batch)")
     parser.add_argument("--far", default=None,
@@ -160,9 +164,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
                         help="--change-world: output folder of an uninterrupted train_single.py run of the same "
                              "flags and global batch, the float floor (default: train one)")
     args = parser.parse_args(argv)
-    for name in ("stops", "epochs", "batch_size", "save_every_steps"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for flag in ("far", "alone"):
+        parser.refuse_unless(parser.given(argv), flag, args.change_world, "it is a run of --change-world: add it")
     return Options(**vars(args))
 
 

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from src.cli import OneLineParser, at_least
+from src.cli import OneLineParser, between, open_fraction, processes_count
 from src.errors import UserError, exit_on_error
 
 WAYS = ("gather", "dcp.save", "dcp.async_save")
@@ -270,9 +270,9 @@ class Options:
 def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--arch", default="vgg16", help="the model (any of torchvision's classifiers)")
-    parser.add_argument("--processes", type=at_least(1), default=2, help="gloo ranks on this machine")
-    parser.add_argument("--ema-decay", type=float, default=0.999, help="the weight average's decay")
-    parser.add_argument("--repeats", type=at_least(1), default=3, help="saves of each way (the median is shown)")
+    parser.add_argument("--processes", type=processes_count, default=2, help="gloo ranks on this machine")
+    parser.add_argument("--ema-decay", type=open_fraction, default=0.999, help="the weight average's decay")
+    parser.add_argument("--repeats", type=between(1, 1000), default=3, help="saves of each way (the median is shown)")
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: a temporary "
                                                     "folder); a new or empty folder")
     return Options(**vars(parser.parse_args(argv)))

@@ -45,7 +45,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from src.cli import OneLineParser, at_least
+from src.cli import BATCH_SIZES, EPOCHS, IMAGE_COUNTS, IMAGE_SIZES, SEEDS, OneLineParser, between, positive, workers_count
 from src.devices import hardware
 from src.errors import UserError, exit_on_error
 from src.outputs import atomic_write_text, claim_folder
@@ -113,20 +113,20 @@ def parse_args(argv: list[str] | None = None) -> Options:
     add("--arch", default="resnet18", help="torchvision classification model")
     add("--weights", default="none",
         help="as in the scripts: 'none' = random init, 'default' = ImageNet, or a state_dict file")
-    add("--image-size", type=at_least(32), default=64, help="images are resized to this square")
-    add("--epochs", type=at_least(1), default=10, help="epochs of each run")
-    add("--batch-size", type=at_least(1), default=32, help="images per step, the same in every run")
-    add("--lr", type=float, default=0.01,
+    add("--image-size", type=between(*IMAGE_SIZES), default=64, help="images are resized to this square")
+    add("--epochs", type=between(*EPOCHS), default=10, help="epochs of each run")
+    add("--batch-size", type=between(*BATCH_SIZES), default=32, help="images per step, the same in every run")
+    add("--lr", type=positive, default=0.01,
         help="learning rate of the baseline recipe and peak of the other two's schedule (the scripts' "
              "0.001 is for ImageNet weights; from random init it barely moves in a few epochs)")
-    add("--images", type=at_least(10), default=2500,
+    add("--images", type=between(10, IMAGE_COUNTS[1]), default=2500,
         help="labelled images of the synthetic set (without --data-dir); 20%% are validation")
-    add("--seed", type=int, default=0, help="seeds the synthetic set, the split, the data order and the runs")
-    add("--workers", type=at_least(0), default=None,
+    add("--seed", type=between(*SEEDS), default=0, help="seeds the synthetic set, the split, the data order and the runs")
+    add("--workers", type=workers_count, default=None,
         help="data loader workers of each run (default: the scripts' default)")
     args = parser.parse_args(argv)
-    if not 0 < args.lr < float("inf"):  # also refuses nan
-        parser.error(f"argument --lr: must be > 0, got {args.lr}")
+    parser.refuse_unless(parser.given(argv), "images", args.data_dir is None,
+                         "it is the size of the synthetic set written without --data-dir: drop --data-dir")
     return Options(**vars(args))
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from src.cli import OneLineParser, at_least
+from src.cli import IMAGE_COUNTS, OneLineParser, between
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, try_decode
 from src.inference import load_checkpoint, sha256_of
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("output", type=Path, nargs="?", default=None, help="default: CHECKPOINT with .onnx")
     parser.add_argument("--images", type=Path, nargs="+", default=[Path("data")],
                         help="image files or folders to check the export on")
-    parser.add_argument("--check", type=at_least(1), default=16, help="how many images to check it on")
+    parser.add_argument("--check", type=between(*IMAGE_COUNTS), default=16, help="how many images to check it on")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an OUTPUT that this tool did not write (never a training run's files)")
     args = Options(**vars(parser.parse_args(argv)))

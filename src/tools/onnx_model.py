@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from src.errors import UserError
+from src.outputs import input_problem
 
 FORMAT = "dogscats-onnx/1"  # bump when the input or output above changes
 
@@ -30,8 +31,9 @@ def open_session(path: Path, best_json: Path | None = None, threads: int | None 
     best_json, the file must come from the best.pth that best_json describes. Anything else is a
     UserError naming the file."""
     import onnxruntime as ort
-    if not Path(path).is_file():
-        raise UserError(f"--onnx {path}: no such file; write it with `python -m src.tools.export`")
+    problem = input_problem(path)
+    if problem is not None:
+        raise UserError(f"--onnx {path}: {problem}; write it with `python -m src.tools.export`")
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     options.log_severity_level = 3  # errors only: they become our one line

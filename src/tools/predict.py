@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from src.cli import AMP_DTYPES, OneLineParser, add_dist_timeout, at_least, cap_workers
+from src.cli import AMP_DTYPES, BATCH_SIZES, DefaultsHelp, OneLineParser, add_dist_timeout, between, cap_workers, workers_count
 from src.errors import UserError, exit_on_error
 from src.image_files import find_images, some, try_decode
 from src.outputs import atomic_write_text, check_room, check_tool_output, starts_with
@@ -63,7 +63,7 @@ class Options:
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0], formatter_class=DefaultsHelp)
     parser.ranks = True  # it runs under torchrun too: rank 0 says a bad flag
     parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="image files and folders (default: Kaggle's DATA_DIR/test, written as submission.csv)")
@@ -75,8 +75,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--output", type=Path, default=None,
                         help="the CSV (default: predictions.csv, without PATH submission.csv); - for "
                              "standard output")
-    parser.add_argument("--batch-size", type=at_least(1), default=100)
-    parser.add_argument("--workers", type=at_least(0), default=None,
+    parser.add_argument("--batch-size", type=between(*BATCH_SIZES), default=100,
+                        help="images per forward pass (each process's under torchrun; --tta adds one of their mirror images)")
+    parser.add_argument("--workers", type=workers_count, default=None,
                         help="image decoding processes (--onnx: threads); default: this machine's CPUs "
                              "over its processes")
     parser.add_argument("--overwrite", action="store_true",
@@ -86,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--channels-last", action="store_true", help="channels-last batches and weights")
     add_dist_timeout(parser, "under torchrun, in a collective")
     args = parser.parse_args(argv)
+    given = parser.given(argv)
+    parser.refuse_unless(given, "data_dir", not args.paths,
+                         "it names the folder of Kaggle's test/, which predict reads without PATH: give no PATH")
+    parser.refuse_unless(given, "overwrite", str(args.output) != "-",
+                         "--output - writes to standard output, which replaces no file: name an --output file")
     if args.onnx and (args.amp != "no" or args.channels_last):
         parser.error("--amp and --channels-last set up the torch model; --onnx runs in float32 on the CPU")
     if args.onnx and not args.paths:
@@ -97,6 +103,26 @@ def parse_args(argv: list[str] | None = None) -> Options:
     if args.workers is not None:
         args.workers = cap_workers(args.workers, len(os.sched_getaffinity(0)))
     return Options(**vars(args))
+
+
+# What only rank 0 uses (it writes the CSV), and the node's CPUs: the flags that may differ between
+# the ranks under a launcher (src.process_group.check_same_values compares the others).
+PER_NODE = ("output", "overwrite", "workers")
+
+
+def checkpoint_of(args: Options) -> Path:
+    """The checkpoint predict loads (with torch): --checkpoint, by default model/best.pth."""
+    return args.checkpoint or Path("model/best.pth")
+
+
+def check_ranks_agree(args: Options) -> None:
+    """Under a launcher, before any work: every rank predicts with the same flags and the same
+    checkpoint (by content: each node may read its own copy), or none does (rank 1 with --tta
+    wrote half the CSV with it); PER_NODE may differ."""
+    from src.process_group import by_content, check_same_values
+    flags = {key: value for key, value in dataclasses.asdict(args).items() if key not in PER_NODE}
+    check_same_values(by_content({**flags, "checkpoint": checkpoint_of(args)}, ("checkpoint",)),
+                      "--output and --workers")
 
 
 def to_stdout(args: Options) -> bool:
@@ -117,7 +143,7 @@ def check_output(args: Options, files: list[Path]) -> None:
     room for the CSV."""
     if to_stdout(args):
         return
-    checkpoint = args.checkpoint or (None if args.onnx else Path("model/best.pth"))
+    checkpoint = checkpoint_of(args) if args.checkpoint or not args.onnx else None
     inputs = [("an image to predict", file) for file in files]
     if checkpoint is not None:
         inputs += [("--checkpoint", checkpoint), ("its best.json", checkpoint.with_suffix(".json"))]
@@ -254,9 +280,10 @@ def predict_torch(args: Options) -> tuple[Predictions, list] | None:
     try:
         with heartbeat:  # under torchrun: names a rank that stops answering
             try:
+                check_ranks_agree(args)
                 files, others = from_rank_0(lambda: listed(args))
                 from_rank_0(lambda: check_output(args, files))
-                model, info = load_checkpoint(args.checkpoint or Path("model/best.pth"))
+                model, info = load_checkpoint(checkpoint_of(args))
             except UserError as error:  # every rank finds it: the first says it
                 raise UserError(str(error), quiet=error.quiet or not is_first()) from None
             model.to(device).to(memory_format=memory_format(args.channels_last))

@@ -47,7 +47,7 @@ from matplotlib.typing import RcKeyType
 from PIL import Image
 
 from src.checkpoint import RESUME_KEYS, flag_of, read_last
-from src.cli import OneLineParser, at_least, defaults
+from src.cli import BATCH_SIZES, OneLineParser, between, defaults, workers_count
 from src.datasets import CLASSES, DogCatDataset
 from src.devices import default_workers, hardware, training_device
 from src.errors import UserError, exit_on_error, one_line
@@ -56,7 +56,7 @@ from src.image_files import to_rgb
 from src.inference import load_checkpoint, predict_files, read_info
 from src.loaders import labelled_data
 from src.metrics import EPS, batch_sums, summarize
-from src.outputs import atomic_write_text, check_tool_output
+from src.outputs import atomic_write_text, check_tool_output, input_problem
 from src.plot import plt
 from src.safe_csv import original
 from src.sharded_checkpoint import NAME, whole_folder
@@ -84,6 +84,7 @@ class Options:
     overwrite: bool
     predictions: Path | None
     data_dir: Path | None
+    val_dir: Path | None
     batch_size: int
     workers: int
 
@@ -99,8 +100,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help="predict's CSV (path,p_dog,label): a gallery of those images, the most uncertain first")
     add("--data-dir", type=Path, default=None,
         help="the data folder of the runs (default: the --data-dir each was trained with)")
-    add("--batch-size", type=at_least(1), default=100, help="images per forward pass of the validation")
-    add("--workers", type=at_least(0), default=None,
+    add("--val-dir", type=Path, default=None,
+        help="the validation folder of runs trained with --val-dir (default: the one each was trained with)")
+    add("--batch-size", type=between(*BATCH_SIZES), default=100, help="images per forward pass of the validation")
+    add("--workers", type=workers_count, default=None,
         help="image decoding processes (default: this machine's CPUs)")
     args = parser.parse_args(argv)
     if len({run.resolve() for run in args.runs}) < len(args.runs):
@@ -119,7 +122,7 @@ class Run(NamedTuple):
     history: list[dict]  # history.json
 
 
-def read_run(folder: Path, number: int, data_dir: Path | None = None) -> Run:
+def read_run(folder: Path, number: int, data_dir: Path | None = None, val_dir: Path | None = None) -> Run:
     """A run folder's best.json (checked against its best.pth) and history.json, every field the
     page reads checked (check_run)."""
     if not folder.is_dir():
@@ -129,11 +132,13 @@ def read_run(folder: Path, number: int, data_dir: Path | None = None) -> Run:
                         "--checkpoint's folder), after its first epoch")
     info = read_info(folder / "best.pth")
     try:
+        if input_problem(folder / "history.json") is not None:  # a named pipe would wait for a writer
+            raise OSError
         history = json.loads((folder / "history.json").read_text())
     except (OSError, ValueError):
         raise UserError(f"{folder / 'history.json'} is missing or unreadable: the training scripts "
                         "write it beside best.pth") from None
-    check_run(folder, info, history, data_dir)
+    check_run(folder, info, history, data_dir, val_dir)
     return Run(folder, f"{number} {info.get('mode', 'run')}", info, history)
 
 
@@ -149,8 +154,10 @@ def _finite(value) -> bool:
 # field's test, what it must be, and whether it must be there (older runs lack the optional ones).
 INFO_FIELDS = {
     "seed": (lambda v: _whole(v, -2**63) and v < 2**64, "a whole number (the split is rebuilt from it)", True),
-    "val_fraction": (lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1) (the split is rebuilt from it)", True),
+    "val_fraction": (lambda v: v is None or (_finite(v) and 0 < v < 1),
+                     "a number in (0, 1) (the split is rebuilt from it), or null (--val-dir)", True),
     "data": (lambda v: isinstance(v, str), "the digest of the labelled images, a string", True),
+    "val_data": (lambda v: v is None or isinstance(v, str), "the digest of --val-dir's images, a string, or null", False),
     "batch_size": (lambda v: _whole(v, 1), "a whole number of at least 1", True),
     "best_by": (lambda v: v in ("val_acc", "val_log_loss"), "val_acc or val_log_loss", False),
     "mode": (lambda v: isinstance(v, str), "a string (the training script)", False),
@@ -158,7 +165,7 @@ INFO_FIELDS = {
 }
 
 
-def check_run(folder: Path, info: dict, history, data_dir: Path | None) -> None:
+def check_run(folder: Path, info: dict, history, data_dir: Path | None, val_dir: Path | None = None) -> None:
     """Refuse, in one line naming the file and the field, a best.json or history.json (hand-edited,
     or from an older version) with a field the page reads that is missing or of the wrong kind:
     each was a traceback somewhere in the page's making."""
@@ -178,6 +185,9 @@ def check_run(folder: Path, info: dict, history, data_dir: Path | None) -> None:
         if flags is None or not isinstance(flags.get("data_dir"), str):
             raise UserError(f"{best_json} does not say which data folder the run was trained on (its "
                             "flags' data_dir): pass --data-dir")
+    if info["val_fraction"] is None and val_dir is None and not isinstance((info.get("flags") or {}).get("val_dir"), str):
+        raise UserError(f"{best_json} says the run validated on a --val-dir but not which one (its flags' "
+                        "val_dir): pass --val-dir")
     if not isinstance(history, list) or not history:
         raise bad(history_json, "it must be a list of one record per epoch, and holds " + (
             "no epoch" if isinstance(history, list) else f"a {type(history).__name__}"))
@@ -228,16 +238,24 @@ def data_folder(run: Run, data_dir: Path | None) -> Path:
     return data_dir if data_dir is not None else Path(run.info["flags"]["data_dir"])
 
 
-def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: int, workers: int) -> Validation:
-    """best.pth's predictions on its run's validation split: the split rebuilt as training built it
-    (src.loaders.labelled_data), each image decoded as training decodes it (src.inference)."""
+def validate(run: Run, data_dir: Path | None, device: torch.device, batch_size: int, workers: int,
+             val_dir: Path | None = None) -> Validation:
+    """best.pth's predictions on its run's validation split: the split (or its --val-dir) rebuilt
+    as training built it (src.loaders.labelled_data), each image decoded as training decodes it
+    (src.inference)."""
     info, folder = run.info, data_folder(run, data_dir)
+    if info["val_fraction"] is None:  # check_run made sure the flags say it where --val-dir does not
+        val_dir = val_dir if val_dir is not None else Path(info["flags"]["val_dir"])
+    else:
+        val_dir = None
     start = time.perf_counter()
-    data = labelled_data(defaults(data_dir=str(folder), image_size=info["image_size"], cache=None,
-                                  val_fraction=info["val_fraction"], seed=info["seed"], workers=workers))
-    if data.digest != info["data"]:
-        raise UserError(f"the labelled images of {folder} are not those {run.folder / 'best.pth'} was "
-                        f"trained on (best.json's digest of them differs): pass its {flag_of('data')}")
+    data = labelled_data(defaults(data_dir=str(folder), val_dir=None if val_dir is None else str(val_dir),
+                                  image_size=info["image_size"], cache=None, val_fraction=info["val_fraction"],
+                                  seed=info["seed"], workers=workers))
+    for key, digest, where in (("data", data.digest, folder), ("val_data", data.val_digest, val_dir)):
+        if digest != info.get(key):
+            raise UserError(f"the labelled images of {where} are not those {run.folder / 'best.pth'} was "
+                            f"trained on (best.json's digest of them differs): pass its {flag_of(key)}")
     if not isinstance(data.dataset, DogCatDataset):  # without --cache: the images themselves
         raise TypeError(f"validate: labelled_data without a cache gave a {type(data.dataset).__name__}")
     frame, train, split = data.dataset.frame, data.dataset.root_dir, data.val_idx
@@ -289,7 +307,10 @@ def calibration_error(rows: list[dict]) -> float:
 
 
 def thumbnail(path: Path) -> str | None:
-    """A small JPEG of the image as a data: URI, or None where it cannot be read."""
+    """A small JPEG of the image as a data: URI, or None where it cannot be read (or is not a
+    regular file: a named pipe would wait for a writer)."""
+    if input_problem(path) is not None:
+        return None
     try:
         with Image.open(path) as image:
             image.draft("RGB", (THUMBNAIL, THUMBNAIL))  # JPEG: decoded at 1/2 to 1/8 scale
@@ -312,6 +333,8 @@ def gallery(validation: Validation, positions: list[int]) -> list[dict]:
 
 def read_predictions(path: Path) -> list[dict]:
     """predict's rows (path, p_dog, label), the most uncertain first."""
+    if input_problem(path) is not None:
+        raise UserError(f"--predictions {path}: {input_problem(path)}")
     try:
         with open(path, newline="") as file:
             rows = list(csv.reader(file))
@@ -539,14 +562,14 @@ def render(context: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    runs = [read_run(folder, number, args.data_dir) for number, folder in enumerate(args.runs, start=1)]
+    runs = [read_run(folder, number, args.data_dir, args.val_dir) for number, folder in enumerate(args.runs, start=1)]
     check_output(args.output, args.overwrite)
     predictions = read_predictions(args.predictions) if args.predictions else None
     start = time.perf_counter()
     device = training_device(False, None)
     sections = []
     for run in runs:
-        validation = validate(run, args.data_dir, device, args.batch_size, args.workers)
+        validation = validate(run, args.data_dir, device, args.batch_size, args.workers, args.val_dir)
         print(f"{run.label} ({run.folder}): validated best.pth on {validation.metrics['samples']} images in "
               f"{validation.seconds:.1f} s: accuracy {validation.metrics['acc']:.4f}, "
               f"log loss {validation.metrics['log_loss']:.4f}", flush=True)

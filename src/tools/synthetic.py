@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from src.cli import OneLineParser
+from src.cli import IMAGE_COUNTS, IMAGE_SIZES, SEEDS, OneLineParser, between
 from src.errors import UserError, exit_on_error
 from src.outputs import claim_folder as claim_folder_of
 from src.terminal import shown
@@ -200,18 +200,19 @@ class Options:
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="folder to write train/, test/ and the CSVs into")
-    parser.add_argument("--train", type=int, default=1000, help="labelled images, half cats, half dogs")
-    parser.add_argument("--test", type=int, default=200, help="unlabelled test images")
-    parser.add_argument("--size", type=int, default=96, help="typical image width in pixels")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=between(2, IMAGE_COUNTS[1]), default=1000,
+                        help="labelled images, half cats, half dogs")
+    parser.add_argument("--test", type=between(0, IMAGE_COUNTS[1]), default=200, help="unlabelled test images")
+    # Up to the training scripts' largest --image-size: an image of --size S is up to 1.25 S wide,
+    # and drawing it takes about 60 bytes a pixel (--size 100000 asked numpy for 70 GB).
+    parser.add_argument("--size", type=between(16, IMAGE_SIZES[1]), default=96, help="typical image width in pixels")
+    parser.add_argument("--seed", type=between(*SEEDS), default=0)
     parser.add_argument("--hard", action="store_true",
                         help="the hard set: the stripes (within 40 degrees of horizontal or vertical) "
                              "fill only an ellipse of random size, position and rotation, over "
                              "stripes of any orientation, partly hidden by blobs; see the module "
                              "docstring")
     args = Options(**vars(parser.parse_args(argv)))
-    if args.train < 2 or args.test < 0 or args.size < 16:
-        parser.error("need --train >= 2, --test >= 0 and --size >= 16")
     write_dataset(args.out_dir, args.train, args.test, args.size, args.seed, args.hard)
     kind = "hard synthetic" if args.hard else "synthetic"
     print(f"wrote {args.train} training and {args.test} test images ({kind}) to {shown(args.out_dir)}")

@@ -15,7 +15,9 @@ name and renamed into place, so this lists every output file write and the rank 
 
 KILL_AT_STEP=n (with KILL_RANK=r, KILL_LOG=path): the process of rank r writes the time to
 KILL_LOG and SIGKILLs itself at its n-th optimizer step, in the first attempt only
-(TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch.
+(TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch. A step checkpoint that this process is
+writing in the background is written first: which last.pth a restart finds does not depend on
+how fast the disk was.
 
 INTERRUPT_AT_STEP=n: rank 0 sends itself SIGINT (Ctrl-C) at its n-th optimizer step.
 INTERRUPT_AT_REPLACE=name:k: Ctrl-C arrives as the k-th rename onto a file called `name` starts
@@ -33,9 +35,9 @@ dcp.async_save's writing thread), in the first attempt only: a worker dying in t
 KILL_IN_WRITE=name:k: the process SIGKILLs itself in the middle of its k-th write of a file called
 `name` (src.outputs.atomic_write): part of the content is in the temporary file, flushed, and the
 rename never comes (a kill while a step checkpoint is written in the background).
-STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): the process of rank r writes "PID TIME" to
-STOP_LOG and stops itself with SIGSTOP at its n-th optimizer step (a rank that stops answering
-without dying; whoever reads STOP_LOG kills it).
+STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): at its n-th optimizer step, once its heartbeat
+has written that place, the process of rank r writes "PID TIME" to STOP_LOG and stops itself with
+SIGSTOP (a rank that stops answering without dying; whoever reads STOP_LOG kills it).
 
 RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
 (train_ray.py) of rank r (default 0), read when the step comes (Ray Train sets RANK after its
@@ -124,6 +126,7 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
 import time
 
 # Where the hooks go.
@@ -336,6 +339,9 @@ def _kill_at_step(settings, patcher):
         return
 
     def die():
+        for thread in threading.enumerate():  # a step checkpoint still being written lands first:
+            if thread.name == "checkpoint writer":  # the kill comes between two saves, always the same
+                thread.join()
         if settings.get("KILL_LOG"):
             with open(settings["KILL_LOG"], "w") as log:
                 log.write(f"{time.time()}\n")
@@ -380,15 +386,31 @@ def _signal_at_step(settings, patcher):
     _on_step(patcher, int(settings["SIGNAL_AT_STEP"]), send)
 
 
+def _beaten() -> None:
+    """Wait until this rank's heartbeat thread (src/heartbeat.py, which looks every 0.25 s) has
+    written the place its main thread is at now into the launcher's store: the place the others
+    then name is this one, however busy the machine."""
+    import json
+    thread = next((thread for thread in threading.enumerate() if thread.name == "heartbeat"), None)
+    if thread is None:
+        return
+    heartbeat = thread._target.__self__  # the Heartbeat whose _run the thread runs
+    from src.heartbeat import described
+    want = described(heartbeat.place)["where"]
+    key = f"beat/{heartbeat.rank}"
+    while not (heartbeat.store.check([key]) and json.loads(heartbeat.store.get(key))["where"] == want):
+        time.sleep(0.05)
+
+
 @hook("STOP_AT_STEP", in_process=False)
 def _stop_at_step(settings, patcher):
     if _rank(settings) != settings.get("STOP_RANK", "1"):
         return
 
     def stop():
+        _beaten()
         with open(settings["STOP_LOG"], "w") as log:
             log.write(f"{os.getpid()} {time.time()}\n")
-        time.sleep(1)  # src/heartbeat.py's thread writes this step as the rank's place (it looks every 0.25 s)
         os.kill(os.getpid(), signal.SIGSTOP)
     _on_step(patcher, int(settings["STOP_AT_STEP"]), stop)
 
