@@ -1439,7 +1439,7 @@ MUTATIONS = [
     # Rank 0 alone builds last.pth; FSDP gathers the whole model for a new best only (issue 60).
     ('src/state.py', '        if not is_first():  # the one collective the save needs is behind: rank 0 alone builds and writes '
      'last.pth\n            return\n',
-     '        last = self._last_state(step=self.step, partial=partial)\n        if not is_first():\n            return\n',
+     '        last = self._last_state(step=self.step, partial=partial, held=True)\n        if not is_first():\n            return\n',
      ['tests/test_checkpoint_writer.py::test_only_the_rank_that_writes_builds_last_pth']),
     ('src/state.py', '            if not is_first():  # rank 0 alone builds and writes last.pth: no collective in it\n'
      '                return False\n            last = self._last_state(model_state=model_state)\n',

@@ -7,7 +7,20 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-from conftest import HOOKS, RESUMABLE, VAL, B, outputs, python, resumable_run, same_end, script_loader, script_pass
+from conftest import (
+    HOOKS,
+    RESUMABLE,
+    VAL,
+    B,
+    HostReads,
+    HostWaits,
+    outputs,
+    python,
+    resumable_run,
+    same_end,
+    script_loader,
+    script_pass,
+)
 
 import src.checkpoint as checkpoint
 import src.checkpoint_writer as checkpoint_writer
@@ -168,7 +181,7 @@ def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
     fake process group, this process its rank `rank`; collectives counted, not run): rank 1 takes
     part in the one collective the saves need (the all_gather of every rank's metric sums) and
     builds nothing of last.pth: no state_dict of the model, the optimizer, the scaler or the weight
-    average (which swaps the average in and copies it to the host), nothing written. The control:
+    average (an epoch's swaps the average in and copies it to the host), nothing written. The control:
     rank 0 builds each once per save and writes the files."""
     import torch.distributed as dist
     args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", "--ema-decay", "0.9", *outputs(tmp_path)])
@@ -180,7 +193,8 @@ def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
         monkeypatch.setattr(owner, name, lambda *a, **k: built.append(label) or made(*a, **k))
     for owner, name, label in ((model, "state_dict", "model"), (optimizer, "state_dict", "optimizer"),
                                (scaler, "state_dict", "scaler"),
-                               (state.average, "state_dict", "average"), (checkpoint, "last_state", "last.pth")):
+                               (state.average, "state_dict", "average"), (state.average, "held", "average"),
+                               (checkpoint, "last_state", "last.pth")):
         counted(owner, name, label)
     gathers, all_gather = [], dist.all_gather
     monkeypatch.setattr(dist, "all_gather", lambda *a, **k: gathers.append(1) or all_gather(*a, **k))
@@ -198,6 +212,48 @@ def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
     if rank == 1:
         assert built == [] and sorted(p.name for p in tmp_path.iterdir()) == []
     else:
-        # the average's state_dict reads the model's with the average swapped in
+        # the average's tensors read with the model's state_dict (an epoch's: swapped in, copied to the host)
         assert built == ["model", "optimizer", "average", "model", "last.pth", "scaler"] * 2, built
         assert {"best.pth", "last.pth", "history.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_a_step_checkpoint_reads_nothing_from_the_device_in_the_training_thread(tmp_path, monkeypatch):
+    """On a GPU each read of a tensor by the host (.item(), .cpu(), a copy to the host) waits for
+    the device, inside the step; a step checkpoint's save only queues its copies and returns, and
+    the writer's thread reads them once they are done. Rank 0's save_step with --ema-decay, an
+    enabled gradient scaler and the average's skipped updates counted on the device (as a fused
+    optimizer's found_inf has them): no read in the training thread (before: the average swapped
+    in and copied to the host, its count's .item() and the scaler state_dict's two). The file,
+    written after the next step changed the scale, the average and its count (the write held until
+    then), holds their values at the save, the scale and the counts as numbers."""
+    args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", "--ema-decay", "0.9", *outputs(tmp_path)])
+    model, _, optimizer, _, _, state = _tiny(args, 6)
+    state.scaler = scaler = torch.amp.GradScaler("cpu", enabled=True)
+    for _ in range(2):
+        scaler.scale(model(torch.rand(4, 3, 8, 8)).logsumexp(1).mean()).backward()
+        scaler.step(optimizer)  # the average's step hook: updates on the host's count
+        scaler.update()
+        optimizer.zero_grad()
+    state.average.update(torch.zeros(()))  # a fused optimizer's update: its skipped steps counted on the device
+    state.step = 2
+    at_save = scaler.state_dict(), state.average.state_dict()
+    changed, save = threading.Event(), checkpoint_writer.atomic_torch_save
+    monkeypatch.setattr(checkpoint_writer, "atomic_torch_save",
+                        lambda *given: changed.wait(timeout=HOLD) and save(*given))
+    waits, reads = HostWaits(to_host=True), HostReads()
+    with waits, reads:
+        state.save_step(torch.zeros(4))
+    scaler.update(2.0)  # the next step: another scale, a moved average, a skipped update counted
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    state.average.update(torch.ones(()))
+    changed.set()
+    state.writer.wait()
+    assert waits.calls == [] and reads.calls == [], (waits.calls, reads.calls)
+    saved = torch.load(tmp_path / "last.pth", weights_only=True)
+    assert saved["scaler"] == at_save[0] != scaler.state_dict() and isinstance(saved["scaler"]["scale"], float)
+    average = at_save[1]
+    assert saved["average"]["updates"] == average["updates"] == 3 and isinstance(saved["average"]["updates"], int)
+    assert saved["average"]["model"].keys() == average["model"].keys()
+    assert all(torch.equal(saved["average"]["model"][key], value) for key, value in average["model"].items())
+    assert not all(torch.equal(saved["model"][key], value) for key, value in average["model"].items())
