@@ -384,6 +384,7 @@ def test_an_fsdp_step_checkpoint_reads_nothing_from_the_device_in_the_training_t
     scaler.scale(torch.ones(()))  # its scale made, on the device
     _step(state, 0)
     state.average.update(torch.zeros(()))  # a fused optimizer's update: its skipped steps counted on the device
+    state.average.update(torch.ones(()))  # and one it skipped
     at_save, sums = (scaler.state_dict(), state.average.count()), torch.tensor([1.0, 2.0, 3.0, 4.0])
     changed, write_data = threading.Event(), FileSystemWriter.write_data
     monkeypatch.setattr(FileSystemWriter, "write_data",
@@ -391,7 +392,8 @@ def test_an_fsdp_step_checkpoint_reads_nothing_from_the_device_in_the_training_t
     waits, reads = HostWaits(to_host=True), HostReads()
     with waits, reads:
         state.save_step(sums, write=dcp.async_save)
-    scaler.update(2.0)  # the next step: another scale, a skipped update counted
+    scaler.update(2.0)  # the next steps: another scale, an update taken and one skipped
+    state.average.update(torch.zeros(()))
     state.average.update(torch.ones(()))
     changed.set()
     state.shard_writer.wait()
@@ -400,7 +402,8 @@ def test_an_fsdp_step_checkpoint_reads_nothing_from_the_device_in_the_training_t
     assert training["step"] == 2 and torch.equal(training["partial"]["sums"], sums[None])
     assert training["scaler"] == at_save[0] != scaler.state_dict()
     assert isinstance(training["scaler"]["_growth_tracker"], int)
-    assert training["average"] == {"updates": at_save[1]} and at_save[1] == 3
+    assert training["average"] == {"updates": at_save[1]} != {"updates": state.average.count()}
+    assert isinstance(training["scaler"]["scale"], float) and isinstance(training["average"]["updates"], int)
 
 
 class _OnGpu(torch.Tensor):
