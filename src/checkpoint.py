@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from src import sharded_checkpoint
+from src.checkpoint_writer import Later
 from src.config import Config
 from src.datasets import CLASSES
 from src.devices import hardware
@@ -126,15 +127,31 @@ def write_history(args: Config, history: list[dict]) -> None:
 
 
 def last_state(history: list[dict], model_state: dict | None, optimizer_state: dict | None, average_state: dict | None,
-               scaler, schedule, info: dict, step: int = 0, partial: dict | None = None) -> dict:
+               scaler, schedule, info: dict, step: int = 0, partial: dict | None = None, held: bool = False) -> dict:
     """last.pth's content after the epochs in `history` and `step` optimizer steps of the next one;
     `partial` (step > 0): each rank's metric sums of those steps (one row per rank) and their
-    seconds (train_seconds, data_wait_seconds)."""
-    state = {"model": model_state, "optimizer": optimizer_state,
-             "scaler": scaler.state_dict() if scaler is not None else {},
+    seconds (train_seconds, data_wait_seconds). `held`: for a writer that copies its tensors and
+    makes its Laters (src.checkpoint_writer; a step checkpoint): nothing read from the device here."""
+    state = {"model": model_state, "optimizer": optimizer_state, "scaler": scaler_state(scaler, held),
              "schedule": schedule.state_dict(), "average": average_state,
              "epoch": history[-1]["epoch"] if history else 0, "step": step, "history": list(history), "info": info}
     return {**state, "partial": partial} if step else state
+
+
+def scaler_state(scaler, held: bool = False) -> dict:
+    """The gradient scaler's state_dict ({} without one). `held` (a step checkpoint, which its
+    writer copies and writes): the scale and the growth tracker that the device holds as Laters
+    (src.checkpoint_writer), where torch's state_dict reads each with .item() (torch 2.14.1,
+    amp/grad_scaler.py: get_scale, _get_growth_tracker), making the host wait inside the step."""
+    if scaler is None:
+        return {}
+    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+    if not (held and scaler.is_enabled() and isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor)):
+        return scaler.state_dict()
+    # state_dict's five entries, in its order
+    return {"scale": Later(scale, lambda value: float(value.item())), "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(), "growth_interval": scaler.get_growth_interval(),
+            "_growth_tracker": Later(tracker, lambda value: int(value.item()))}
 
 
 def _read_last(path: Path, mmap: bool = False) -> dict | None:

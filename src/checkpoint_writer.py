@@ -20,12 +20,34 @@ last.pth whole (the rename comes last) and a temporary file, which the next star
 """
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from src.outputs import atomic_torch_save
+
+
+class Later:
+    """A number that a device tensor holds (the fp16 gradient scaler's scale, the weight average's
+    skipped updates), for a checkpoint that holds it as a Python number: HostCopies copies the
+    tensor with the others, and the thread that writes makes the number (`number(tensor)`, by
+    `numbers`) once the copies are done. Read at the save, it would make the host wait for the
+    device there (torch's GradScaler.state_dict reads two so)."""
+
+    def __init__(self, tensor: torch.Tensor, number: Callable[[torch.Tensor], Any]):
+        self.tensor, self.number = tensor, number
+
+
+def numbers(value: Any) -> Any:
+    """`value` with each Later made its number (after the copies it holds are done)."""
+    if isinstance(value, Later):
+        return value.number(value.tensor)
+    if isinstance(value, dict):
+        return {key: numbers(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(numbers(item) for item in value)
+    return value
 
 
 class HostCopies:
@@ -54,6 +76,8 @@ class HostCopies:
             return DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
             return self._copy_tensor(value, where)
+        if isinstance(value, Later):
+            return Later(self._copy_tensor(value.tensor, where), value.number)
         if isinstance(value, dict):
             return {key: self._copy(item, (*where, key)) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
@@ -125,6 +149,6 @@ class CheckpointWriter:
         try:
             if done is not None:
                 done.wait()
-            atomic_torch_save(state, path)
+            atomic_torch_save(numbers(state), path)
         except BaseException as error:  # raised in the training thread by wait()
             self.error = error

@@ -26,6 +26,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from src.checkpoint_writer import Later
+
 T = TypeVar("T")
 
 
@@ -84,6 +86,14 @@ class WeightAverage:
         """The updates taken, skipped steps left out (reads the device: call it when saving)."""
         return self.updates - (0 if self.skipped is None else round(self.skipped.item()))
 
+    def counted(self) -> "int | Later":
+        """count() without reading the device: where the skipped updates are counted on it, a Later
+        that the checkpoint's writer makes the count (src.checkpoint_writer)."""
+        if self.skipped is None:
+            return self.updates
+        updates = self.updates
+        return Later(self.skipped, lambda skipped: updates - round(skipped.item()))
+
     def validate(self, run: Callable[[], T]) -> T | None:
         """run() with the average in the model (the validation of it), or None when off."""
         if not self.on:
@@ -99,6 +109,18 @@ class WeightAverage:
         with self.swapped_in():
             return {"model": {key: value.to("cpu", copy=True) for key, value in self.model.state_dict().items()},
                     "updates": self.count()}
+
+    def held(self) -> dict | None:
+        """state_dict()'s content as the device holds it, for a writer that copies it without
+        making the host wait (src.checkpoint_writer: a step checkpoint): the average's own tensors
+        in place of the parameters in the model's state_dict, its buffers the model's; no swap, no
+        copy. None when off."""
+        if not self.on:
+            return None
+        average = {id(param): tensor for param, tensor in zip(self.params, self.average)}
+        return {"model": {key: average.get(id(value), value).detach()
+                          for key, value in self.model.state_dict(keep_vars=True).items()},
+                "updates": self.counted()}
 
     def load(self, model, saved: dict) -> None:
         """The average of a last.pth (state_dict's) into this one, through model.load_state_dict

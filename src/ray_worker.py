@@ -131,20 +131,38 @@ def stops_from_driver(control: Any, signals: "StopSignals") -> Iterator[None]:
 def saved_last(state: "TrainingState") -> Iterator[str | None]:
     """On rank 0, a folder holding the last.pth just saved (once its background write is on disk:
     a hard link where the file system allows it, else a copy), for ray.train.report's checkpoint,
-    which Ray copies into storage_path; None on the other ranks, which report no checkpoint."""
-    from src.outputs import output_paths
-    from src.ranks import is_first
-    if not is_first():
-        yield None
-        return
+    which Ray copies into storage_path; None on the other ranks, which report no checkpoint.
+
+    Every rank first hears from rank 0 through the process group (its folder, or the error of its
+    write), and only then calls ray.train.report: the report is a barrier of Ray's own, outside the
+    process group and without a timeout (Ray 2.60: RAY_TRAIN_COLLECTIVE_TIMEOUT_S unset), that
+    src.errors' end of the group does not reach. A rank 0 that failed before (its save: a full
+    disk) or here leaves the others in this collective, which fails with its group, not in
+    Ray's barrier until --dist-timeout."""
+    from src.ranks import from_rank_0, is_first
+    folder = from_rank_0(lambda: _linked_last(state))
+    try:
+        yield folder if is_first() else None
+    finally:
+        if is_first():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _linked_last(state: "TrainingState") -> str:
+    """Rank 0: a new folder beside last.pth holding it, once its background write is on disk."""
+    from src.outputs import cannot_write, output_paths
     state.writer.wait()
     last = output_paths(state.args)["last"]
-    with tempfile.TemporaryDirectory(prefix=".ray-report-", dir=last.parent) as folder:
+    folder = tempfile.mkdtemp(prefix=".ray-report-", dir=last.parent)
+    try:
         try:
             os.link(last, Path(folder) / last.name)
         except OSError:
             shutil.copy2(last, Path(folder) / last.name)
-        yield folder
+    except OSError as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise UserError(cannot_write(Path(folder) / last.name, error)) from None
+    return folder
 
 
 def restore_last(args: Config, folder: str) -> None:

@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future as TorchFuture
 
-from src.checkpoint_writer import Copied, HostCopies
+from src.checkpoint_writer import Copied, HostCopies, numbers
 from src.config import Config
 from src.errors import UserError, one_line
 from src.outputs import cannot_write
@@ -292,6 +292,7 @@ class _Writer(FileSystemWriter):
         self.new, self.folder, self.marked, self.training, self.replaces = new, folder, save_id, training, replaces
         self.copies = copies  # the staging's buffers
         self.copied: Copied | None = None  # the end of the staging's copies, where they go on a GPU
+        self.staged = False  # whether stage() made them (dcp.async_save); dcp.save stages nothing
         self.save_id = save_id  # DCP's metadata holds it (storage_meta): the metadata of this save
 
     def reset(self, checkpoint_id=None) -> None:
@@ -300,8 +301,10 @@ class _Writer(FileSystemWriter):
 
     def stage(self, state_dict: dict) -> dict:
         self.per_thread_copy_ahead = 0  # as torch's: the copy is in host memory already
-        staged, self.copied = self.copies.copy(state_dict)
-        return staged
+        # training.pt's tensors too (a step's metric sums, on the device): one event behind every copy
+        staged, self.copied = self.copies.copy({"shards": state_dict, "training": self.training})
+        self.training, self.staged = staged["training"], True
+        return staged["shards"]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         try:
@@ -316,8 +319,13 @@ class _Writer(FileSystemWriter):
         training.pt, and the renames."""
         try:
             super().finish(metadata, results)
+            training = self.training
+            if not self.staged:  # dcp.save: its tensors (if any) to the host here, outside a step
+                training, copied = HostCopies().copy(training)
+                if copied is not None:
+                    copied.wait()
             with open(self.new / TRAINING, "wb") as file:
-                torch.save(self.training, file)
+                torch.save(numbers(training), file)  # the staging's copies are done: write_data waited
                 file.flush()
                 os.fsync(file.fileno())
             commit(self.new, self.folder, self.replaces)

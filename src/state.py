@@ -122,7 +122,7 @@ class TrainingState:
         if not is_first():  # the one collective the save needs is behind: rank 0 alone builds and writes last.pth
             return
         self.heartbeat.at("saving")
-        self.writer.save(self._last_state(step=self.step, partial=partial), output_paths(self.args)["last"])
+        self.writer.save(self._last_state(step=self.step, partial=partial, held=True), output_paths(self.args)["last"])
 
     def record(self, train_sums: torch.Tensor, val_sums: torch.Tensor, average_sums: torch.Tensor | None,
                train_seconds: float, val_seconds: float) -> dict:
@@ -193,11 +193,11 @@ class TrainingState:
         training = None
         if is_first():
             self.heartbeat.at("saving")
-            average = {"updates": self.average.count()} if self.average.on else None
-            if partial is not None:  # the ranks' sums to the host for training.pt: at a checkpoint only
-                partial = {**partial, "sums": partial["sums"].cpu()}
+            average = {"updates": self.average.counted()} if self.average.on else None
+            # Nothing read from the device here (partial's sums, the scaler's scale): the save's staging
+            # copies them with the shards, and training.pt is written after those copies (_Writer)
             training = checkpoint.last_state(self.history, None, None, average, self.scaler, self.schedule,
-                                             self.info, step, partial)
+                                             self.info, step, partial, held=True)
             training = {key: value for key, value in training.items() if key not in ("model", "optimizer")}
         if write is None:
             import torch.distributed.checkpoint as dcp
@@ -205,13 +205,17 @@ class TrainingState:
         self.shard_writer.save(write, sharded_checkpoint.folder_of(self.args), shards, training, self.run_step,
                                replaces=output_paths(self.args)["last"])
 
-    def _last_state(self, step: int = 0, partial: dict | None = None, model_state: dict | None = None) -> dict:
-        """last.pth's content now (of a model that is not sharded)."""
+    def _last_state(self, step: int = 0, partial: dict | None = None, model_state: dict | None = None,
+                    held: bool = False) -> dict:
+        """last.pth's content now (of a model that is not sharded); `held`: the weight average's
+        tensors where the device holds them, for the writer's copies (a step checkpoint: the host
+        does not wait), else a host copy (an epoch's, which best.pth may take)."""
         model = getattr(self.model, "_orig_mod", self.model)  # torch.compile's wrapper: the plain names
         model_state = model.state_dict() if model_state is None else model_state
-        optimizer_state, average_state = self.optimizer.state_dict(), self.average.state_dict()
+        optimizer_state = self.optimizer.state_dict()
+        average_state = self.average.held() if held else self.average.state_dict()
         return checkpoint.last_state(self.history, model_state, optimizer_state, average_state, self.scaler,
-                                     self.schedule, self.info, step, partial)
+                                     self.schedule, self.info, step, partial, held=held)
 
     # Track (--track, src/tracking.py).
 

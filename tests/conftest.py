@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import typing
 import weakref
 from pathlib import Path
@@ -40,6 +41,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hooks.sitecustomize import InProcess, in_process_variables, install  # noqa: E402
 from PIL import Image  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from src.errors import end_process_group  # noqa: E402
 from src.history import AVERAGE  # noqa: E402
@@ -1259,6 +1262,62 @@ def cuda_calls(monkeypatch) -> CudaCalls:
     monkeypatch.setattr(torch.cuda, "current_device", calls.current_device)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     return calls
+
+
+# What would make the host wait for a GPU inside a training step, seen on the CPU.
+
+def _to_the_host(args: tuple, kwargs: dict) -> bool:
+    """Whether Tensor.to(*args, **kwargs) asks for the CPU."""
+    target = kwargs.get("device", args[0] if args else None)
+    target = target.device if isinstance(target, torch.Tensor) else target
+    if target is None or isinstance(target, torch.dtype):
+        return False
+    try:
+        return torch.device(target).type == "cpu"
+    except (TypeError, RuntimeError):
+        return False
+
+
+class HostWaits(TorchFunctionMode):
+    """Records, outside the data loader's own code, what would make the host wait for a GPU or copy
+    Python values to it: tensors built from Python values, and reads of a tensor on the host."""
+    WATCHED = {torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.Tensor.new_tensor,
+               torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+               torch.Tensor.__bool__}
+
+    def __init__(self, to_host: bool = False):
+        super().__init__()
+        self.calls = []
+        self.to_host = to_host  # and Tensor.to the CPU (on the CPU, where no batch is moved to it: a save)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.WATCHED or (self.to_host and func is torch.Tensor.to and _to_the_host(args[1:], kwargs or {})):
+            stack = traceback.extract_stack(limit=12)
+            if not any("torch/utils/data" in frame.filename for frame in stack):
+                self.calls.append((func.__name__, stack[-2].filename.rsplit("/", 1)[-1], stack[-2].lineno))
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads(TorchDispatchMode):
+    """Records the operations that make the host wait for a GPU's result: a tensor read as a
+    Python number (item, float, int, bool: aten._local_scalar_dense), nonzero and a boolean mask
+    (the size of the result depends on the values: torch's SyncBatchNorm drops empty ranks so).
+    A dispatch mode sees the backward pass too, which a torch function mode (HostWaits) does not:
+    autograd runs the backward without the Python function modes."""
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default,
+             torch.ops.aten._unique2.default}
+    INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masked = func in self.INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if func in self.READS or masked:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

@@ -2,12 +2,26 @@
 train while it is written, and the file holds the state of the save's step; a write that fails
 says so in the training thread; a process killed in the middle of a write leaves the previous
 last.pth whole, and --resume from it ends as the run never stopped."""
+import io
 import threading
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import HOOKS, RESUMABLE, VAL, B, outputs, python, resumable_run, same_end, script_loader, script_pass
+from conftest import (
+    HOOKS,
+    RESUMABLE,
+    VAL,
+    B,
+    HostReads,
+    HostWaits,
+    outputs,
+    python,
+    resumable_run,
+    same_end,
+    script_loader,
+    script_pass,
+)
 
 import src.checkpoint as checkpoint
 import src.checkpoint_writer as checkpoint_writer
@@ -168,7 +182,7 @@ def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
     fake process group, this process its rank `rank`; collectives counted, not run): rank 1 takes
     part in the one collective the saves need (the all_gather of every rank's metric sums) and
     builds nothing of last.pth: no state_dict of the model, the optimizer, the scaler or the weight
-    average (which swaps the average in and copies it to the host), nothing written. The control:
+    average (an epoch's swaps the average in and copies it to the host), nothing written. The control:
     rank 0 builds each once per save and writes the files."""
     import torch.distributed as dist
     args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", "--ema-decay", "0.9", *outputs(tmp_path)])
@@ -180,7 +194,8 @@ def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
         monkeypatch.setattr(owner, name, lambda *a, **k: built.append(label) or made(*a, **k))
     for owner, name, label in ((model, "state_dict", "model"), (optimizer, "state_dict", "optimizer"),
                                (scaler, "state_dict", "scaler"),
-                               (state.average, "state_dict", "average"), (checkpoint, "last_state", "last.pth")):
+                               (state.average, "state_dict", "average"), (state.average, "held", "average"),
+                               (checkpoint, "last_state", "last.pth")):
         counted(owner, name, label)
     gathers, all_gather = [], dist.all_gather
     monkeypatch.setattr(dist, "all_gather", lambda *a, **k: gathers.append(1) or all_gather(*a, **k))
@@ -198,6 +213,74 @@ def test_only_the_rank_that_writes_builds_last_pth(rank, tmp_path, monkeypatch):
     if rank == 1:
         assert built == [] and sorted(p.name for p in tmp_path.iterdir()) == []
     else:
-        # the average's state_dict reads the model's with the average swapped in
+        # the average's tensors read with the model's state_dict (an epoch's: swapped in, copied to the host)
         assert built == ["model", "optimizer", "average", "model", "last.pth", "scaler"] * 2, built
         assert {"best.pth", "last.pth", "history.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def _same(saved, expected, where="last.pth") -> None:
+    """`saved` holds what `expected` holds: the same keys in the same order, tensors equal in dtype,
+    shape, strides and every bit, other values equal and of the same type (a dict for a dict)."""
+    assert isinstance(saved, dict) if isinstance(expected, dict) else type(saved) is type(expected), \
+        (where, type(saved), type(expected))
+    if isinstance(expected, dict):
+        assert list(saved) == list(expected), (where, list(saved), list(expected))
+        for key in expected:
+            _same(saved[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(saved) == len(expected), where
+        for i, (a, b) in enumerate(zip(saved, expected)):
+            _same(a, b, f"{where}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        assert (saved.dtype, saved.shape, saved.stride()) == (expected.dtype, expected.shape, expected.stride()), where
+        assert torch.equal(saved.view(torch.uint8) if saved.dim() else saved, expected.view(torch.uint8)
+                           if expected.dim() else expected), where
+    else:
+        assert saved == expected, (where, saved, expected)
+
+
+def test_a_step_checkpoint_reads_nothing_from_the_device_in_the_training_thread(tmp_path, monkeypatch):
+    """On a GPU each read of a tensor by the host (.item(), .cpu(), a copy to the host) waits for
+    the device, inside the step; a step checkpoint's save only queues its copies and returns, and
+    the writer's thread reads them once they are done. Rank 0's save_step with --ema-decay, an
+    enabled gradient scaler and the average's skipped updates counted on the device (as a fused
+    optimizer's found_inf has them): no read in the training thread (before: the average swapped
+    in and copied to the host, its count's .item() and the scaler state_dict's two). The file,
+    written after the next step changed the scale, the weights, the average and its count (the
+    write held until then), holds what the host-reading build of last.pth (scaler.state_dict(),
+    the average's state_dict() and count()) gave at the save, bit for bit."""
+    args = parse_args("", ["--batch-size", "4", "--save-every-steps", "2", "--ema-decay", "0.9", *outputs(tmp_path)])
+    model, _, optimizer, _, _, state = _tiny(args, 6)
+    state.scaler = scaler = torch.amp.GradScaler("cpu", enabled=True)
+    for _ in range(2):
+        scaler.scale(model(torch.rand(4, 3, 8, 8)).logsumexp(1).mean()).backward()
+        scaler.step(optimizer)  # the average's step hook: updates on the host's count
+        scaler.update()
+        optimizer.zero_grad()
+    state.average.update(torch.zeros(()))  # a fused optimizer's update: its skipped steps counted on the device
+    state.average.update(torch.ones(()))  # and one it skipped
+    state.step, sums = 2, torch.arange(4.0)
+    expected = io.BytesIO()  # the host-reading build's content at the save, as torch.save writes it
+    torch.save(state._last_state(step=2, partial={"sums": sums[None].clone(), "train_seconds": 0.0,
+                                                  "data_wait_seconds": state.data_wait}), expected)
+    expected = torch.load(io.BytesIO(expected.getvalue()), weights_only=True)
+    assert expected["average"]["updates"] == state.average.count() == 3  # 4 updates, 1 skipped
+    assert isinstance(expected["scaler"]["scale"], float) and isinstance(expected["scaler"]["_growth_tracker"], int)
+    changed, save = threading.Event(), checkpoint_writer.atomic_torch_save
+    monkeypatch.setattr(checkpoint_writer, "atomic_torch_save",
+                        lambda *given: changed.wait(timeout=HOLD) and save(*given))
+    waits, reads = HostWaits(to_host=True), HostReads()
+    with waits, reads:
+        state.save_step(sums)
+    scaler.update(2.0)  # the next step: another scale, moved weights and average, a skipped update counted
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    state.average.update(torch.zeros(()))
+    state.average.update(torch.ones(()))
+    changed.set()
+    state.writer.wait()
+    assert waits.calls == [] and reads.calls == [], (waits.calls, reads.calls)
+    saved = torch.load(tmp_path / "last.pth", weights_only=True)
+    assert saved["scaler"] != scaler.state_dict() and saved["average"]["updates"] != state.average.count()
+    saved["partial"]["train_seconds"] = 0.0  # the clock's
+    _same(saved, expected)

@@ -1,14 +1,10 @@
 """No host synchronisation inside a training step, checked on the CPU: no tensor built from Python
 values and nothing read back in a step (with the GPU's fused optimizer, AS_ON_GPU=1), channels-last
 batches through the loop, and accelerate's loader copying without blocking."""
-import traceback
-
 import pytest
 import torch
 import torch.nn as nn
-from conftest import mode_run, script_loader, script_pass
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import HostReads, HostWaits, mode_run, script_loader, script_pass
 
 import train_dp
 import train_single
@@ -19,47 +15,6 @@ from src.loaders import Data
 from src.progress import Progress
 from src.recipe import make_optimizer, make_schedule
 from src.state import TrainingState
-
-
-class HostWaits(TorchFunctionMode):
-    """Records, outside the data loader's own code, what would make the host wait for a GPU or copy
-    Python values to it: tensors built from Python values, and reads of a tensor on the host."""
-    WATCHED = {torch.tensor, torch.as_tensor, torch.scalar_tensor, torch.Tensor.new_tensor,
-               torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
-               torch.Tensor.__bool__}
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.WATCHED:
-            stack = traceback.extract_stack(limit=12)
-            if not any("torch/utils/data" in frame.filename for frame in stack):
-                self.calls.append((func.__name__, stack[-2].filename.rsplit("/", 1)[-1], stack[-2].lineno))
-        return func(*args, **(kwargs or {}))
-
-
-class HostReads(TorchDispatchMode):
-    """Records the operations that make the host wait for a GPU's result: a tensor read as a
-    Python number (item, float, int, bool: aten._local_scalar_dense), nonzero and a boolean mask
-    (the size of the result depends on the values: torch's SyncBatchNorm drops empty ranks so).
-    A dispatch mode sees the backward pass too, which a torch function mode (HostWaits) does not:
-    autograd runs the backward without the Python function modes."""
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-             torch.ops.aten.masked_select.default, torch.ops.aten.unique_consecutive.default,
-             torch.ops.aten._unique2.default}
-    INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        masked = func in self.INDEXING and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
-        if func in self.READS or masked:
-            self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 class _ReadsInBackward(torch.autograd.Function):

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -254,3 +255,81 @@ def test_a_worker_ends_on_bad_input_or_a_stop_without_failing_so_ray_does_not_re
     with pytest.raises(UserError) as error:
         end_as_told({"exit": 2})
     assert error.value.quiet
+
+
+
+REPORT_CASES = ["save", "write", "none"]
+
+
+def _reports_after_a_save(rank: int, ports: list[int], folder: str) -> None:
+    """One of two gloo ranks at a report of train_ray.py's loop, as train_loop_per_worker runs it
+    (worker_outcome around it), in each of REPORT_CASES in turn (a process group each): rank 0's
+    save failed before ("save": its save_step raised the background write's error, which ends its
+    loop), or its write fails now ("write", found by saved_last), or nothing fails ("none"). Writes
+    {outcome, what reached ray.train.report} to FOLDER/CASE.RANK.json."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from src.checkpoint_writer import CheckpointWriter
+    from src.cli import defaults
+    from src.errors import end_process_group
+    from src.ray_worker import saved_last
+    torch.set_num_threads(1)
+    for case, port in zip(REPORT_CASES, ports):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))
+        writer = CheckpointWriter()
+        args = defaults(checkpoint=str(Path(folder) / case / f"node{rank}" / "best.pth"))
+        Path(args.checkpoint).parent.mkdir(parents=True)
+        if rank == 0:
+            writer.save({"step": torch.tensor(3)}, Path(args.checkpoint).parent / "last.pth")
+            if case == "write":
+                writer.error = UserError("cannot write last.pth (No space left on device)")  # as its thread sets it
+        reported = []
+        with worker_outcome() as outcome:
+            if rank == 0 and case == "save":
+                raise UserError("cannot write last.pth (No space left on device)")
+            with saved_last(SimpleNamespace(args=args, writer=writer)) as where:
+                # ray.train.report(..., checkpoint=...) here: a barrier that every rank must reach
+                reported.append(where and sorted(os.listdir(where)))
+        end_process_group()
+        Path(folder, f"{case}.{rank}.json").write_text(json.dumps({"outcome": outcome, "reported": reported}))
+
+
+@pytest.fixture(scope="module")
+def reports(module_tmp):
+    """The folder of _reports_after_a_save's records, from one spawn of its two ranks."""
+    import torch.multiprocessing as mp
+    folder = module_tmp / "reports"
+    folder.mkdir()
+    context = mp.start_processes(_reports_after_a_save, args=([free_port() for _ in REPORT_CASES], str(folder)),
+                                 nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240  # seconds, on a busy machine; a rank left in a barrier waits for ever
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())) and time.monotonic() < deadline:
+            pass
+    finally:
+        for process in context.processes:
+            process.kill()
+    return folder
+
+
+@pytest.mark.parametrize("case", REPORT_CASES)
+def test_a_save_that_failed_on_rank_0_ends_every_worker_before_rays_report(case, reports):
+    """ray.train.report is a barrier of Ray's own, with no timeout (Ray 2.60), which the end of
+    the process group does not reach: a rank 0 whose step checkpoint failed (a full disk: its
+    save_step, or the write that saved_last waits for) left the other workers there until the
+    heartbeat named rank 0 after --dist-timeout (an hour by default), a failed worker that Ray then
+    restarted. Every worker now hears from rank 0 through the process group first: none reaches
+    the report, rank 0 says the line (exit 2) and rank 1 ends quietly (exit 2). The control: rank 0
+    reports a folder holding last.pth (removed after the report), rank 1 no checkpoint."""
+    ends = [json.loads(path.read_text()) if (path := reports / f"{case}.{rank}.json").exists() else None
+            for rank in (0, 1)]
+    if case == "none":
+        assert ends == [{"outcome": {}, "reported": [["last.pth"]]}, {"outcome": {}, "reported": [None]}], ends
+        assert list((reports / case / "node0").glob(".ray-report-*")) == []
+    else:
+        said = "cannot write last.pth (No space left on device)"
+        assert ends == [{"outcome": {"exit": 2, "error": said}, "reported": []},
+                        {"outcome": {"exit": 2}, "reported": []}], ends

@@ -26,6 +26,8 @@ from conftest import (
     RESUMABLE,
     TOLERANCE,
     VAL,
+    HostReads,
+    HostWaits,
     assert_same_run,
     distance,
     fails_in_process,
@@ -364,6 +366,44 @@ def test_a_step_checkpoint_is_staged_on_the_host_in_buffers_kept_between_saves(t
         state.shard_writer.wait()
         buffers.append({place: buffer.data_ptr() for place, buffer in state.shard_writer.copies.buffers.items()})
     assert buffers[0] and buffers[1] == buffers[0]
+
+
+def test_an_fsdp_step_checkpoint_reads_nothing_from_the_device_in_the_training_thread(tmp_path, world_of_one_group,
+                                                                                       monkeypatch):
+    """FSDP's step checkpoint (dcp.async_save) reads nothing from the device in the training thread:
+    rank 0's training.pt takes the ranks' metric sums, the fp16 scaler's scale and growth tracker
+    and the average's count (its skipped updates on the device) as the staging copies them with
+    the shards, and DCP's thread writes it once those copies are done (on a GPU each read here
+    waited for the device inside the step: before, the sums' .cpu() and three .item()). Written
+    after the next step changed the scale and the count (DCP's writing held until then),
+    training.pt holds their values at the save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    state = _saved(tmp_path / "run")  # a first save: the saves' process group made
+    state.scaler = scaler = torch.amp.GradScaler("cpu", enabled=True)
+    scaler.scale(torch.ones(()))  # its scale made, on the device
+    _step(state, 0)
+    state.average.update(torch.zeros(()))  # a fused optimizer's update: its skipped steps counted on the device
+    state.average.update(torch.ones(()))  # and one it skipped
+    at_save, sums = (scaler.state_dict(), state.average.count()), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    changed, write_data = threading.Event(), FileSystemWriter.write_data
+    monkeypatch.setattr(FileSystemWriter, "write_data",
+                        lambda self, *given: changed.wait(timeout=60) and write_data(self, *given))
+    waits, reads = HostWaits(to_host=True), HostReads()
+    with waits, reads:
+        state.save_step(sums, write=dcp.async_save)
+    scaler.update(2.0)  # the next steps: another scale, an update taken and one skipped
+    state.average.update(torch.zeros(()))
+    state.average.update(torch.ones(()))
+    changed.set()
+    state.shard_writer.wait()
+    assert waits.calls == [] and reads.calls == [], (waits.calls, reads.calls)
+    training = sharded_checkpoint.read_training(tmp_path / "run" / "last.dcp")
+    assert training["step"] == 2 and torch.equal(training["partial"]["sums"], sums[None])
+    assert training["scaler"] == at_save[0] != scaler.state_dict()
+    assert isinstance(training["scaler"]["_growth_tracker"], int)
+    assert training["average"] == {"updates": at_save[1]} != {"updates": state.average.count()}
+    assert isinstance(training["scaler"]["scale"], float) and isinstance(training["average"]["updates"], int)
 
 
 class _OnGpu(torch.Tensor):
