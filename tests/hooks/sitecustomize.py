@@ -50,6 +50,11 @@ it sends SIGTERM to the driver whose pid the file RAY_DRIVER_PID_FILE holds, the
 120 s) until the stop has come back to it (its StopSignals' flag, which the driver's request
 raises): the stop then begins in that step.
 
+BEAT_LOG=path (with BEAT_AT_STEP=n): at its n-th optimizer step each process appends one JSON line to
+path: the rank, world size and timeout (seconds) of the heartbeat it entered (src/heartbeat.py), the
+timeout of its (gloo) process group, and every rank's last beat as read from that heartbeat's store
+(null without a store): where the ranks of a process group read each other's beats.
+
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests use conftest's fake_gpus).
 
@@ -448,6 +453,32 @@ def _ray_at_step(settings, patcher):
             time.sleep(0.01)
             waited += 0.01
     _on_step(patcher, int(settings["RAY_AT_STEP"]), act)
+
+
+@hook("BEAT_LOG")
+def _log_beats(settings, patcher):
+    entered = []  # the heartbeats this process entered
+
+    def make(enter):
+        def recorded(self):
+            entered.append(self)
+            return enter(self)
+        return recorded
+    patcher.wrap("src.heartbeat", "Heartbeat.__enter__", make)
+
+    def log():
+        import json
+
+        from src.heartbeat import read_beats
+        beat = entered[-1]
+        import torch
+        import torch.distributed as dist
+        beats = None if beat.store is None else read_beats(beat.store, beat.world_size)
+        group = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))  # gloo's
+        with open(settings["BEAT_LOG"], "a") as file:
+            file.write(json.dumps({"rank": beat.rank, "world_size": beat.world_size, "timeout_s": beat.timeout_s,
+                                   "group_timeout_s": group.options._timeout.total_seconds(), "beats": beats}) + "\n")
+    _on_step(patcher, int(settings.get("BEAT_AT_STEP", "1")), log)
 
 
 @hook("KILL_IN_WRITE", in_process=False)
