@@ -1,14 +1,18 @@
 """train_ray.py, Ray Train around DDP's loop: it trains what torchrun's train_ddp.py trains and
 writes the same files, after a lost worker too, which costs only the steps since the last save
 (Ray restarts the group, which goes on from the last reported checkpoint); the heartbeat watches
-Ray's process group; a stop sent to its driver ends every worker at an optimizer step (exit 75);
-it resumes another mode's last.pth and another mode resumes its; bad input is one line.
+Ray's process group, and a worker that stops answering ends the run with its line; a stop sent to
+its driver ends every worker at an optimizer step (exit 75); it resumes another mode's last.pth and
+another mode resumes its; bad input is one line.
 
 One Ray instance serves the module (`cluster`: `ray start --head` on free ports, its workers
-importing the test hooks), and two runs, at once, serve its tests (`fits`): one from the start with
-a worker killed on the way, and one that resumes train_single.py's last.pth and is stopped."""
+importing the test hooks), and three runs, at once, serve its tests (`fits`): one from the start
+with a worker killed on the way, one that resumes train_single.py's last.pth and is stopped, and
+one with a worker that stops answering."""
+import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -55,7 +59,7 @@ from src.ray_worker import worker_outcome
 
 # Two epochs of 5 optimizer steps (100 training images, 2 workers of B); a step checkpoint every 3.
 FLAGS = [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(B), "--save-every-steps", "3"]
-CPUS = 4  # the cluster's: the module's two runs at once, two workers each
+CPUS = 6  # the cluster's: the module's three runs at once, two workers each
 DIST_TIMEOUT = 7  # minutes, the lost run's --dist-timeout: not the default, which the heartbeat must not take instead
 # Ray's settings for the cluster, each leaving out what the tests do not use (what they save:
 # docs/measurements.md). Without token authentication (ray start turns it on; the runs' drivers
@@ -132,9 +136,25 @@ def writes(folder: Path) -> list[tuple[str, str]]:
     return [tuple(line.split(" ", 1)) for line in path.read_text().splitlines()]
 
 
+class Driver:
+    """`python train_ray.py ARGV` started with the test hooks' settings `env` for its workers
+    (job_env), its output in NAME.out and NAME.err beside its folder."""
+
+    def __init__(self, folder: Path, argv: list[str], **env: str):
+        self.folder, self.command = folder, [sys.executable, "train_ray.py", *argv]
+        with open(f"{folder}.out", "w") as out, open(f"{folder}.err", "w") as err:
+            self.process = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1", **job_env(folder, **env)})
+
+    def result(self) -> subprocess.CompletedProcess:
+        self.process.wait(timeout=900)
+        return subprocess.CompletedProcess(self.command, self.process.returncode, Path(f"{self.folder}.out").read_text(),
+                                           Path(f"{self.folder}.err").read_text())
+
+
 @pytest.fixture(scope="module")
 def fits(cluster, module_tmp, exact_data, runs):
-    """The module's two Ray Train runs, at once; {name: (its output folder, the finished driver)}.
+    """The module's three Ray Train runs, at once; {name: (its output folder, the finished driver)}.
 
     `lost`: FLAGS from the start with --max-failures 1; rank 0 is killed in its 4th step, once Ray
     Train has taken in the step checkpoint after step 3, and its last.pth removed with it (a node
@@ -143,20 +163,21 @@ def fits(cluster, module_tmp, exact_data, runs):
     `stopped`: train_single.py's last.pth after step 3 (stepped_run) resumed (--resume); rank 0 sends
     SIGTERM to the driver in its 1st step (the run's 4th) and waits for the request to come back to
     it: the ranks agree on it at the start of epoch 2 (the check started after step 4 would be read
-    after step 8, in the next epoch). Its driver is a process of its own, which gets the signal."""
+    after step 8, in the next epoch). Its driver is a process of its own, which gets the signal.
+    `hung`: one epoch, --dist-timeout 0.5 (30 s) and --max-failures 0; rank 1 stops itself with
+    SIGSTOP at its 2nd step (OUT/../hung.log: its pid), once its heartbeat has written that place."""
     stepped = stepped_run(runs)  # while the cluster starts
     address = cluster.ready()
-    lost, stopped = module_tmp / "lost", module_tmp / "stopped"
+    lost, stopped, hung = module_tmp / "lost", module_tmp / "stopped", module_tmp / "hung"
     stopped.mkdir()
     shutil.copy(stepped.parent / "copies" / "last.1.pth", stopped / "last.pth")
     pid_file = module_tmp / "driver.pid"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           **job_env(stopped, RAY_AT_STEP="1", RAY_ACTION="term-driver", RAY_LOG=str(module_tmp / "term.log"),
-                     RAY_DRIVER_PID_FILE=str(pid_file))}
-    with open(module_tmp / "stopped.out", "w") as out, open(module_tmp / "stopped.err", "w") as err:
-        command = [sys.executable, "train_ray.py", *ray_command(address, stopped, exact_data, *FLAGS, "--resume")]
-        driver = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
-    pid_file.write_text(str(driver.pid))
+    stopping = Driver(stopped, ray_command(address, stopped, exact_data, *FLAGS, "--resume"), RAY_AT_STEP="1",
+                      RAY_ACTION="term-driver", RAY_LOG=str(module_tmp / "term.log"), RAY_DRIVER_PID_FILE=str(pid_file))
+    pid_file.write_text(str(stopping.process.pid))
+    hanging = Driver(hung, ray_command(address, hung, exact_data, *EXACT, *VAL, "--epochs", "1", "--batch-size", str(B),
+                                       "--dist-timeout", "0.5", "--max-failures", "0"),
+                     RAY_AT_STEP="2", RAY_ACTION="stop", RAY_RANK="1", RAY_LOG=str(module_tmp / "hung.log"))
     sigint = signal.getsignal(signal.SIGINT)
     try:
         argv = ray_command(address, lost, exact_data, *FLAGS, "--max-failures", "1", "--dist-timeout", str(DIST_TIMEOUT))
@@ -166,10 +187,10 @@ def fits(cluster, module_tmp, exact_data, runs):
             BEAT_AT_STEP="2"))
     finally:
         signal.signal(signal.SIGINT, sigint)  # Ray Train's driver leaves its own for Ctrl-C
-        driver.wait(timeout=900)
-    stopped_run = subprocess.CompletedProcess(command, driver.returncode, (module_tmp / "stopped.out").read_text(),
-                                              (module_tmp / "stopped.err").read_text())
-    return {"lost": (lost, lost_run), "stopped": (stopped, stopped_run)}
+        stopped_run, hung_run = stopping.result(), hanging.result()
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # Ray ends it with its group
+            os.kill(int((module_tmp / "hung.log").read_text().split()[0]), signal.SIGKILL)
+    return {"lost": (lost, lost_run), "stopped": (stopped, stopped_run), "hung": (hung, hung_run)}
 
 
 def test_ray_trains_what_torchrun_trains_and_rank_0_alone_writes(fits, runs, far, exact_data):
@@ -244,6 +265,22 @@ def test_a_stop_on_the_driver_ends_every_worker_at_a_step(fits):
     last = weights(out, "last.pth")
     assert (last["epoch"], last["step"]) == (1, 0)
     assert [r["epoch"] for r in history(out)] == [1]
+
+
+def test_a_hung_worker_is_named_and_ends_the_run_in_one_line(fits):
+    """A worker that stops answering (SIGSTOP: alive, not stepping) is named by the other's
+    heartbeat within --dist-timeout, which ends that worker; Ray Train, with no failure left to
+    retry, gives up on the group, and the driver ends with the heartbeat's line as its last and
+    exit 1, as torchrun's runs end (tests/test_hung_rank.py), not with Ray's traceback of a dead
+    actor, and not waiting for ever."""
+    out, result = fits["hung"]
+    assert result.returncode == 1, result.stderr[-3000:]
+    # The driver's own lines: Ray prefixes those it forwards from its actors with "(Name pid=N)".
+    own = [line for line in result.stderr.splitlines() if line.strip() and not re.match(r"(\x1b\[\d+m)?\(", line)]
+    assert not any("Traceback" in line for line in own), result.stderr[-3000:]
+    assert re.fullmatch(r"timeout: rank 1 stopped answering at epoch 1 step 2 \(training\); last heard \d+ s ago "
+                        r"\(the others wait at epoch 1 step 3 \(training\); --dist-timeout 0.5 min\)", own[-1]), own[-3:]
+    assert not (out / "last.pth").exists()  # no epoch ended
 
 
 def test_ray_resumes_another_modes_last_pth_and_another_mode_resumes_ray_s(fits, runs, far, tmp_path, exact_data):
@@ -326,3 +363,4 @@ def test_a_worker_ends_on_bad_input_or_a_stop_without_failing_so_ray_does_not_re
     with pytest.raises(UserError) as error:
         end_as_told({"exit": 2})
     assert error.value.quiet
+

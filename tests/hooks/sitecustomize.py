@@ -39,7 +39,7 @@ STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): at its n-th optimizer step, on
 has written that place, the process of rank r writes "PID TIME" to STOP_LOG and stops itself with
 SIGSTOP (a rank that stops answering without dying; whoever reads STOP_LOG kills it).
 
-RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
+RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver|stop, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
 (train_ray.py) of rank r (default 0), read when the step comes (Ray Train sets RANK after its
 workers start), at its n-th optimizer step, once in the run (RAY_LOG, written first, marks it
 done: a worker that Ray restarted finds it and does nothing): `kill`, the process SIGKILLs itself,
@@ -48,7 +48,9 @@ most 120 s: the controller collects a report a second or two after it is made), 
 file RAY_REMOVE if given (a node replaced with an empty disk); `term-driver`,
 it sends SIGTERM to the driver whose pid the file RAY_DRIVER_PID_FILE holds, then waits (at most
 120 s) until the stop has come back to it (its StopSignals' flag, which the driver's request
-raises): the stop then begins in that step.
+raises): the stop then begins in that step; `stop`, once its heartbeat has written that place, the
+process stops itself with SIGSTOP (a worker that stops answering without dying; RAY_LOG holds
+"PID TIME", for whoever must kill it).
 
 BEAT_LOG=path (with BEAT_AT_STEP=n): at its n-th optimizer step each process appends one JSON line to
 path: the rank, world size and timeout (seconds) of the heartbeat it entered (src/heartbeat.py), the
@@ -437,6 +439,10 @@ def _ray_at_step(settings, patcher):
             return
         with open(log, "w") as file:
             file.write(f"{os.getpid()} {time.time()}\n")
+        if settings.get("RAY_ACTION") == "stop":  # a worker that stops answering without dying
+            _beaten()
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         if settings.get("RAY_ACTION", "kill") == "kill":
             waited = 0.0  # until Ray Train has taken in a checkpoint reported (RAY_REPORTED, a storage_path)
             while (settings.get("RAY_REPORTED") and not glob.glob(f"{settings['RAY_REPORTED']}/*/checkpoint_manager_snapshot.json")
