@@ -61,8 +61,8 @@ from src.ray_worker import worker_outcome
 FLAGS = [*EXACT, *VAL, "--epochs", "2", "--batch-size", str(B), "--save-every-steps", "3"]
 CPUS = 6  # the cluster's: the module's three runs at once, two workers each
 DIST_TIMEOUT = 7  # minutes, the lost run's --dist-timeout: not the default, which the heartbeat must not take instead
-# Ray's settings for the cluster, each leaving out what the tests do not use (what they save:
-# docs/measurements.md). Without token authentication (ray start turns it on; the runs' drivers
+# Ray's settings for the cluster, each leaving out what the tests do not use (the file's cost:
+# docs/measurements.md, Ray Train). Without token authentication (ray start turns it on; the runs' drivers
 # have no token), and without Ray's memory monitor, which kills workers when the machine's memory
 # is 95% used: the machines the suite runs on are shared, and other processes' memory is not the
 # runs' doing.
