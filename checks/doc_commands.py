@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/data.md", "docs/flags.md", "docs/modes.md", "docs/kaggle.md", "docs/freeze.md", "docs/recipe.md",
-         "docs/multi-node.md", "docs/fsdp.md", "docs/performance.md", "docs/watching.md", "docs/reliability.md",
+PAGES = ["README.md", "docs/data.md", "docs/flags.md", "docs/outputs.md", "docs/modes.md", "docs/kaggle.md", "docs/freeze.md",
+         "docs/recipe.md", "docs/multi-node.md", "docs/fsdp.md", "docs/performance.md", "docs/watching.md", "docs/reliability.md",
          "docs/gpus.md", "docs/inference.md", "docs/measurements.md", "docs/report.md"]
 KINDS = ("run", "small", "long", "skip", "text")
 TAG = re.compile(r"<!--\s*commands:\s*(.*?)\s*-->")

@@ -368,6 +368,13 @@ MUTATIONS = [
      ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
     ('.gitignore', 'predictions.csv\n', '',
      ['tests/test_docs.py::test_every_documented_output_is_ignored_by_git']),
+    # README's ladder: every rung keeps the global batch it says (--batch-size x processes x --accumulate).
+    ('README.md', 'sbatch docs/slurm/train.sbatch --data-dir photos --batch-size 25', 'sbatch docs/slurm/train.sbatch --data-dir photos --batch-size 50',
+     ['tests/test_docs.py::test_readmes_commands_keep_their_global_batch_and_learning_rate']),
+    ('docs/slurm/train.sbatch', '#SBATCH --nodes=2', '#SBATCH --nodes=4',
+     ['tests/test_docs.py::test_readmes_commands_keep_their_global_batch_and_learning_rate']),
+    ('README.md', 'python train_dp.py --data-dir photos --batch-size 200', 'python train_dp.py --data-dir photos --batch-size 50',
+     ['tests/test_docs.py::test_readmes_commands_keep_their_global_batch_and_learning_rate']),
     # FSDP2 and accelerate's refusals.
     ('train_fsdp.py', '        model.set_requires_gradient_sync(last)  # type: ignore[operator]', '        model.set_requires_gradient_sync(True)',
      ['tests/test_fsdp.py::test_fsdp_reduces_once_per_step_and_validates_with_rank_0s_buffers']),

@@ -1,7 +1,7 @@
 """The Kubernetes manifests in deploy/ (docs/multi-node.md): valid YAML of the kinds their
-operators take, each running a command that README's modes table and docs/multi-node.md document,
-with flags its script takes, and asking for the GPUs its workers use: one per Ray Train worker,
-one per torchrun process."""
+operators take, each running a command that docs/modes.md's table of the six scripts and
+docs/multi-node.md document, with flags its script takes, and asking for the GPUs its workers use:
+one per Ray Train worker, one per torchrun process."""
 import shlex
 
 import yaml
@@ -9,19 +9,19 @@ from conftest import ROOT
 
 from src.cli import build_parser
 
-README = (ROOT / "README.md").read_text()
+MODES = (ROOT / "docs" / "modes.md").read_text()
 MULTI_NODE = (ROOT / "docs" / "multi-node.md").read_text()
 
 
 def modes_row(script: str) -> str:
-    """README's row of the modes table for `script`."""
-    table = README[README.index("## The six modes"):README.index("`--batch-size` is per process")]
-    (row,) = [line for line in table.splitlines() if f" {script}" in line]
+    """The row for `script` of docs/modes.md's table of the six scripts."""
+    table = MODES[MODES.index("## The six scripts"):MODES.index("## What each script calls")]
+    (row,) = [line for line in table.splitlines() if line.startswith("|") and f" {script}" in line]
     return row
 
 
 def check_command(words: list[str], launcher: str) -> list[str]:
-    """`words` start with `launcher` and a training script whose README row names that launcher;
+    """`words` start with `launcher` and a training script whose row names that launcher;
     docs/multi-node.md shows the command whole; the script's parser takes its flags. Returns them."""
     assert words[0] == launcher, words
     script, flags = words[1], words[2:]

@@ -1,5 +1,7 @@
 """The commands in README.md and docs/: each code block says how it is checked (checks/doc_commands.py
 runs them in a fresh clone), and what they write is ignored by git."""
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -73,3 +75,63 @@ def test_predicts_sample_output_is_what_the_command_above_it_prints():
     assert rows == [f"data/test/{i}.jpg" for i in range(1, len(rows) + 1)] and len(rows) == 10
     assert sample[-2] == f"... {images - len(rows)} more rows"
     assert sample[-1].startswith(f"predicted {images} images (")
+
+
+# How each training script parses its flags (its own parse_args call).
+PARSING = {"train_single.py": {}, "train_dp.py": {}, "train_ddp.py": {"distributed": True},
+           "train_fsdp.py": {"distributed": True}, "train_accelerate.py": {"amp": False, "distributed": True},
+           "train_ray.py": {"distributed": True, "ray": True}}
+
+
+def _sbatch_processes() -> int:
+    """The training processes of docs/slurm/train.sbatch as submitted: its #SBATCH nodes times GPUs
+    per node (its torchrun starts one process per GPU Slurm allocates)."""
+    text = (ROOT / "docs" / "slurm" / "train.sbatch").read_text()
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)$", text, re.MULTILINE)
+    gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.MULTILINE)
+    assert nodes and gpus, "the script asks for its nodes and GPUs"
+    return int(nodes.group(1)) * int(gpus.group(1))
+
+
+def _launched(words: list[str]) -> tuple[str, object, int]:
+    """A README command that trains (its words after any environment variables): its script, its
+    parsed flags and its training processes, as the launcher says: torchrun's --nproc_per_node,
+    accelerate's --num_processes, train_ray.py's --num-workers, sbatch's allocation; one for
+    train_single.py and train_dp.py (DataParallel splits the batch of its one process)."""
+    if words[0] == "sbatch":
+        script, flags, processes = "train_ddp.py", words[2:], _sbatch_processes()
+    else:
+        at = next(i for i, word in enumerate(words) if word.endswith(".py"))
+        script, flags, launcher = words[at], words[at + 1:], words[:at]
+        given = {"torchrun": r"--nproc_per_node=(\d+)", "accelerate": r"--num_processes (\d+)", "python": r"$^"}
+        count = re.search(given[launcher[0]], " ".join(launcher))
+        processes = int(count.group(1)) if count else 1
+    args = parse_args("", flags, script=script, **PARSING[script])
+    if script == "train_ray.py":
+        processes = args.num_workers
+    return script, args, processes
+
+
+def test_readmes_commands_keep_their_global_batch_and_learning_rate():
+    """README's ladder says which global batch each command keeps (--batch-size x processes x
+    --accumulate) so that every rung trains the same model with the same --lr: on photos/, one
+    GPU, DataParallel, DDP, FSDP, accelerate and Ray Train on 4 GPUs, and the sbatch script's two
+    nodes (its #SBATCH allocation) all make 200 at one --lr; the CPU commands on make demo's set
+    50. A changed --batch-size, process count or allocation that breaks the arithmetic fails here.
+    README stays a first page: at most 150 lines."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    ladders: dict[str, set] = {}
+    scripts: dict[str, set] = {}
+    for command in commands(ROOT):
+        words = shlex.split(command.text, comments=True)
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            words = words[1:]  # an environment variable before the command
+        if command.page != "README.md" or not words or words[0] not in ("python", "torchrun", "accelerate", "sbatch"):
+            continue  # not a training command: diff, make, a comment line
+        if not any(word.startswith("train_") and word.endswith(".py") or word.endswith(".sbatch") for word in words):
+            continue  # a tool: predict, the report
+        script, args, processes = _launched(words)
+        ladders.setdefault(args.data_dir, set()).add((args.batch_size * processes * args.accumulate, args.lr))
+        scripts.setdefault(args.data_dir, set()).add(words[0] if words[0] == "sbatch" else script)
+    assert ladders == {"photos": {(200, 0.001)}, "data/synthetic": {(50, 0.01)}}, ladders
+    assert scripts["photos"] == set(PARSING) | {"sbatch"}, scripts

@@ -79,7 +79,8 @@ def test_the_flag_page_lists_each_scripts_flags_and_defaults(script, monkeypatch
 
 
 def test_the_scripts_differ_where_the_page_says():
-    """The two flags that not every script takes, as README says in one line."""
+    """The two flags that not every script takes, as the page says; README points to it and does not
+    say the flags are the same for every script."""
     rows = table()
     assert sorted(rows["--amp"][1]) == [s for s in SCRIPTS if s != "train_accelerate.py"]
     assert "train_single.py" not in rows["--dist-timeout"][1] and "train_ddp.py" in rows["--dist-timeout"][1]

@@ -113,7 +113,7 @@ def test_every_mode_checkpoint_predicts_the_same(runs, exact_data):
 
 
 def test_val_log_loss_is_kaggles_metric_clipped():
-    """batch_sums against the metric written out: p(dog) clipped to [0.005, 0.995] (README), so a
+    """batch_sums against the metric written out: p(dog) clipped to [0.005, 0.995] (docs/outputs.md), so a
     confident mistake costs -log(0.005) and not -log(1e-13); the loss itself is not clipped.
     (The runs' probabilities stay inside the clip: this batch has confident answers, right and wrong.)"""
     from src.metrics import CORRECT, COUNT, LOG_LOSS, LOSS, batch_sums
@@ -146,7 +146,7 @@ def test_ddp_validation_metrics_are_what_one_process_computes(exact_data, runs):
     assert record["val_samples"] == len(val_idx) == 101
     assert record["val_acc"] == np.mean(p.argmax(axis=1) == labels)
     assert record["val_loss"] == pytest.approx(-np.mean(np.log(p[np.arange(101), labels])), rel=1e-5)
-    p_dog = np.clip(p[:, 1], 0.005, 0.995)  # Kaggle's metric, clipped as README says
+    p_dog = np.clip(p[:, 1], 0.005, 0.995)  # Kaggle's metric, clipped as docs/outputs.md says
     log_loss = -np.mean(labels * np.log(p_dog) + (1 - labels) * np.log(1 - p_dog))
     assert record["val_log_loss"] == pytest.approx(log_loss, rel=1e-5)
 

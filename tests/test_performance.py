@@ -222,7 +222,7 @@ def _smooth_photo(path, seed):
 @pytest.mark.parametrize("size, mean, largest", [(32, 2.5, 12), (64, 1.0, 5), (112, 1.0, 5),
                                                  (224, 0, 0)])
 def test_draft_decode_stays_close_to_a_full_decode(tmp_path, size, mean, largest):
-    """README states this tolerance: mean and largest |difference| in uint8 pixel levels."""
+    """docs/performance.md states this tolerance: mean and largest |difference| in uint8 pixel levels."""
     for seed in range(3):
         _smooth_photo(tmp_path / f"{seed}.jpg", seed)
         full = image_transform(size)(open_rgb(tmp_path / f"{seed}.jpg")).int()

@@ -49,7 +49,7 @@ from src.config import Config
 from src.errors import EXIT_STOPPED, UserError
 
 TORCHRUN = LAUNCH["ddp"]()[:-1]  # without the script
-# README: without restarts, one dead rank ends the whole job within this many seconds.
+# docs/reliability.md: without restarts, one dead rank ends the whole job within this many seconds.
 DEAD_RANK_BOUND = 60
 
 

@@ -254,10 +254,10 @@ def test_every_guard_in_a_diff_is_marked_as_one(script, against):
     assert "`# guard:`" in (ROOT / "README.md").read_text()
 
 
-def test_readmes_table_names_each_modes_calls():
-    """README's "What differs between the modes" table names the calls the scripts make."""
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## What differs between the modes"):readme.index("## Flags")]
+def test_the_modes_page_names_each_modes_calls():
+    """docs/modes.md's "What each script calls" table names the calls the scripts make."""
+    page = (ROOT / "docs" / "modes.md").read_text()
+    table = page[page.index("## What each script calls"):page.index("## The same batches")]
     for name in ["init_process_group", "set_device", "DistributedSampler", "set_epoch", "DDP(", "no_sync", "all_reduce",
                  "destroy_process_group", "fully_shard", "get_model_state_dict", "set_requires_gradient_sync",
                  "Accelerator(", "prepare", "accumulate", "backward", "gather_for_metrics", "get_state_dict",

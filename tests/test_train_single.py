@@ -24,7 +24,7 @@ from src.plot import history_figure, plot_history
 @pytest.fixture(scope="module")
 def learned(small_data, module_tmp):
     """Two epochs of ResNet-18 (lr 0.003: measured val acc 0.98 to 1.0 at epoch 2 for seeds 1-3 and
-    42; at 0.01, 0.83) from the command line, as README shows."""
+    42; at 0.01, 0.83) from the command line, as docs/inference.md shows."""
     out = module_tmp / "out"
     result = python("train_single.py", "--data-dir", str(small_data), *LEARN, "--epochs", "2",
                     "--batch-size", "16", *outputs(out))
