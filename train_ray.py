@@ -29,8 +29,8 @@ from src.models import build_model
 from src.outputs import lock_outputs
 from src.process_group import joined_store, process_device, watch_ranks
 from src.progress import Progress, run_header
-from src.ray_driver import RunControl, check_workers, end_as_told, reachable, require_ray, stops_to_workers, storage_path
-from src.ray_worker import on_this_worker, restore_last, saved_last, stops_from_driver, worker_outcome
+from src.ray_driver import RunControl, check_workers, end_as_told, hangs_end_the_run, reachable, require_ray, stops_to_workers, storage_path
+from src.ray_worker import driver_link, on_this_worker, restore_last, saved_last, worker_outcome
 from src.recipe import make_optimizer, make_schedule, optimizer_step, steps_per_epoch
 from src.seeds import seed_epoch
 from src.state import TrainingState
@@ -132,7 +132,7 @@ def train(args: Config, device: torch.device, rank: int, world_size: int, heartb
     if rank == 0:
         print(run_header(args, data, device, world_size))
     since = time.time()
-    with state.stop_signals() as signals, stops_from_driver(control, signals):  # and a stop signal to the driver
+    with state.stop_signals() as signals, driver_link(control, signals, heartbeat):  # a stop to the driver; a hung rank's line to it
         for stage in epoch_stages(args, model, data.dataset, state.epoch, device):
             # DDP all-reduces the gradients of the parameters that train in this stage, no others.
             net = DDP(stage.net, device_ids=[device.index] if device.type == "cuda" else None)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             storage_path=storage_path(args),  # the reported checkpoints, where every node sees them
             failure_config=ray.train.FailureConfig(max_failures=args.max_failures),  # a lost worker: a restart from there
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1)))
-    with stops_to_workers(control):  # SIGTERM, SIGUSR1, SIGHUP: a stop at an optimizer step (Ctrl-C: Ray's abort)
+    with stops_to_workers(control), hangs_end_the_run(control):  # SIGTERM, SIGUSR1, SIGHUP: a stop at a step; a hung worker: its line
         result = trainer.fit()
     ray.shutdown()
     end_as_told(result.return_value)  # rank 0's: finished, stopped (exit 75) or bad input (exit 2)

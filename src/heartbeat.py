@@ -81,6 +81,9 @@ class Heartbeat:
         self.reached = self.place  # the last place the GPU has reached
         # When a stop signal came (time.monotonic()), None before: StopSignals.pending_since.
         self.stop_pending: Callable[[], float | None] | None = None
+        # Where the line that ends the process goes besides stderr, before it ends (train_ray.py's
+        # workers: to the driver, which ends the run with it), None: stderr only.
+        self.tell: Callable[[str], None] | None = None
 
     def at(self, phase: str, epoch: int | None = None, index: int = 0, step: int = 0, loading: bool = False) -> None:
         """The main thread is now in `phase` ("training": micro-batch `index`, optimizer step `step`
@@ -144,14 +147,14 @@ class Heartbeat:
                 if now - moved > timeout_s - margin(timeout_s):
                     line, printer = judge(read_beats(store, self.world_size), rank, time.time(), timeout_s)
                     if line is not None:
-                        _end(line if printer else None, rank)
+                        _end(line if printer else None, rank, self.tell)
                         return
                 pending = self.stop_pending() if self.stop_pending is not None else None
                 if pending is not None and now - pending > STALE and now - looked >= BEAT:
                     looked = now
                     line, printer = judge_stop(read_beats(store, self.world_size), rank, time.time())
                     if line is not None:
-                        _end(line if printer else None, rank)
+                        _end(line if printer else None, rank, self.tell)
                         return
                 self.done.wait(LOOK)
         except Exception:  # the store went away (the launcher ended): nothing left to watch
@@ -246,11 +249,13 @@ def dump_flight_recorder(rank: int) -> str | None:
     return path
 
 
-def _end(line: str | None, rank: int) -> None:
-    """Print the line (on the rank that says it), dump this rank's flight recorder and end the
-    process."""
+def _end(line: str | None, rank: int, tell: Callable[[str], None] | None = None) -> None:
+    """Print the line (on the rank that says it; and tell() it), dump this rank's flight recorder
+    and end the process."""
     if line is not None:
         print(f"\n{line}", file=sys.stderr, flush=True)  # on a line of its own: a progress bar may be drawn
+        if tell is not None:
+            tell(line)
     path = dump_flight_recorder(rank)
     if path is not None and line is not None:
         print(f"each rank's last collectives: {os.path.dirname(path) or '.'}/{os.path.basename(path)[:-len(str(rank))]}N "

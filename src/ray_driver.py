@@ -12,17 +12,24 @@ connects to Ray and starts the run; the workers' side is src/ray_worker.py).
 - How the run ended: rank 0's return value (train_loop_per_worker's), which Ray Train hands to
   the driver in its Result: finished, stopped (exit 75: rank 0 said where and how to go on) or
   bad input (the line, exit 2).
+- A worker that stops answering (hung in a collective, stopped, swapped out) is named by the
+  others' heartbeat (src/heartbeat.py), which ends the worker that says it: its line goes to
+  RunControl too, and where Ray Train then gives up on the group (--max-failures spent) the
+  driver ends with that line and exit 1 (EXIT_HUNG, as under torchrun), not with Ray's traceback
+  of a dead actor. Within --max-failures Ray Train restarts the group from the last checkpoint.
 """
 import contextlib
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import Any, Iterator
 
 from src.config import Config
 from src.errors import EXIT_STOPPED, Stopped, UserError
+from src.heartbeat import EXIT_HUNG
 
 INSTALL = "pip install -r requirements-ray.txt"
 ADDRESS_TIMEOUT = 10.0  # seconds to connect to --address's head before it is called unreachable
@@ -92,11 +99,13 @@ def storage_path(args: Config) -> str:
 
 class RunControl:
     """A Ray actor between the driver and the workers: the stop signal the driver got (0: none),
-    and the worker groups Ray Train started (a group after the first is a restart)."""
+    the worker groups Ray Train started (a group after the first is a restart), and the last line
+    of a heartbeat that named a worker that stopped answering ("": none)."""
 
     def __init__(self) -> None:
         self.signal = 0
         self.groups = 0
+        self.hang = ""
 
     def group_started(self) -> int:
         """Called once by each group's rank 0: the number of groups that started before it."""
@@ -108,6 +117,12 @@ class RunControl:
 
     def requested(self) -> int:
         return self.signal
+
+    def hung(self, line: str) -> None:
+        self.hang = line
+
+    def hang_said(self) -> str:
+        return self.hang
 
 
 @contextlib.contextmanager
@@ -123,6 +138,22 @@ def stops_to_workers(control: Any) -> Iterator[None]:
     finally:
         for number, handler in before.items():
             signal.signal(number, handler)
+
+
+@contextlib.contextmanager
+def hangs_end_the_run(control: Any) -> Iterator[None]:
+    """A run that fails (trainer.fit() raises: Ray Train gave up on the worker group) after a
+    worker's heartbeat named one that stopped answering ends with the heartbeat's line (RunControl)
+    on stderr and EXIT_HUNG; any other failure is raised as it is."""
+    try:
+        yield
+    except Exception:
+        import ray
+        line = ray.get(control.hang_said.remote(), timeout=60)
+        if not line:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_HUNG) from None
 
 
 def end_as_told(outcome: dict | None) -> None:

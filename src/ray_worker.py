@@ -7,6 +7,8 @@ Ray made (the driver's side is src/ray_driver.py).
   same way each time. A worker whose collective fails because another ended on bad input ends
   quietly (src.errors: the note in the process group's store).
 - The driver's stop request reaches rank 0 through the RunControl actor, read in a thread.
+- The heartbeat's line that names a worker that stopped answering goes to RunControl before its
+  worker ends: the driver ends the run with it where Ray Train gives up on the group.
 - Each checkpoint is reported to Ray Train (ray.train.report with rank 0's folder holding the
   last.pth just written); Ray keeps it in storage_path, where every node sees it. When Ray
   restarts the workers after a lost one, ray.train.get_checkpoint() is the last one reported:
@@ -37,6 +39,7 @@ from src.errors import (
 )
 
 if TYPE_CHECKING:
+    from src.heartbeat import Heartbeat
     from src.state import TrainingState
     from src.stopping import StopSignals
 
@@ -97,11 +100,14 @@ def worker_outcome() -> Iterator[dict]:
 
 
 @contextlib.contextmanager
-def stops_from_driver(control: Any, signals: "StopSignals") -> Iterator[None]:
-    """Within the block, rank 0 reads the driver's stop request (RunControl) every POLL seconds in a
-    thread and raises its own stop flag (`signals`, the run's src.stopping.StopSignals): the ranks'
-    agreement carries it to every rank at an optimizer step."""
+def driver_link(control: Any, signals: "StopSignals", heartbeat: "Heartbeat") -> Iterator[None]:
+    """The worker's side of RunControl. Within the block, rank 0 reads the driver's stop request
+    every POLL seconds in a thread and raises its own stop flag (`signals`, the run's
+    src.stopping.StopSignals): the ranks' agreement carries it to every rank at an optimizer step.
+    And the line of `heartbeat` that ends this worker for a rank that stopped answering goes to the
+    driver (RunControl.hung) too, delivered before the worker ends (at most 30 s)."""
     import ray
+    heartbeat.tell = lambda line: ray.get(control.hung.remote(line), timeout=30)
     done = threading.Event()
 
     def listen() -> None:

@@ -947,6 +947,13 @@ def resumable_run(runs: Runs, mode: str):
     return runs(mode, *RESUMABLE, *VAL, "--epochs", "2", "--batch-size", str(2 * B // PROCESSES[mode]))
 
 
+def stepped_run(runs: Runs) -> Path:
+    """train_single.py's two EXACT epochs with --save-every-steps 3, each last.pth kept (COPY_LAST):
+    copies/last.1.pth after step 3, .2 at epoch 1's end, .3 after step 6 (epoch 2's first), .4 after
+    step 9, .5 at epoch 2's end (the mid-epoch checkpoints the other modes resume)."""
+    return runs.exact("single", "--save-every-steps", "3", env={"COPY_LAST": "{run}/copies"})[0]
+
+
 def same_end(out: Path, reference: Path) -> None:
     """The same weights and weight average, bit for bit (the same processes, threads and data),
     and history."""

@@ -32,6 +32,7 @@ from conftest import (
     same_end,
     script_loader,
     script_pass,
+    stepped_run,
     stop_line,
     stops_straight,
     weights,
@@ -103,10 +104,7 @@ def test_signals_under_torchrun_stop_every_rank_at_one_step_and_resume_to_the_sa
 
 @pytest.fixture(scope="module")
 def stepped(runs):
-    """train_single.py's two EXACT epochs with --save-every-steps 3, each last.pth kept (COPY_LAST):
-    copies/last.1.pth after step 3, .2 at epoch 1's end, .3 after step 6 (epoch 2's first), .4 after
-    step 9, .5 at epoch 2's end."""
-    return runs.exact("single", "--save-every-steps", "3", env={"COPY_LAST": "{run}/copies"})[0]
+    return stepped_run(runs)
 
 
 def test_step_checkpoints_hold_the_steps_and_change_nothing(stepped, runs):

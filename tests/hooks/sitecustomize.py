@@ -39,7 +39,7 @@ STOP_AT_STEP=n (with STOP_RANK=r, STOP_LOG=path): at its n-th optimizer step, on
 has written that place, the process of rank r writes "PID TIME" to STOP_LOG and stops itself with
 SIGSTOP (a rank that stops answering without dying; whoever reads STOP_LOG kills it).
 
-RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
+RAY_AT_STEP=n (with RAY_ACTION=kill|term-driver|stop, RAY_RANK=r, RAY_LOG=path): in a Ray Train worker
 (train_ray.py) of rank r (default 0), read when the step comes (Ray Train sets RANK after its
 workers start), at its n-th optimizer step, once in the run (RAY_LOG, written first, marks it
 done: a worker that Ray restarted finds it and does nothing): `kill`, the process SIGKILLs itself,
@@ -48,7 +48,14 @@ most 120 s: the controller collects a report a second or two after it is made), 
 file RAY_REMOVE if given (a node replaced with an empty disk); `term-driver`,
 it sends SIGTERM to the driver whose pid the file RAY_DRIVER_PID_FILE holds, then waits (at most
 120 s) until the stop has come back to it (its StopSignals' flag, which the driver's request
-raises): the stop then begins in that step.
+raises): the stop then begins in that step; `stop`, once its heartbeat has written that place, the
+process stops itself with SIGSTOP (a worker that stops answering without dying; RAY_LOG holds
+"PID TIME", for whoever must kill it).
+
+BEAT_LOG=path (with BEAT_AT_STEP=n): at its n-th optimizer step each process appends one JSON line to
+path: the rank, world size and timeout (seconds) of the heartbeat it entered (src/heartbeat.py), the
+timeout of its (gloo) process group, and every rank's last beat as read from that heartbeat's store
+(null without a store): where the ranks of a process group read each other's beats.
 
 FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything touches a GPU
 (in the processes that torchrun starts; in-process tests use conftest's fake_gpus).
@@ -432,6 +439,10 @@ def _ray_at_step(settings, patcher):
             return
         with open(log, "w") as file:
             file.write(f"{os.getpid()} {time.time()}\n")
+        if settings.get("RAY_ACTION") == "stop":  # a worker that stops answering without dying
+            _beaten()
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         if settings.get("RAY_ACTION", "kill") == "kill":
             waited = 0.0  # until Ray Train has taken in a checkpoint reported (RAY_REPORTED, a storage_path)
             while (settings.get("RAY_REPORTED") and not glob.glob(f"{settings['RAY_REPORTED']}/*/checkpoint_manager_snapshot.json")
@@ -448,6 +459,32 @@ def _ray_at_step(settings, patcher):
             time.sleep(0.01)
             waited += 0.01
     _on_step(patcher, int(settings["RAY_AT_STEP"]), act)
+
+
+@hook("BEAT_LOG")
+def _log_beats(settings, patcher):
+    entered = []  # the heartbeats this process entered
+
+    def make(enter):
+        def recorded(self):
+            entered.append(self)
+            return enter(self)
+        return recorded
+    patcher.wrap("src.heartbeat", "Heartbeat.__enter__", make)
+
+    def log():
+        import json
+
+        from src.heartbeat import read_beats
+        beat = entered[-1]
+        import torch
+        import torch.distributed as dist
+        beats = None if beat.store is None else read_beats(beat.store, beat.world_size)
+        group = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))  # gloo's
+        with open(settings["BEAT_LOG"], "a") as file:
+            file.write(json.dumps({"rank": beat.rank, "world_size": beat.world_size, "timeout_s": beat.timeout_s,
+                                   "group_timeout_s": group.options._timeout.total_seconds(), "beats": beats}) + "\n")
+    _on_step(patcher, int(settings.get("BEAT_AT_STEP", "1")), log)
 
 
 @hook("KILL_IN_WRITE", in_process=False)
