@@ -1812,14 +1812,7 @@ MUTATIONS = [
      ['tests/test_flags.py::test_the_flag_page_lists_each_scripts_flags_and_defaults']),
     ('src/tools/predict.py', 'formatter_class=DefaultsHelp)', ')',
      ['tests/test_predict.py::test_help_gives_every_option_a_text_and_its_default']),
-    # Issue 60's step on the CPU: the loader workers' fork server forked from a one-thread process,
-    # started in the first data call.
-    ('src/datasets.py', '    return threading.active_count() == 1', '    return True',
-     ['tests/test_loaders.py::test_a_fresh_fork_server_imports_the_main_scripts_modules_once']),
-    ('src/datasets.py', '                _close_descriptors_but({0, 1, 2, listener.fileno(), alive_r})', '                pass',
-     ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
-    ('src/datasets.py', '        if low < fd:', '        if True:',
-     ['tests/test_loaders.py::test_a_one_thread_process_forks_its_fork_server_which_imports_nothing_and_holds_none_of_its_files']),
+    # Issue 60's step on the CPU: the loader workers' fork server started in the first data call.
     ('src/loaders.py', '        start_worker_server()', '        pass',
      ['tests/test_loaders.py::test_labelled_data_starts_the_workers_server_before_the_model_when_there_are_workers']),
     # Issue 60: the normalisation in place.

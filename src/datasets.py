@@ -1,20 +1,17 @@
 """The Dogs vs. Cats images: finding them, labelling them (0 = cat, 1 = dog), reading them as RGB, and
 the processes of the DataLoader workers that read them."""
 import atexit
-import contextlib
 import functools
-import gc
 import multiprocessing
 import os
 import re
 import select
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -346,12 +343,10 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     it). An ignored signal stays ignored across a fork and across the exec of a fresh server; a
     handler would not.
 
-    The server is a fork of this process while it runs one thread (_serve_from_a_fork): it has
-    every module this process has imported, at no cost, where a fresh interpreter imports torch,
-    torchvision and the script's modules first (3.6 to 3.9 s of CPU on the 2-core AMD EPYC, which
-    the first training batch waited for: docs/performance.md#loader-workers-a-fork-server). A
-    process that runs other threads by then (the heartbeat of a launched rank) starts
-    multiprocessing's own server, a fresh interpreter that imports the modules below first."""
+    The server is multiprocessing's own, a fresh interpreter that imports the modules below first
+    (3.6 to 3.9 s of CPU on the 2-core AMD EPYC): the scripts start it in their first data call
+    (start_worker_server), so that it imports while the labels are scanned and the model is built
+    (docs/performance.md#loader-workers-a-fork-server)."""
     from multiprocessing import forkserver
     context = multiprocessing.get_context("forkserver")
     loaded = [name for name in sys.modules if name.startswith("src.") or name in ALSO_PRELOADED]
@@ -360,83 +355,12 @@ def _fork_server() -> multiprocessing.context.BaseContext:
     if threading_main():
         handlers = {number: signal.signal(number, signal.SIG_IGN) for number in STOP_SIGNALS}
         try:
-            if _can_serve_from_a_fork() and _server_state()._forkserver_pid is None and one_thread():
-                _serve_from_a_fork()
             forkserver.ensure_running()  # a server there and alive: nothing; else a fresh one
         finally:
             for number, handler in handlers.items():
                 signal.signal(number, handler)
     end_workers_at_exit()  # they ignore SIGTERM (ignore_stop_signals)
     return context
-
-
-def one_thread() -> bool:
-    """Whether this process runs no Python thread but this one: a fork of it then cannot inherit a
-    lock that another thread held (the hang of CPython gh-112275)."""
-    return threading.active_count() == 1
-
-
-def _server_state() -> Any:
-    """multiprocessing.forkserver's ForkServer object, whose state (_forkserver_address,
-    _forkserver_alive_fd, _forkserver_pid) is private: typeshed declares none of it, so Any."""
-    from multiprocessing import forkserver
-    return getattr(forkserver, "_forkserver", None)
-
-
-def _can_serve_from_a_fork() -> bool:
-    """Whether this Python's multiprocessing.forkserver is the one _serve_from_a_fork drives: its
-    server's state in the attributes, and main() as CPython 3.11 to 3.13 define them (3.14 adds
-    an authentication key)."""
-    server = _server_state()
-    return (hasattr(os, "fork") and sys.version_info < (3, 14)
-            and all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd",
-                                                       "_forkserver_pid")))
-
-
-def _serve_from_a_fork() -> None:
-    """Fork this process (one thread) into multiprocessing's fork server, as its ensure_running
-    would exec a fresh interpreter: the same listening socket and "alive" pipe, the same main()
-    serving the requests, none of its modules to import. The server keeps the standard streams,
-    the socket and the pipe, and closes every other descriptor (as the exec closes them: no lock
-    file or rendezvous socket of the run stays open in it); it never runs this process's exit
-    handlers, and its objects are frozen out of the garbage collection, which would otherwise
-    touch (and copy) every page it shares with this process."""
-    from multiprocessing import connection, forkserver, resource_tracker, util
-    resource_tracker.ensure_running()  # the workers share this process's tracker, as with a fresh server
-    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # private: not in typeshed
-    listener = socket.socket(socket.AF_UNIX)
-    try:
-        listener.bind(address)
-        if not util.is_abstract_socket_namespace(address):
-            os.chmod(address, 0o600)
-        listener.listen()
-        alive_r, alive_w = os.pipe()  # every client holds the write end: the server ends when all are gone
-        for stream in (sys.stdout, sys.stderr):  # or the server's children would write their copy again
-            with contextlib.suppress(Exception):
-                stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(alive_w)
-                _close_descriptors_but({0, 1, 2, listener.fileno(), alive_r})
-                gc.freeze()
-                forkserver.main(listener.fileno(), alive_r, [])  # returns by SystemExit when every client has gone
-            finally:
-                os._exit(0)
-        os.close(alive_r)
-    finally:
-        listener.close()
-    server = _server_state()
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-
-
-def _close_descriptors_but(keep: set[int]) -> None:
-    """Close every file descriptor of this process but those in `keep`."""
-    low = 0
-    for fd in sorted(keep) + [os.sysconf("SC_OPEN_MAX")]:
-        if low < fd:  # os.closerange(n, n) closes every descriptor from n up (Python 3.11's close_range call)
-            os.closerange(low, fd)
-        low = fd + 1
 
 
 def main_module() -> list[str]:

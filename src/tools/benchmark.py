@@ -38,9 +38,8 @@ two rounds that alternate the rows. It prints a table and writes nothing.
 
 measures what starting the loader workers costs (docs/performance.md#loader-workers-a-fork-server):
 train_single.py's training loader over the JPEGs and over the --cache, its workers started from
-the fork server as the scripts start them (forked from the training process while it runs one
-thread), from a fresh interpreter as the fork server (what a process running other threads
-starts), and forked from the training process; each in a fresh process whose main
+the fork server as the scripts start them (a fresh interpreter that imports the workers' modules
+and the main script's first), and forked from the training process; each in a fresh process whose main
 module is train_single.py (a worker from a fork server runs it again, as a run's workers do), for
 PASSES passes: the seconds from a pass's start to its first batch (the workers' start; the first
 pass's includes the fork server's own) and the images/s of a pass. It prints a table.
@@ -606,11 +605,10 @@ def save_cost_report(args: Options, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-# How the loader workers start: the scripts' fork server, forked from the training process while
-# it runs one thread; a fresh interpreter as the fork server (the worker's modules and the main
-# script's imported in it first), the one a process running other threads starts; and forks of the
-# training process (src.datasets.worker_options says why not).
-WORKER_STARTS = {"fork server, forked": None, "fork server, fresh interpreter": "fresh", "fork": "fork"}
+# How the loader workers start: the scripts' fork server (a fresh interpreter, the worker's modules
+# and the main script's imported in it first), and forks of the training process
+# (src.datasets.worker_options says why not).
+WORKER_STARTS = {"fork server": None, "fork": "fork"}
 
 
 def worker_start(start: str, dataset_kind: str, data_dir: Path, cache_dir: Path, size: int, batch: int,
@@ -625,8 +623,6 @@ def worker_start(start: str, dataset_kind: str, data_dir: Path, cache_dir: Path,
     how = WORKER_STARTS[start]
     if how == "fork":
         src.datasets._fork_server = lambda: multiprocessing.get_context("fork")
-    elif how == "fresh":
-        src.datasets.one_thread = lambda: False
     images = labelled_images(data_dir, size, show_progress=False)
     dataset = images if dataset_kind == "JPEG" else cached(images, size, cache_dir, workers, show_progress=False)
     firsts, rates = [], []
