@@ -47,8 +47,8 @@ def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, ra
     """This rank's training and validation loaders over `dataset` (the images, or a frozen stage's
     backbone outputs)."""
     train_set = TrainSplit(dataset, data.train_idx, args)  # augmented, with each sample's dropout key
-    # Each epoch's permutation of the training split (seed + epoch: set_epoch in the loop), every
-    # world_size-th sample of it from the rank-th: together the ranks take train_single.py's batches.
+    # DDP's own sampler (not ray.train.torch.prepare_data_loader): each epoch's permutation (seed +
+    # epoch: set_epoch), every world_size-th sample from the rank-th, so train_single.py's batches.
     train_sampler: DistributedSampler[int] = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                                                 shuffle=True, seed=args.seed, drop_last=True)
     train_loader = DataLoader(train_set, args.batch_size, sampler=train_sampler, drop_last=True,
