@@ -133,12 +133,29 @@ processes_count.__name__ = "int"
 processes_count.bounds = (1, "this machine's CPUs or GPUs")  # type: ignore[attr-defined]  # as between's
 
 
+# What a float32 holds: the flags' numbers become float32 tensors (the optimizer's, the mixup
+# Dirichlet's), where --lr 1e39 overflowed at the first step and --mixup-alpha 1e-46 became 0.
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
 def _finite(text: str) -> float:
     """float(text), refusing nan and infinities: comparisons with nan are all false, so a range
     check alone lets it through (--lr nan trained NaN weights)."""
     value = float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _float32(text: str) -> float:
+    """_finite(text), refusing what float32 cannot hold (the unbounded flags below: --lr,
+    --weight-decay, the mixing alphas, ...)."""
+    value = _finite(text)
+    if abs(value) > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {FLOAT32_MAX:.4g} (float32's largest), got {text}")
+    if value != 0 and abs(value) < FLOAT32_TINY:
+        raise argparse.ArgumentTypeError(f"must be 0 or at least {FLOAT32_TINY:.4g} (float32's smallest normal "
+                                         f"number), got {text}")
     return value
 
 
@@ -164,21 +181,21 @@ open_fraction = _fraction(True, True)
 
 
 def _non_negative(text: str) -> float:
-    value = _finite(text)
+    value = _float32(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def positive(text: str) -> float:
-    value = _finite(text)
+    value = _float32(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
 for _parse in (_non_negative, positive):
-    _parse.bounds = (0, math.inf)  # type: ignore[attr-defined]  # finite: float's own top
+    _parse.bounds = (0, FLOAT32_MAX)  # type: ignore[attr-defined]  # as between's
 
 
 def build_parser(description: str, amp: bool = True, distributed: bool = False, ray: bool = False,

@@ -15,6 +15,7 @@ too).
   (src.devices.process_group_backend).
 """
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from src.config import Config
 from src.devices import check_gpus, process_group_backend, training_device
 from src.errors import UserError
 from src.heartbeat import Heartbeat
-from src.outputs import sha256_of
+from src.outputs import input_problem, sha256_of
 from src.ranks import gather, is_first
 
 # What torchrun (and accelerate launch, and SLURM's srun with torchrun) set for every process.
@@ -159,6 +160,10 @@ def by_content(flags: dict[str, Any], files: tuple[str, ...]) -> dict[str, Any]:
     flags = dict(flags)
     for key in files:
         if flags.get(key) not in (None, "default", "none"):
+            problem = input_problem(Path(flags[key]))  # never open a named pipe: it waits for a writer
+            if problem is not None:
+                flags[key] = f"a file that cannot be read ({problem})"
+                continue
             try:
                 flags[key] = f"a file of sha256 {sha256_of(flags[key])[:16]}"
             except OSError as error:  # the load says it; here it only has to differ from a file that is read

@@ -104,16 +104,31 @@ def folder_of(args: Config) -> Path:
 
 
 def is_ours(path: Path) -> bool:
-    """Whether `path` is a folder that a save wrote (not a link, holding only regular files of the
-    names a save writes, SAVE_FILES; a save killed at its start leaves one empty)."""
+    """Whether `path` is a folder that a save wrote: not a link, holding only regular files of the
+    names a save writes (SAVE_FILES), and, where it is a whole save (last.dcp, the previous one),
+    a training.pt that loads without running code as a save's content. A save's temporary folder
+    may be empty or partial (a save killed at its start or in its middle): its name
+    (TEMPORARY, which holds the save's step and number) and its files' names mark it."""
     path = Path(path)
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return False
-        return all(entry.is_file(follow_symlinks=False) and SAVE_FILES.fullmatch(entry.name)
-                   for entry in os.scandir(path))
+        if not all(entry.is_file(follow_symlinks=False) and SAVE_FILES.fullmatch(entry.name)
+                   for entry in os.scandir(path)):
+            return False
+        return bool(TEMPORARY.fullmatch(path.name)) or _holds_a_saves_training(path)
     except OSError:
         return False
+
+
+def _holds_a_saves_training(path: Path) -> bool:
+    """Whether path/training.pt is what a save writes there: a dict holding the epoch (a folder of
+    the user's named last.dcp, empty or holding a text file of that name, is not)."""
+    try:
+        training = torch.load(path / TRAINING, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001  # any file torch cannot read as a save's is not ours
+        return False
+    return isinstance(training, dict) and "epoch" in training
 
 
 def _not_ours(path: Path) -> str:
@@ -128,6 +143,8 @@ def _not_ours(path: Path) -> str:
                          if not (entry.is_file(follow_symlinks=False) and SAVE_FILES.fullmatch(entry.name)))
     except OSError as error:
         return f"a folder that cannot be read ({error.strerror})"
+    if not foreign:
+        return f"a folder without a save's {TRAINING}"
     return f"a folder holding {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}"
 
 

@@ -13,10 +13,21 @@ import train_fsdp
 import train_ray
 import train_single
 from src.cli import OneLineParser, parse_args
-from src.tools import benchmark, chaos, checkpoint_cost, compare_recipes, export, predict, prepare, report, synthetic
+from src.tools import (
+    benchmark,
+    chaos,
+    checkpoint_cost,
+    compare_recipes,
+    export,
+    plain_loop,
+    predict,
+    prepare,
+    report,
+    synthetic,
+)
 
 COMMANDS = [train_single, train_dp, train_ddp, train_fsdp, train_accelerate, train_ray, synthetic, chaos, benchmark,
-            compare_recipes, report, export, checkpoint_cost, predict, prepare]
+            compare_recipes, report, export, checkpoint_cost, predict, prepare, plain_loop]
 
 
 class _Parsed(Exception):
@@ -86,6 +97,8 @@ def test_every_number_a_flag_takes_is_bounded_when_parsed(command, capsys, monke
     (train_single, "--seed", "-5", "must be at least 0"),
     (train_single, "--batch-size", "1000000000000", "must be at most 65536"),
     (prepare, "--image-size", "100000", "must be at most 2048"),
+    (train_single, "--lr", "1e39", "must be at most 3.403e+38 (float32's largest)"),  # overflowed at the first step
+    (train_single, "--mixup-alpha", "1e-46", "must be 0 or at least 1.175e-38"),  # a Dirichlet of zeros
 ])
 def test_a_number_past_its_bound_is_one_line_before_any_work(command, flag, value, says, tmp_path, monkeypatch,
                                                              capsys):

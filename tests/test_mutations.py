@@ -6,6 +6,7 @@ reads those names from a real pytest run."""
 import shutil
 import subprocess
 import sys
+import threading
 
 import mutations
 import pytest
@@ -120,8 +121,12 @@ def test_each_entry_is_run_after_the_baseline_and_reported(jobs, tmp_path, monke
     monkeypatch.setattr(mutations, "scratch_copy", scratch_copy)
     ran = []
 
+    started = threading.Barrier(int(jobs))  # each copy's thread has taken an entry (not one thread both)
+
     def run_tests(copy, tests, log, timeout, server=None):
         ran.append((copy.name, tests, (copy / "a.py").read_text()))
+        if len(ran) > 1:  # an entry's run, not the baseline's
+            started.wait(timeout=120)
         broken = "y = 3" in (copy / "a.py").read_text()
         return ("failed", 1.0, [BEHAVIOUR]) if broken else ("passed", 1.0, [])
     monkeypatch.setattr(mutations, "run_tests", run_tests)

@@ -62,6 +62,24 @@ def test_ranks_launched_with_different_flags_are_one_line(script, rank_1, named,
     assert not out.exists() and not (tmp_path / "node1").exists(), "nothing written"
 
 
+def test_a_named_pipe_compared_by_content_is_named_not_opened(tmp_path):
+    """predict's ranks compare its --checkpoint by content before loading it: a named pipe there
+    hung predict for ever, silently (opening one waits for a writer). by_content names it instead,
+    and the load then refuses it in one line."""
+    import os
+    import threading
+
+    from src.process_group import by_content
+    pipe = tmp_path / "best.pth"
+    os.mkfifo(pipe)
+    found: list = []
+    compare = threading.Thread(target=lambda: found.append(by_content({"checkpoint": pipe}, ("checkpoint",))),
+                               daemon=True)
+    compare.start()
+    compare.join(60)  # returns at once; a wait for a writer would never end (the daemon thread stays)
+    assert found == [{"checkpoint": "a file that cannot be read (a named pipe (FIFO), not a regular file)"}]
+
+
 def test_paths_and_workers_may_differ_per_node_and_weights_are_compared_by_content(tmp_path, monkeypatch):
     """check_same_flags between two ranks (their flags as gather hands them over): each node's own
     paths, --workers and spelling of a value pass; a --weights file is the same where its bytes

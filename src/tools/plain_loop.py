@@ -33,7 +33,18 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 from torchvision.datasets.folder import default_loader
 
-from src.cli import BATCH_SIZES, EPOCHS, IMAGE_SIZES, OneLineParser, between, workers_count
+from src.cli import (
+    BATCH_SIZES,
+    EPOCHS,
+    IMAGE_SIZES,
+    SEEDS,
+    OneLineParser,
+    _fraction,
+    _non_negative,
+    between,
+    open_fraction,
+    workers_count,
+)
 from src.datasets import load_labels
 from src.errors import exit_on_error
 from src.loaders import split_indices
@@ -128,10 +139,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     add("--batch-size", type=between(*BATCH_SIZES), default=32)
     add("--workers", type=workers_count, default=2)
     add("--epochs", type=between(*EPOCHS), default=1)
-    add("--lr", type=float, default=0.001, help="train_single.py's default")
-    add("--momentum", type=float, default=0.9)
-    add("--val-fraction", type=float, default=0.2)
-    add("--seed", type=int, default=42, help="the split's, as train_single.py's --seed")
+    add("--lr", type=_non_negative, default=0.001, help="train_single.py's default")
+    add("--momentum", type=_fraction(False, True), default=0.9)
+    add("--val-fraction", type=open_fraction, default=0.2)
+    add("--seed", type=between(*SEEDS), default=42, help="the split's, as train_single.py's --seed")
     return Options(**vars(parser.parse_args(argv)))
 
 
