@@ -630,6 +630,7 @@ def _reference_table(printed: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [cell.strip() for cell in cells[1:]] for cells in rows}
 
 
+@pytest.mark.slow  # trains both legs in fresh processes: 17 s, a third of make test-fast
 def test_the_reference_runs_train_single_and_the_plain_loop_on_the_same_images(small_data, tmp_path, capsys):
     """--reference: one round of the plain loop of imagenet/main.py and train_single.py --augment, each a
     fresh process over the same copy of the data: both train on the training split's whole batches
