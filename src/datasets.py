@@ -332,7 +332,7 @@ def worker_options() -> dict:
 def start_worker_server() -> None:
     """Start this process's fork server for the loader workers now, if it has none (worker_options
     starts it otherwise, at the first loader). Call it as early as the workers are known to be
-    needed: forked from this process, the server holds a copy of what this process holds then."""
+    needed: the server, a fresh interpreter, imports on another core while this process goes on."""
     _fork_server()
 
 

@@ -165,7 +165,7 @@ def labelled_data(args: Config, wait_seconds: float | None = None) -> Data:
     other processes of a node wait for its first one to build it (--dist-timeout).
     """
     data_dir, show = Path(args.data_dir), is_first()
-    if args.workers:  # before the label scan and the model: the workers' server overlaps them, and holds neither
+    if args.workers:  # before the label scan and the model: the workers' server imports while they are made
         start_worker_server()
     val_dir = args.val_dir
 

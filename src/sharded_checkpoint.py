@@ -125,7 +125,7 @@ def _holds_a_saves_training(path: Path) -> bool:
     """Whether path/training.pt is what a save writes there: a dict holding the epoch (a folder of
     the user's named last.dcp, empty or holding a text file of that name, is not)."""
     try:
-        training = torch.load(path / TRAINING, map_location="cpu", weights_only=True)
+        training = read_training(path)
     except Exception:  # noqa: BLE001  # any file torch cannot read as a save's is not ours
         return False
     return isinstance(training, dict) and "epoch" in training

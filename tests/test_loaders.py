@@ -348,8 +348,8 @@ print(forkserver._forkserver._forkserver_pid is not None)
 @pytest.mark.parametrize("workers, started", [(1, "True"), (0, "False")])
 def test_labelled_data_starts_the_workers_server_before_the_model_when_there_are_workers(small_data, workers, started,
                                                                                           tmp_path):
-    """The scripts' first data call starts the loader workers' fork server (forked before the model
-    is built: it shares none of its weights), and none without --workers."""
+    """The scripts' first data call starts the loader workers' fork server (before the model
+    is built: its imports overlap the label scan and the model), and none without --workers."""
     (tmp_path / "labelled.py").write_text(LABELLED)
     result = run([sys.executable, str(tmp_path / "labelled.py"), str(small_data), str(workers)],
                  env={"PYTHONPATH": str(ROOT)})
