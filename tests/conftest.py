@@ -292,6 +292,15 @@ def _is_slow(item, seen: dict) -> bool:
     return any(function is not None and _slow_code(function, seen) for function in functions)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the session's folder
+def pytest_configure(config: pytest.Config) -> None:
+    # torch.compile's kernels (inductor's cache: hundreds of MB) in the session's shared folder, so
+    # that they go with it rather than pile up in the system's temporary folder run after run. Set in
+    # the controller before its workers start, so all of them and their processes share one cache.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared_folder(config) / "inductor")
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     place = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(item.path.name, len(place)))  # stable: a file's tests keep their order
@@ -763,9 +772,14 @@ class Runs:
         self.two_ranks = TwoRanks()
 
     def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None,
-                 own_process: bool = False):
+                 own_process: bool = False, file_only: bool = False):
+        """file_only: the run is the asking test file's alone, removed once the file's tests have
+        passed (ResNet-18's checkpoints, some in float64, are 90 to 340 MB a run: kept for the
+        whole session they would add up to GBs of a machine's disk)."""
         key = json.dumps([mode, flags, sorted((env or {}).items()), str(data)])
         out = self.root / f"run-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+        if file_only and out not in _FILE_ONLY_RUNS:
+            _FILE_ONLY_RUNS.append(out)
         with made_once(out) as missing:
             if missing:
                 # "{run}" in a flag or an environment value: a path in the run's own folder.
@@ -794,6 +808,24 @@ class Runs:
         batch = 2 * B // PROCESSES[mode]
         return self(mode, *EXACT, *VAL, "--epochs", str(epochs), "--batch-size", str(batch), *flags, env=env,
                     own_process=own_process)
+
+
+_FILE_ONLY_RUNS: list[Path] = []  # the runs (file_only) of the test file running now in this process
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_file_only_runs(request):
+    """When a test file's tests have all passed, its file_only runs go (a later request makes one
+    again); after a failure they stay for a look, as the session's other runs do."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for out in _FILE_ONLY_RUNS:
+            with open(out.parent / f"{out.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                (out.parent / f"{out.name}.done").unlink(missing_ok=True)
+                shutil.rmtree(out, ignore_errors=True)
+    _FILE_ONLY_RUNS.clear()
 
 
 @pytest.fixture(scope="session")
