@@ -2,6 +2,7 @@
 the processes of the DataLoader workers that read them."""
 import atexit
 import functools
+import hashlib
 import multiprocessing
 import os
 import re
@@ -214,8 +215,8 @@ def load_val_labels(val_dir: Path, data_dir: Path, train_table: pd.DataFrame,
                     show_progress: bool = True) -> pd.DataFrame:
     """--val-dir's labelled images, found by the rules of train/'s scan (every image opened, the
     unreadable ones left out and counted, the files no rule covers named; no CSV), their names
-    relative to val_dir. An image that is also in the training table (the same file, by its real
-    path) is refused: it would be trained on and validated."""
+    relative to val_dir. An image that is also in the training table (the same file by its real
+    path, a hard link to it, or a copy of its bytes) is refused: it would be trained on and validated."""
     val_dir = Path(val_dir)
     frame, rejected = scan_train_dir(val_dir, show_progress, flag="--val-dir")
     if show_progress:
@@ -224,13 +225,46 @@ def load_val_labels(val_dir: Path, data_dir: Path, train_table: pd.DataFrame,
         said = not_used_line(data_dir, [*frame["filename"], *rejected], folder=val_dir)
         if said:
             print(said)
-    trained = {os.path.realpath(Path(data_dir) / "train" / name) for name in train_table["filename"]}
-    both = [name for name in frame["filename"] if os.path.realpath(val_dir / name) in trained]
+    train_dir = Path(data_dir) / "train"
+    names = list(frame["filename"])
+    both = [names[i] for i in same_bytes([val_dir / name for name in names],
+                                         [train_dir / name for name in train_table["filename"]])]
     if both:
         raise UserError(f"--val-dir {shown(val_dir)} holds {len(both)} image(s) that {shown(Path(data_dir) / 'train')} "
                         f"trains on ({some(both)}): a validation image must not be a training one; name a folder "
                         "apart from it")
     return frame
+
+
+def same_bytes(files: list[Path], others: list[Path]) -> list[int]:
+    """The indices of `files` whose bytes are those of one of `others` (the same file, a link to it,
+    or a copy). Only files of equal size are read, each at most once: at most both lists' bytes."""
+    def size(path: Path) -> int | None:
+        try:
+            return path.stat().st_size
+        except OSError:  # gone since the scan: the loader names it
+            return None
+
+    by_size: dict[int, list[Path]] = {}
+    for other in others:
+        if (length := size(other)) is not None:
+            by_size.setdefault(length, []).append(other)
+
+    @functools.cache
+    def digest(path: Path) -> str | None:
+        try:
+            with open(path, "rb") as file:
+                return hashlib.file_digest(file, "sha256").hexdigest()
+        except OSError:
+            return None
+
+    found = []
+    for i, file in enumerate(files):
+        length = size(file)
+        candidates = by_size.get(length, []) if length is not None else []
+        if candidates and digest(file) is not None and any(digest(other) == digest(file) for other in candidates):
+            found.append(i)
+    return found
 
 
 def check_both_classes(frame: pd.DataFrame, data_dir: Path) -> None:

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY, fails_in_process, history, in_process, outputs, run_main, val_folder, validation_pass
+from PIL import Image
 
 import train_single
 from src.cli import defaults
+from src.datasets import load_labels, load_val_labels
 from src.loaders import labelled_data
 from src.metrics import EPS
 from src.tools import prepare, report
@@ -122,3 +124,29 @@ def test_val_dir_refuses_val_fraction_and_an_image_it_trains_on(tiny_data, tmp_p
                             monkeypatch, capsys, "holds 40 image(s) that")
     assert "a validation image must not be a training one" in line
     assert not (tmp_path / "out" / "history.json").exists()
+
+
+def test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other(
+        tiny_data, tmp_path, monkeypatch, capsys):
+    """The overlap is by content: a hard link to a train/ image and a byte copy of another (under new
+    names) are refused, named; a BMP of train/'s size with other pixels is not an overlap."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    train = sorted((data / "train").glob("*.jpg"))
+    Image.new("RGB", (40, 40), (200, 10, 10)).save(data / "train" / "cat.900.bmp")
+    val = tmp_path / "val"
+    val.mkdir()
+    for source in sorted((tiny_data / "train").glob("*.jpg"))[:3] + sorted((tiny_data / "train").glob("dog*.jpg"))[:3]:
+        shutil.copy(source, val / f"{source.stem.split('.')[0]}.{700 + len(list(val.iterdir()))}.jpg")
+    for name in list(val.iterdir()):  # other images of the same classes: not train/'s bytes
+        Image.open(name).transpose(Image.Transpose.FLIP_TOP_BOTTOM).save(name, quality=90)
+    Image.new("RGB", (40, 40), (10, 200, 10)).save(val / "cat.901.bmp")  # train/'s BMP's size, other pixels
+    table = load_labels(data, show_progress=False)
+    assert (val / "cat.901.bmp").stat().st_size == (data / "train" / "cat.900.bmp").stat().st_size
+    assert len(load_val_labels(val, data, table, show_progress=False)) == 7
+    (val / "dog.800.jpg").hardlink_to(train[-1])
+    shutil.copyfile(train[0], val / "cat.801.jpg")
+    argv = [*TINY, "--data-dir", str(data), "--val-dir", str(val), *outputs(tmp_path / "out")]
+    line = fails_in_process(train_single.main, argv, monkeypatch, capsys, "holds 2 image(s) that")
+    assert "cat.801.jpg" in line and "dog.800.jpg" in line and "a validation image must not be a training one" in line
+    assert not (tmp_path / "out").exists() or not (tmp_path / "out" / "history.json").exists()
