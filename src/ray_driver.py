@@ -64,14 +64,42 @@ def reachable(address: str | None) -> str | None:
         raise UserError(f"--address {address}: expected HOST:PORT of a Ray cluster's head (its GCS port, 6379 "
                         "by default), ray://HOST:PORT, or auto")
     try:
-        with socket.create_connection((host, int(port)), timeout=ADDRESS_TIMEOUT):
-            pass
+        with socket.create_connection((host, int(port)), timeout=ADDRESS_TIMEOUT) as connection:
+            # A cluster with TLS (RAY_USE_TLS) answers a TLS handshake, not HTTP/2 in the clear.
+            tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+            first = None if tls else speaks_grpc(connection)
     except OSError as error:
         why = "no answer" if isinstance(error, TimeoutError) else error.strerror or type(error).__name__
         raise UserError(f"--address {address}: no Ray cluster answers there ({why} within {ADDRESS_TIMEOUT:g} s): "
                         "start one with `ray start --head` on that machine, or leave --address out for a local "
                         "Ray instance") from None
+    if first is not None:  # ray.init would retry there for ever
+        raise UserError(f"--address {address}: something listens there but not a Ray cluster's head ({first}): give "
+                        "the port that `ray start --head` printed (the GCS's, 6379 by default; ray:// its client "
+                        "server's, 10001)")
     return address
+
+
+# HTTP/2's client preface and an empty SETTINGS frame (RFC 9113, 3.4): a gRPC server, as Ray's GCS
+# and its client server are, answers with a SETTINGS frame (type 4) of its own.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def speaks_grpc(connection: socket.socket) -> str | None:
+    """None if the server at the other end answers HTTP/2's preface with a SETTINGS frame; else
+    what it did instead (within the connection's timeout)."""
+    connection.sendall(HTTP2_PREFACE)
+    head = b""
+    try:
+        while len(head) < 9 and (more := connection.recv(9 - len(head))):
+            head += more
+    except TimeoutError:
+        return f"no HTTP/2 answer within {ADDRESS_TIMEOUT:g} s"
+    except OSError as error:
+        return f"it closed the connection: {error.strerror or type(error).__name__}"
+    if len(head) < 9:
+        return "it closed the connection" if not head else f"it answered {head!r}"
+    return None if head[3] == 4 else f"it answered {head!r}"
 
 
 def check_workers(num_workers: int, resources: dict) -> bool:

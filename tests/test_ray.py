@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -309,6 +310,35 @@ def test_without_ray_installed_one_line_says_what_to_install(monkeypatch, capsys
                      "train_ray.py needs Ray Train, which is not installed in this environment: "
                      "pip install -r requirements-ray.txt")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 400 Bad Request\r\n\r\n", bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])],
+                         ids=["http", "grpc"])
+def test_an_address_where_another_server_listens_is_one_line_at_once(answer):
+    """A port where something other than a gRPC server answers (here HTTP/1.1), where ray.init would
+    retry for ever, is one line; one that answers HTTP/2's preface with a SETTINGS frame, as Ray's
+    GCS does, is taken (the module's cluster is reached through the same check)."""
+    from src.ray_driver import reachable
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def serve():
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(100)
+                connection.sendall(answer)
+
+        threading.Thread(target=serve, daemon=True).start()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        if answer.startswith(b"HTTP"):
+            with pytest.raises(UserError) as error:
+                reachable(address)
+            assert str(error.value) == (f"--address {address}: something listens there but not a Ray cluster's head "
+                                        "(it answered b'HTTP/1.1 '): give the port that `ray start --head` printed "
+                                        "(the GCS's, 6379 by default; ray:// its client server's, 10001)")
+        else:
+            assert reachable(address) == address
 
 
 def test_an_address_where_no_cluster_answers_is_one_line(monkeypatch, capsys, tmp_path):
