@@ -28,6 +28,10 @@ from conftest import (
 import train_dp
 import train_single
 
+# A training command's recipe, given beside --evaluate
+RECIPE = ["--lr", "0.5", "--epochs", "3", "--augment", "--mixup-alpha", "0.2", "--label-smoothing", "0.1",
+          "--ema-decay", "0.9", "--optimizer", "adamw", "--lr-schedule", "cosine"]
+
 
 @pytest.fixture(scope="module")
 def epochs_differ(runs):
@@ -46,11 +50,13 @@ def epochs_differ(runs):
 def test_evaluate_reproduces_the_epoch_and_writes_nothing(script, weights, epoch, runs, epochs_differ,
                                                           tmp_path, monkeypatch, capsys):
     """In this process (the same one-process computation as the script's): --checkpoint
-    best.pth (checked against best.json), or --weights last.pth."""
+    best.pth (checked against best.json), or --weights last.pth; the training command's recipe
+    flags beside --evaluate change nothing (docs/inference.md)."""
     mode = "single" if script is train_single else "dp"
     out = copy_run(mode, runs, tmp_path / "out")
     before, cwd_before = files_and_times(out), tmp_path.stat().st_mtime_ns
     extra = ["--weights", str(out / "last.pth")] if weights == "last.pth" else []
+    extra += RECIPE
     monkeypatch.chdir(tmp_path)  # where the plot would land (training_results.png)
     code, stdout, stderr = in_process(script.main, ["--data-dir", str(runs.exact_data),
                                                     *evaluate_flags(mode, out, *extra)], monkeypatch, capsys)
