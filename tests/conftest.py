@@ -772,14 +772,15 @@ class Runs:
         self.two_ranks = TwoRanks()
 
     def __call__(self, mode: str, *flags: str, env: dict | None = None, data: Path | None = None,
-                 own_process: bool = False, file_only: bool = False):
-        """file_only: the run is the asking test file's alone, removed once the file's tests have
-        passed (ResNet-18's checkpoints, some in float64, are 90 to 340 MB a run: kept for the
-        whole session they would add up to GBs of a machine's disk)."""
+                 own_process: bool = False, kept: str = "session"):
+        """kept: "file" for a run of the asking test file alone, "test" for one of the asking test
+        alone: removed once that file's (or test's) tests have passed. ResNet-18's checkpoints, some
+        in float64, are 90 to 340 MB a run: kept for the whole session they would add up to GBs of a
+        machine's disk (a later request makes the run again)."""
         key = json.dumps([mode, flags, sorted((env or {}).items()), str(data)])
         out = self.root / f"run-{mode}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-        if file_only and out not in _FILE_ONLY_RUNS:
-            _FILE_ONLY_RUNS.append(out)
+        if kept != "session" and out not in _RELEASED[kept]:
+            _RELEASED[kept].append(out)
         with made_once(out) as missing:
             if missing:
                 # "{run}" in a flag or an environment value: a path in the run's own folder.
@@ -810,22 +811,34 @@ class Runs:
                     own_process=own_process)
 
 
-_FILE_ONLY_RUNS: list[Path] = []  # the runs (file_only) of the test file running now in this process
+# The runs of the test file and of the test running now in this process (Runs(..., kept=...)).
+_RELEASED: dict[str, list[Path]] = {"file": [], "test": []}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_file_only_runs(request):
-    """When a test file's tests have all passed, its file_only runs go (a later request makes one
-    again); after a failure they stay for a look, as the session's other runs do."""
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed == failed:
-        for out in _FILE_ONLY_RUNS:
+def _release(kept: str, session: pytest.Session, failed_before: int) -> None:
+    """Remove the runs kept for the file or test that just ended, unless one of its tests failed
+    (then they stay for a look, as the session's other runs do)."""
+    if session.testsfailed == failed_before:
+        for out in _RELEASED[kept]:
             with open(out.parent / f"{out.name}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 (out.parent / f"{out.name}.done").unlink(missing_ok=True)
                 shutil.rmtree(out, ignore_errors=True)
-    _FILE_ONLY_RUNS.clear()
+    _RELEASED[kept].clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_the_files_runs(request):
+    failed = request.session.testsfailed
+    yield
+    _release("file", request.session, failed)
+
+
+@pytest.fixture(autouse=True)
+def _release_the_tests_runs(request):
+    failed = request.session.testsfailed
+    yield  # after the test's call phase, whose failure is counted by now
+    _release("test", request.session, failed)
 
 
 @pytest.fixture(scope="session")

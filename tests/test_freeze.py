@@ -43,7 +43,7 @@ def frozen_runs(runs, small_data, backbone):
     def get(mode, *extra, batch=16, env=None):
         per_process = batch // 2 if mode in ("ddp", "accelerate") else batch
         return runs(mode, *FROZEN, "--weights", str(backbone), "--batch-size", str(per_process),
-                    "--freeze", *extra, env=env, data=small_data, file_only=True)
+                    "--freeze", *extra, env=env, data=small_data, kept="file")
     return get
 
 
@@ -103,7 +103,7 @@ def test_freeze_epochs_resume_across_the_unfreezing_equals_the_straight_run(smal
     flags = ["--data-dir", str(small_data), *FROZEN, "--weights", str(backbone), "--batch-size", "16",
              "--freeze-epochs", "1", *cache]
     straight = runs("single", *FROZEN, "--weights", str(backbone), "--batch-size", "16", "--freeze-epochs", "1",
-                    *cache, data=small_data, file_only=True)[0]
+                    *cache, data=small_data, kept="test")[0]
     result = python("train_single.py", *flags, *outputs(tmp_path), env={"PYTHONPATH": HOOKS, "INTERRUPT_AT_STEP": "5"})
     assert result.returncode == 75, result.stderr[-3000:]
     assert (weights(tmp_path, "last.pth")["epoch"], weights(tmp_path, "last.pth")["step"]) == (0, 5)

@@ -991,10 +991,10 @@ def test_resnet18_with_sync_bn_and_ema_stopped_on_two_resumes_on_one(main, batch
                              *outputs(tmp_path / "out")], env=FLOAT64)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "in epoch 1 of 2 after its step 8: going on" in result.stdout
-    straight = runs("fsdp", *BATCH_NORM, "--batch-size", "5", env=FLOAT64, file_only=True)[0]
+    straight = runs("fsdp", *BATCH_NORM, "--batch-size", "5", env=FLOAT64, kept="file")[0]
     # one process normalises its whole batch: train_single.py refuses --sync-bn, which cannot act there
     other = runs("single", *[flag for flag in BATCH_NORM if flag != "--sync-bn"], "--batch-size", "20", env=FLOAT64,
-                 file_only=True)[0]
+                 kept="file")[0]
     far = distance(last_model(other), last_model(straight))
     assert_same_run(tmp_path / "out", straight, far)
     statistics = [key for key in last_model(straight) if "running" in key]

@@ -214,35 +214,35 @@ def test_the_cuda_path_calls_torchs_kernels_and_the_cpu_path_the_same_steps():
 @pytest.fixture(scope="module")
 def reference(runs):
     """train_single.py, ResNet-18 at the doubled batch (2 x B), float64."""
-    return runs("single", *RESNET, "--batch-size", str(2 * B), env=FLOAT64, file_only=True)[0]
+    return runs("single", *RESNET, "--batch-size", str(2 * B), env=FLOAT64, kept="file")[0]
 
 
 @pytest.fixture(scope="module")
 def far(runs, reference):
     """The reference against a global batch of B."""
-    other = runs("single", *RESNET, "--batch-size", str(B), env=FLOAT64, file_only=True)[0]
+    other = runs("single", *RESNET, "--batch-size", str(B), env=FLOAT64, kept="file")[0]
     return distance(last_model(other), last_model(reference))
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "accelerate"])
 def test_resnet18_with_sync_bn_ends_where_one_process_ends(mode, runs, reference, far):
-    out, result = runs(mode, *RESNET, "--batch-size", str(B), "--sync-bn", env=FLOAT64, file_only=True)
+    out, result = runs(mode, *RESNET, "--batch-size", str(B), "--sync-bn", env=FLOAT64, kept="test")
     assert "on 2 x cpu" in result.stdout
     assert_same_run(out, reference, far)
 
 
 def test_without_sync_bn_each_process_normalises_its_own_share(runs, reference, far):
     """The distance that --sync-bn removes."""
-    out = runs("ddp", *RESNET, "--batch-size", str(B), env=FLOAT64, file_only=True)[0]
+    out = runs("ddp", *RESNET, "--batch-size", str(B), env=FLOAT64, kept="test")[0]
     assert distance(last_model(out), last_model(reference)) / far > 20 * TOLERANCE
 
 
 def test_under_accumulate_batch_norm_normalises_each_micro_batch(runs, reference, far):
     """Two processes of 5 images, 2 micro-batches a step: batch norm sees micro-batches of 10, as
     train_single.py --batch-size 10 --accumulate 2 does, not the step's 20."""
-    micro = runs("single", *RESNET, "--batch-size", str(B), "--accumulate", "2", env=FLOAT64, file_only=True)[0]
+    micro = runs("single", *RESNET, "--batch-size", str(B), "--accumulate", "2", env=FLOAT64, kept="test")[0]
     out = runs("ddp", *RESNET, "--batch-size", str(B // 2), "--accumulate", "2", "--sync-bn", env=FLOAT64,
-               file_only=True)[0]
+               kept="test")[0]
     assert_same_run(out, micro, far)
     assert distance(last_model(micro), last_model(reference)) / far > 20 * TOLERANCE
 
