@@ -54,8 +54,8 @@ def require_ray(found: bool) -> None:
 
 def reachable(address: str | None) -> str | None:
     """--address as ray.init takes it, once its head answers: HOST:PORT (or ray://HOST:PORT, Ray
-    Client's) is tried with a TCP connection for ADDRESS_TIMEOUT seconds; "auto" and None (a local
-    instance, or RAY_ADDRESS's cluster) are Ray's to find."""
+    Client's) is tried with a TCP connection and HTTP/2's preface (gRPC's) for ADDRESS_TIMEOUT
+    seconds each; "auto" and None (a local instance, or RAY_ADDRESS's cluster) are Ray's to find."""
     if address in (None, "auto"):
         return address
     host, _, port = address.removeprefix("ray://").rpartition(":")
