@@ -1770,6 +1770,9 @@ MUTATIONS = [
      ['tests/test_val_dir.py::test_val_dir_refuses_val_fraction_and_an_image_it_trains_on']),
     ('src/checkpoint.py', '"data": data, "val_data": val_data,', '"data": data, "val_data": None,',
      ['tests/test_val_dir.py::test_resume_refuses_another_val_dir_or_none']),
+    # train.csv's repeated rows by the file they name, however spelled
+    ('src/datasets.py', '    repeated = frame["filename"][files.duplicated()]', '    repeated = frame["filename"][frame["filename"].duplicated()]',
+     ['tests/test_datasets.py::test_bad_csv_is_a_clear_error']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', 'any(digest(other) == digest(file) for other in candidates)',
      'any(os.path.realpath(other) == os.path.realpath(file) for other in candidates)',

@@ -164,10 +164,14 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
                         "(rebuild it with `python -m src.tools.prepare DATA_DIR`)")
     if frame.empty:
         raise UserError(f"{csv_file} lists no images")
-    repeated = frame["filename"][frame["filename"].duplicated()]
+    # The same file under two spellings (./cat.0.jpg, sub/../cat.0.jpg, a link) is repeated too.
+    files = frame["filename"].map(lambda name: os.path.realpath(Path(root_dir) / name))
+    repeated = frame["filename"][files.duplicated()]
     if len(repeated):
         # The same image could land in both the training and the validation split.
-        raise UserError(f"{csv_file} lists {repeated.iloc[0]} more than once ({len(repeated)} repeated "
+        first = frame["filename"][files == files[repeated.index[0]]].iloc[0]
+        spelled = "" if first == repeated.iloc[0] else f" (as {first} and {repeated.iloc[0]})"
+        raise UserError(f"{csv_file} lists {first} more than once{spelled} ({len(repeated)} repeated "
                         "row(s)); list each image once, or rebuild it with `python -m src.tools.prepare DATA_DIR`")
     names = {"0": 0, "1": 1, "cat": 0, "dog": 1}
     labels = frame["label"].str.strip().str.lower().map(names)

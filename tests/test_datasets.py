@@ -135,6 +135,9 @@ def test_csv_from_file_with_word_labels(tmp_path, small_data):
     ("filename,label\ncat.0.jpg,0\ncat.99999.jpg,0\n", "missing from"),
     ("filename,label\n", "lists no images"),
     ("filename,label\ncat.0.jpg,0\ndog.0.jpg,1\ncat.0.jpg,cat\n", "lists cat.0.jpg more than once"),
+    ("filename,label\ncat.0.jpg,0\ndog.0.jpg,1\n./cat.0.jpg,cat\n",
+     r"lists cat.0.jpg more than once \(as cat.0.jpg and ./cat.0.jpg\) \(1 repeated row"),
+    ("filename,label\ncat.0.jpg,0\ndog.0.jpg,1\ncats/../dog.0.jpg,1\n", r"lists dog.0.jpg more than once \(as dog"),
 ])
 def test_bad_csv_is_a_clear_error(tmp_path, small_data, text, message):
     csv = tmp_path / "train.csv"
