@@ -1773,6 +1773,11 @@ MUTATIONS = [
     # train.csv's repeated rows by the file they name, however spelled
     ('src/datasets.py', '    repeated = frame["filename"][files.duplicated()]', '    repeated = frame["filename"][frame["filename"].duplicated()]',
      ['tests/test_datasets.py::test_bad_csv_is_a_clear_error']),
+    # linked folders followed, each real folder once
+    ('src/image_files.py', '            if is_folder:', '            if is_folder and not entry.is_symlink():',
+     ['tests/test_datasets.py::test_a_linked_folder_is_followed_as_imagefolder_follows_it_each_real_folder_once']),
+    ('src/image_files.py', '        if real in seen:\n            return', '        if False:\n            return',
+     ['tests/test_datasets.py::test_a_linked_folder_is_followed_as_imagefolder_follows_it_each_real_folder_once']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', 'any(digest(other) == digest(file) for other in candidates)',
      'any(os.path.realpath(other) == os.path.realpath(file) for other in candidates)',

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from src.errors import STOP_SIGNALS, UserError, ignore_pillow_warnings
-from src.image_files import IMAGE_SUFFIXES, natural_key, some, to_rgb
+from src.image_files import IMAGE_SUFFIXES, files_under, natural_key, some, to_rgb
 from src.outputs import input_problem
 from src.terminal import shown
 
@@ -117,10 +117,12 @@ def scan_train_dir(train_dir: Path, show_progress: bool = True,
 
 
 def train_files(train_dir: Path) -> list[str]:
-    """Every file under train_dir (links to nothing and loops of links, named pipes, sockets and
-    devices included: files that cannot be read as images), as paths relative to it with /
+    """Every file under train_dir (src.image_files.files_under), as paths relative to it with /
     separators."""
-    return [path.relative_to(train_dir).as_posix() for path in Path(train_dir).rglob("*") if not path.is_dir()]
+    try:
+        return files_under(Path(train_dir))
+    except OSError as error:
+        raise UserError(f"cannot list {train_dir} ({error.strerror or type(error).__name__}): make it readable") from None
 
 
 def not_used_line(data_dir: Path, listed: list[str], csv_file: Path | None = None,

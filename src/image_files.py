@@ -54,6 +54,42 @@ def broken_link(path: Path) -> bool:
     return path.is_symlink() and not path.exists()
 
 
+def files_under(folder: Path) -> list[str]:
+    """Every file under folder (links to nothing, named pipes, sockets and devices included: files
+    that cannot be read as images), as paths relative to it with / separators. A link to a folder
+    is followed, as torchvision's ImageFolder follows it, each real folder once, under the first of
+    its names in natural order (so a loop of links ends, and no image is listed twice); a folder
+    inside that cannot be listed is listed itself, to be named among the files not used. OSError if
+    folder itself cannot be listed."""
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def walk(path: str, relative: str) -> None:
+        real = os.path.realpath(path)
+        if real in seen:
+            return
+        seen.add(real)
+        try:
+            entries = sorted(os.scandir(path), key=lambda entry: natural_key(entry.name))
+        except OSError:
+            if not relative:
+                raise
+            found.append(relative.rstrip("/"))
+            return
+        for entry in entries:
+            try:
+                is_folder = entry.is_dir()  # a link to a folder too
+            except OSError:
+                is_folder = False
+            if is_folder:
+                walk(entry.path, f"{relative}{entry.name}/")
+            else:
+                found.append(f"{relative}{entry.name}")
+
+    walk(str(folder), "")
+    return found
+
+
 def find_images(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     """The image files among `paths` (files, and folders searched recursively), each once, in the
     order given, a folder's files in natural order of their path in it; and the other files (not
@@ -64,8 +100,10 @@ def find_images(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     images, seen, others = [], set(), []
     for path in paths:
         if path.is_dir():
-            found = sorted((p for p in path.rglob("*") if not p.is_dir()),
-                           key=lambda p: natural_key(p.relative_to(path).as_posix()))
+            try:
+                found = [path / name for name in sorted(files_under(path), key=natural_key)]
+            except OSError as error:
+                raise UserError(f"{path}: cannot list it ({error.strerror or type(error).__name__})") from None
         elif path.is_file():
             found = [path]
         else:

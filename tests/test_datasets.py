@@ -1,5 +1,6 @@
 """DogCatDataset, the test-set dataset, the train/ scan and CSV checks."""
 import io
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -88,6 +89,32 @@ def test_images_at_any_depth_under_a_class_folder_are_labelled_by_it(tmp_path, c
     assert "left out 1 unreadable image(s), first dogs/2023/gone.jpg" in out
     assert "that no label rule covers (cat.N / dog.N images, or images at any depth under a cat(s)/ or dog(s)/ " \
            "folder; " in out and out.rstrip().endswith(": cats/2023/.notes.txt, other/cats/6.jpg")
+
+
+def test_a_linked_folder_is_followed_as_imagefolder_follows_it_each_real_folder_once(tmp_path, capsys):
+    """A link to a folder of more photos under a class folder (or a class folder that is a link)
+    trains, as torchvision's ImageFolder takes it; a loop of links, or a link to a folder already
+    walked, lists nothing twice. predict's folder search (find_images) follows the same links."""
+    from torchvision.datasets import ImageFolder
+
+    from src.image_files import find_images
+    image = Image.new("RGB", (40, 30), (10, 20, 30))
+    for name in ["train/cats/1.jpg", "train/cats/2.jpg", "elsewhere/more/3.jpg", "elsewhere/more/deeper/4.jpg",
+                 "elsewhere/dogs/5.jpg", "elsewhere/dogs/6.jpg"]:
+        _save(image, tmp_path / name)
+    (tmp_path / "train" / "cats" / "more").symlink_to(tmp_path / "elsewhere" / "more")
+    (tmp_path / "train" / "dogs").symlink_to(tmp_path / "elsewhere" / "dogs")
+    by_imagefolder = sorted(Path(path).relative_to(tmp_path / "train").as_posix()
+                            for path, _ in ImageFolder(str(tmp_path / "train")).samples)
+    assert len(by_imagefolder) == 6
+    (tmp_path / "elsewhere" / "more" / "loop").symlink_to(tmp_path / "train" / "cats")  # cats/more/loop: cats
+    (tmp_path / "train" / "cats" / "same").symlink_to(tmp_path / "elsewhere" / "more")  # walked as more/
+    frame = load_labels(tmp_path)
+    assert sorted(frame["filename"]) == by_imagefolder
+    assert list(frame["label"]) == [0, 0, 0, 0, 1, 1]
+    assert "not used" not in capsys.readouterr().out
+    images, others = find_images([tmp_path / "train"])
+    assert sorted(p.relative_to(tmp_path / "train").as_posix() for p in images) == by_imagefolder and not others
 
 
 def test_no_labelled_images_names_every_layout_it_takes(tmp_path):
