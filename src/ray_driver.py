@@ -60,7 +60,7 @@ def reachable(address: str | None) -> str | None:
         return address
     host, _, port = address.removeprefix("ray://").rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit():
+    if not host or not is_host_name(host) or not (port.isascii() and port.isdigit() and 0 < int(port) < 2**16):
         raise UserError(f"--address {address}: expected HOST:PORT of a Ray cluster's head (its GCS port, 6379 "
                         "by default), ray://HOST:PORT, or auto")
     try:
@@ -78,6 +78,16 @@ def reachable(address: str | None) -> str | None:
                         "the port that `ray start --head` printed (the GCS's, 6379 by default; ray:// its client "
                         "server's, 10001)")
     return address
+
+
+def is_host_name(host: str) -> bool:
+    """Whether the socket library can look host up: IDNA encodes it (no empty label, as in
+    head..example, and none over 63 characters)."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 # HTTP/2's client preface and an empty SETTINGS frame (RFC 9113, 3.4): a gRPC server, as Ray's GCS

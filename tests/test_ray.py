@@ -349,8 +349,11 @@ def test_an_address_where_no_cluster_answers_is_one_line(monkeypatch, capsys, tm
                      f"--address {address}: no Ray cluster answers there (Connection refused within 10 s)")
     assert time.monotonic() - start < 60  # the bound the line states, with room for a busy machine
     assert not (tmp_path / "m").exists()
-    fails_in_process(train_ray.main, ["--address", "headnode", *outputs(tmp_path / "m")], monkeypatch, capsys,
-                     "--address headnode: expected HOST:PORT of a Ray cluster's head")
+    # no port; out of range; "²" (a digit to str.isdigit); labels the host name lookup cannot encode
+    for address in ["headnode", "headnode:99999", "headnode:0", "headnode:\u00b2", "head..example:6379",
+                    f"{'a' * 64}.example:6379"]:
+        fails_in_process(train_ray.main, ["--address", address, *outputs(tmp_path / "m")], monkeypatch, capsys,
+                         f"--address {address}: expected HOST:PORT of a Ray cluster's head")
 
 
 def test_more_workers_than_the_cluster_has_is_one_line_before_any_work(cluster, monkeypatch, capsys, tmp_path,

@@ -101,6 +101,12 @@ def test_evaluate_and_the_report_validate_on_the_val_dir(val_run, tmp_path, monk
     assert code == 0, err
     evaluated = json.loads(stdout.strip().splitlines()[-1])
     assert evaluated["val_samples"] == 6 and evaluated["val_acc"] == record["val_acc"]
+    other = tmp_path / "other-val"  # the folder less one image: not the validation set best.pth was chosen on
+    shutil.copytree(val, other)
+    next(other.rglob("*.jpg")).unlink()
+    switched = [str(other) if word == str(val) else word for word in argv]
+    fails_in_process(train_single.main, [*switched, "--evaluate"], monkeypatch, capsys,
+                     "was trained with --val-dir (its images) ")
     result = run_main(report.main, [str(out), "--output", str(tmp_path / "report.html")])
     assert result.returncode == 0, result.stderr
     assert "validated best.pth on 6 images" in result.stdout
@@ -145,8 +151,10 @@ def test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_
     assert (val / "cat.901.bmp").stat().st_size == (data / "train" / "cat.900.bmp").stat().st_size
     assert len(load_val_labels(val, data, table, show_progress=False)) == 7
     (val / "dog.800.jpg").hardlink_to(train[-1])
-    shutil.copyfile(train[0], val / "cat.801.jpg")
     argv = [*TINY, "--data-dir", str(data), "--val-dir", str(val), *outputs(tmp_path / "out")]
+    line = fails_in_process(train_single.main, argv, monkeypatch, capsys, "holds 1 image(s) that")
+    assert "(dog.800.jpg)" in line
+    shutil.copyfile(train[0], val / "cat.801.jpg")
     line = fails_in_process(train_single.main, argv, monkeypatch, capsys, "holds 2 image(s) that")
     assert "cat.801.jpg" in line and "dog.800.jpg" in line and "a validation image must not be a training one" in line
     assert not (tmp_path / "out").exists() or not (tmp_path / "out" / "history.json").exists()
