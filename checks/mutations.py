@@ -1780,6 +1780,11 @@ MUTATIONS = [
      ['tests/test_val_dir.py::test_evaluate_and_the_report_validate_on_the_val_dir']),
     ('src/ray_driver.py', ' or not is_host_name(host) or ', ' or ', ['tests/test_ray.py::test_an_address_where_no_cluster_answers_is_one_line']),
     ('src/ray_driver.py', 'port.isascii() and port.isdigit() and 0 < int(port) < 2**16', 'port.isdigit()', ['tests/test_ray.py::test_an_address_where_no_cluster_answers_is_one_line']),
+    # each end of a ranged flag
+    ('src/cli.py', '    add("--label-smoothing", type=_fraction(False, True)', '    add("--label-smoothing", type=_fraction(False, False)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
+    ('src/cli.py', '    add("--ema-decay", type=open_fraction', '    add("--ema-decay", type=_fraction(True, False)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
+    ('src/cli.py', '    add("--random-erase", metavar="P", type=_fraction(False, False)', '    add("--random-erase", metavar="P", type=_fraction(False, True)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
+    ('src/cli.py', 'type=ranged(0, DIST_TIMEOUT_MINUTES, True, False)', 'type=ranged(0, DIST_TIMEOUT_MINUTES, True, True)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', '    if both:', '    if len(both) > 1:',
      ['tests/test_val_dir.py::test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other']),

@@ -89,6 +89,32 @@ def test_every_number_a_flag_takes_is_bounded_when_parsed(command, capsys, monke
                 refused(parser, flag, value, capsys)
 
 
+# The ends of each flag that takes a float in a range, as its help and docs/flags.md state them: an
+# open end ("(" or ")") is refused, a closed one taken (at 1, --label-smoothing's target is uniform
+# and nothing is learned; --ema-decay 1 would never move the average).
+ENDS = {"--momentum": "[0, 1)", "--dropout": "[0, 1)", "--val-fraction": "(0, 1)", "--random-erase": "[0, 1]",
+        "--label-smoothing": "[0, 1)", "--ema-decay": "(0, 1)", "--dist-timeout": "(0, 1e+06]"}
+
+
+@pytest.mark.parametrize("command", [train_single, train_ddp, train_ray], ids=lambda module: module.__name__)
+def test_each_end_of_a_range_is_taken_or_refused_as_stated(command, capsys, monkeypatch):
+    """Past the bounds is tested above; here each end itself. Every ranged float flag is in ENDS."""
+    monkeypatch.setenv("RANK", "0")
+    parser = parser_of(command)
+    ranged_flags = [flag for flag, kind in numeric_flags(parser) if kind.__name__ == "float"
+                    and isinstance(kind.bounds[1], float | int) and kind.bounds[1] != float("inf")]
+    assert ranged_flags and set(ranged_flags) <= set(ENDS), set(ranged_flags) - set(ENDS)
+    for flag in ranged_flags:
+        ends = ENDS[flag]
+        low, high = ends[1:-1].split(", ")
+        for value, is_open in ((low, ends[0] == "("), (high, ends[-1] == ")")):
+            if is_open:
+                assert f"must be in {ends}, got {float(value)}" in refused(parser, flag, value, capsys)
+            else:
+                dest = flag.removeprefix("--").replace("-", "_")
+                assert getattr(parser.parse_args([f"{flag}={value}"]), dest) == float(value), (flag, value)
+
+
 @pytest.mark.parametrize("command, flag, value, says", [
     (synthetic, "--size", "100000", "must be at most 2048"),
     (synthetic, "--seed", "-1", "must be at least 0"),
