@@ -1785,6 +1785,12 @@ MUTATIONS = [
     ('src/cli.py', '    add("--ema-decay", type=open_fraction', '    add("--ema-decay", type=_fraction(True, False)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
     ('src/cli.py', '    add("--random-erase", metavar="P", type=_fraction(False, False)', '    add("--random-erase", metavar="P", type=_fraction(False, True)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
     ('src/cli.py', 'type=ranged(0, DIST_TIMEOUT_MINUTES, True, False)', 'type=ranged(0, DIST_TIMEOUT_MINUTES, True, True)', ['tests/test_flag_bounds.py::test_each_end_of_a_range_is_taken_or_refused_as_stated']),
+    # the schedule's boundaries
+    ('src/recipe.py', '(progress >= 0.75)', '(progress > 0.75)', ['tests/test_recipe.py::test_lr_factor_shapes']),
+    ('src/recipe.py', 'round(args.warmup_epochs * steps)', 'int(args.warmup_epochs * steps)',
+     ['tests/test_recipe.py::test_a_fractional_warm_up_lasts_its_nearest_whole_count_of_steps']),
+    ('src/checkpoint.py', '(("epochs",) if args.lr_schedule != "constant" else ())', '(("epochs",) if args.lr_schedule == "cosine" else ())',
+     ['tests/test_resume_rules.py::test_a_schedule_that_spans_the_run_keeps_its_epochs']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', '    if both:', '    if len(both) > 1:',
      ['tests/test_val_dir.py::test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other']),

@@ -218,7 +218,24 @@ def test_weight_decay_spares_biases_and_normalisation_weights():
 def test_lr_factor_shapes():
     assert [lr_factor(s, 10, 2, "constant") for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
     assert [round(lr_factor(s, 10, 0, "step"), 6) for s in (0, 4, 5, 7, 8)] == [1, 1, 0.1, 0.1, 0.01]
+    # x0.1 at 50% and at 75% of the steps: on 8 steps, from step 4 and from step 6 themselves
+    assert [round(lr_factor(s, 8, 0, "step"), 6) for s in range(8)] == [1, 1, 1, 1, 0.1, 0.1, 0.01, 0.01]
     assert lr_factor(0, 10, 0, "cosine") == 1 and lr_factor(10, 10, 0, "cosine") == pytest.approx(0)
+
+
+@pytest.mark.parametrize("warmup_epochs, steps, warmup_steps", [(0.3, 5, 2), (0.5, 2, 1), (0.1, 5, 0), (1.7, 3, 5)])
+def test_a_fractional_warm_up_lasts_its_nearest_whole_count_of_steps(warmup_epochs, steps, warmup_steps):
+    """--warmup-epochs E over S steps an epoch: E x S rounded to the nearest step (0.3 x 5 = 1.5: 2
+    steps, whose learning rates are 1/2 and 2/2 of --lr), the same in every mode."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = make_schedule(optimizer, defaults(epochs=3, warmup_epochs=warmup_epochs), steps)
+    seen = []
+    for _ in range(warmup_steps + 2):
+        seen.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert seen == [(i + 1) / warmup_steps for i in range(warmup_steps)] + [1.0, 1.0]
 
 
 def test_one_samples_augmentation_is_the_same_whatever_the_workers_or_the_rank():

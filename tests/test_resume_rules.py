@@ -47,15 +47,25 @@ def test_a_run_that_finished_more_epochs_is_refused(runs):
         _resume(out, [*EXACT, *VAL, "--batch-size", str(2 * B), "--epochs", "1", "--resume"])
 
 
-def test_a_schedule_that_spans_the_run_keeps_its_epochs(runs):
-    """The full recipe's cosine schedule is a function of --epochs: the same --epochs resumes,
-    another is refused (a constant rate resumes with another: above)."""
+def test_a_schedule_that_spans_the_run_keeps_its_epochs(runs, tmp_path):
+    """The full recipe's cosine schedule is a function of --epochs, and so is the step schedule: the
+    same --epochs resumes, another is refused (a constant rate resumes with another: above)."""
     out = recipe_run(runs, "single")[0]
     batch, accumulate = MICRO["single"]
     flags = [*EXACT, *VAL, *RECIPE, "--batch-size", str(batch), "--accumulate", str(accumulate), "--resume"]
     assert len(_resume(out, [*flags, "--epochs", "2"])) == 2
     with pytest.raises(UserError, match=r"was trained with --epochs 2, not 3 \(the schedule spans the run\)"):
         _resume(out, [*flags, "--epochs", "3"])
+    # the step schedule's x0.1 points are fractions of the run too: the same run as if trained with it
+    stepped = tmp_path / "stepped"
+    shutil.copytree(out, stepped)
+    last = torch.load(stepped / "last.pth", weights_only=True)
+    last["info"]["lr_schedule"] = "step"
+    torch.save(last, stepped / "last.pth")
+    flags = [word if word != "cosine" else "step" for word in flags]
+    assert len(_resume(stepped, [*flags, "--epochs", "2"])) == 2
+    with pytest.raises(UserError, match=r"was trained with --epochs 2, not 3 \(the schedule spans the run\)"):
+        _resume(stepped, [*flags, "--epochs", "3"])
 
 
 @pytest.mark.parametrize("restarts, resumed", [("0", False), ("1", True)])
