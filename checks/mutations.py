@@ -1791,6 +1791,9 @@ MUTATIONS = [
      ['tests/test_recipe.py::test_a_fractional_warm_up_lasts_its_nearest_whole_count_of_steps']),
     ('src/checkpoint.py', '(("epochs",) if args.lr_schedule != "constant" else ())', '(("epochs",) if args.lr_schedule == "cosine" else ())',
      ['tests/test_resume_rules.py::test_a_schedule_that_spans_the_run_keeps_its_epochs']),
+    # launcher variables as no launcher sets them
+    ('src/process_group.py', '        if not (text.isascii() and text.isdigit()):', '        if False:', ['tests/test_outputs.py::test_launcher_variables_no_launcher_sets_are_one_line']),
+    ('src/process_group.py', ' and 0 < numbers["MASTER_PORT"] < 2**16)', ')', ['tests/test_outputs.py::test_launcher_variables_no_launcher_sets_are_one_line']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', '    if both:', '    if len(both) > 1:',
      ['tests/test_val_dir.py::test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other']),

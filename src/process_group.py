@@ -48,6 +48,20 @@ def check_launcher_variables(command: str = "torchrun --nproc_per_node=N") -> No
         set_ = [name for name in LAUNCHER_VARIABLES if name in os.environ]
         raise UserError(f"{', '.join(set_)} set in the environment but not {', '.join(missing)}: launch "
                         f"with {command} (which sets them all), or unset {', '.join(set_)} to run one process")
+    # Values no launcher sets (a hand-written export): a rank past the world would wait for peers
+    # that never come, for --dist-timeout; a word where a number goes would end in a traceback.
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        text = os.environ[name]
+        if not (text.isascii() and text.isdigit()):
+            raise UserError(f"{name}={text} in the environment is not a whole number: launch with {command}, "
+                            "which sets it")
+        numbers[name] = int(text)
+    rank, world, local, local_world = (numbers[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    if not (0 <= rank < world and 0 <= local < local_world <= world and 0 < numbers["MASTER_PORT"] < 2**16):
+        raise UserError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} LOCAL_WORLD_SIZE={local_world} "
+                        f"MASTER_PORT={numbers['MASTER_PORT']} in the environment: no launcher sets these (a rank "
+                        f"is below the world's size, a port in 1 to 65535): launch with {command}, which sets them")
 
 
 def local_rank() -> int:

@@ -429,3 +429,21 @@ def test_launcher_variables_in_part_are_one_line(exact_data, tmp_path, monkeypat
                  "RANK, WORLD_SIZE set in the environment but not LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, "
                  "MASTER_PORT: launch with torchrun", main=train_ddp.main)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("values, says", [
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_PORT=29500 in the "
+                                       "environment: no launcher sets these"),
+    ({"LOCAL_WORLD_SIZE": "2"}, "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "0"}, "RANK=0 WORLD_SIZE=0"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 in the environment"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE=abc in the environment is not a whole number: launch with torchrun"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1 in the environment is not a whole number")])
+def test_launcher_variables_no_launcher_sets_are_one_line(values, says, exact_data, tmp_path, monkeypatch, capsys):
+    """All six set, but as no launcher sets them (a hand-written export): RANK=1 in a world of 1
+    waited for its peers for --dist-timeout; WORLD_SIZE=abc ended in a ValueError traceback."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **values}.items():
+        monkeypatch.setenv(name, value)
+    _train_fails(["--data-dir", str(exact_data), *outputs(tmp_path)], monkeypatch, capsys, says, main=train_ddp.main)
+    assert not any(tmp_path.iterdir())
