@@ -1770,7 +1770,7 @@ MUTATIONS = [
     ('src/checkpoint.py', '"data": data, "val_data": val_data,', '"data": data, "val_data": None,',
      ['tests/test_val_dir.py::test_resume_refuses_another_val_dir_or_none']),
     # train.csv's repeated rows by the file they name, however spelled
-    ('src/datasets.py', '    repeated = frame["filename"][files.duplicated()]', '    repeated = frame["filename"][frame["filename"].duplicated()]',
+    ('src/datasets.py', '        file = os.path.realpath(Path(root_dir) / name)', '        file = name',
      ['tests/test_datasets.py::test_bad_csv_is_a_clear_error']),
     # linked folders followed, each real folder once
     ('src/image_files.py', '            if is_folder:', '            if is_folder and not entry.is_symlink():',

@@ -167,12 +167,18 @@ def read_labels_csv(csv_file: Path, root_dir: Path) -> pd.DataFrame:
     if frame.empty:
         raise UserError(f"{csv_file} lists no images")
     # The same file under two spellings (./cat.0.jpg, sub/../cat.0.jpg, a link) is repeated too.
-    files = frame["filename"].map(lambda name: os.path.realpath(Path(root_dir) / name))
-    repeated = frame["filename"][files.duplicated()]
-    if len(repeated):
+    # (a list, not a pandas column: names that are not UTF-8 hold surrogates, which arrow refuses)
+    first_of: dict[str, str] = {}
+    repeated = []
+    for name in frame["filename"]:
+        file = os.path.realpath(Path(root_dir) / name)
+        if file in first_of:
+            repeated.append((first_of[file], name))
+        first_of.setdefault(file, name)
+    if repeated:
         # The same image could land in both the training and the validation split.
-        first = frame["filename"][files == files[repeated.index[0]]].iloc[0]
-        spelled = "" if first == repeated.iloc[0] else f" (as {first} and {repeated.iloc[0]})"
+        first, again = repeated[0]
+        spelled = "" if first == again else f" (as {first} and {again})"
         raise UserError(f"{csv_file} lists {first} more than once{spelled} ({len(repeated)} repeated "
                         "row(s)); list each image once, or rebuild it with `python -m src.tools.prepare DATA_DIR`")
     names = {"0": 0, "1": 1, "cat": 0, "dog": 1}
