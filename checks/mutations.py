@@ -1794,6 +1794,10 @@ MUTATIONS = [
     # launcher variables as no launcher sets them
     ('src/process_group.py', '        if not (text.isascii() and text.isdigit()):', '        if False:', ['tests/test_outputs.py::test_launcher_variables_no_launcher_sets_are_one_line']),
     ('src/process_group.py', ' and 0 < numbers["MASTER_PORT"] < 2**16)', ')', ['tests/test_outputs.py::test_launcher_variables_no_launcher_sets_are_one_line']),
+    # an output folder at an input file's name; test/; prepare's --cache
+    ('src/outputs.py', '        if (flag, path) in others:\n            continue', '        if (flag, path) in [*folders, *others]:\n            continue', ['tests/test_outputs.py::test_an_output_folder_never_takes_an_input_files_name_or_lands_in_test']),
+    ('src/outputs.py', ', ("--data-dir\'s test/", data / "test")]', ']', ['tests/test_outputs.py::test_an_output_folder_never_takes_an_input_files_name_or_lands_in_test']),
+    ('src/tools/prepare.py', '    if args.cache is not None:  # where the cache goes', '    if False:  # where the cache goes', ['tests/test_outputs.py::test_an_output_folder_never_takes_an_input_files_name_or_lands_in_test']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', '    if both:', '    if len(both) > 1:',
      ['tests/test_val_dir.py::test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other']),

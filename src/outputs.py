@@ -138,12 +138,14 @@ def check_outputs(files: Sequence[Named], folders: Sequence[Named] = (), inputs:
                 raise UserError(f"{flag} {path} is also where {other_flag} writes ({other}): give each "
                                 "output its own name")
         seen.append((flag, path, real, inode))
-        if (flag, path) in [*folders, *others]:
+        if (flag, path) in others:
             continue
+        # A folder made where an input file is read, even one not there yet (train.csv), would
+        # stop every later run that reads it.
         read = by_path.get(real) or (by_inode.get(inode) if inode is not None else None)
         if read is not None:
             raise UserError(f"{flag} {path} would replace {read[0]} ({read[1]}), which this command "
-                            "reads: name another file")
+                            "reads: name another " + ("folder" if (flag, path) in folders else "file"))
     for flag, path in [*files, *folders, *others]:  # one rule for every output: none in a folder it reads
         for what, folder in input_folders:
             if what != flag and _inside(os.path.realpath(path), os.path.realpath(folder)):
@@ -534,7 +536,8 @@ def _try_outputs(args: Config) -> RunLock:
                   folders=[(flag, Path(folder)) for flag, folder in (("--log-dir", args.log_dir), ("--cache", args.cache))
                            if folder],
                   inputs=[("--data-dir's train.csv", data / "train.csv"), *weights],
-                  input_folders=[("--data-dir's train/", data / "train")]
+                  # test/: predict's images (a plot there would be classified as one)
+                  input_folders=[("--data-dir's train/", data / "train"), ("--data-dir's test/", data / "test")]
                   + ([("--val-dir", Path(args.val_dir))] if args.val_dir else [])
                   + ([("--cache", Path(args.cache))] if args.cache else []),
                   others=store_outputs(args))

@@ -106,6 +106,27 @@ def test_training_refuses_an_output_that_is_an_input_or_another_output(tiny_data
     assert _snapshot(tmp_path) == before and not out.exists()
 
 
+def test_an_output_folder_never_takes_an_input_files_name_or_lands_in_test(tiny_data, tmp_path, monkeypatch, capsys):
+    """--log-dir or --cache at DATA_DIR/train.csv, where no CSV was yet, made a folder there that
+    stopped every later run on the data ("a folder, not a regular file"); a plot in DATA_DIR/test/
+    was classified by predict as a test image. prepare --cache inside train/ wrote train.csv, then
+    the cache into train/ (which the next prepare offered to train on): refused first."""
+    from src.tools import prepare
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(tiny_data, data)
+    assert not (data / "train.csv").exists() and (data / "test").is_dir()
+    for flags, message in [
+            (["--log-dir", str(data / "train.csv")], f"--log-dir {data / 'train.csv'} would replace --data-dir's "
+                                                     f"train.csv ({data / 'train.csv'}), which this command reads: "
+                                                     "name another folder"),
+            (["--cache", str(data / "train.csv")], "would replace --data-dir's train.csv"),
+            (["--plot", str(data / "test" / "7.png")], f"is inside --data-dir's test/ ({data / 'test'})")]:
+        _train_fails(["--data-dir", str(data), *outputs(out), *flags], monkeypatch, capsys, message)
+    fails_in_process(prepare.main, [str(data), "--cache", str(data / "train" / "c"), "--image-size", "32"],
+                     monkeypatch, capsys, f"--cache {data / 'train' / 'c'} is inside DATA_DIR's train/")
+    assert not out.exists() and not (data / "train.csv").exists() and not (data / "train" / "c").exists()
+
+
 def test_predict_refuses_a_special_output_and_writes_to_standard_output_with_a_dash(untrained, tiny_data, tmp_path,
                                                                                  monkeypatch, capsys):
     """`predict --output /dev/stdout` said "wrote /dev/stdout" and replaced it with a file: a link,

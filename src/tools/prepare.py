@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     args = Options(**vars(parser.parse_args(argv)))
     parser.refuse_unless(parser.given(argv), "image_size", args.cache is not None,
                          "it is the image size of the --cache to build: add --cache DIR")
+    if args.cache is not None:  # where the cache goes is checked before train.csv is written
+        check_outputs([], folders=[("--cache", args.cache)],
+                      inputs=[("DATA_DIR's train.csv", args.data_dir / "train.csv")],
+                      input_folders=[("DATA_DIR's train/", args.data_dir / "train")]
+                      + ([("--val-dir", args.val_dir)] if args.val_dir is not None else []))
     cats, dogs, rejected, not_used = prepare(args.data_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")
