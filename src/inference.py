@@ -36,6 +36,9 @@ def read_info(checkpoint: Path) -> dict:
     """best.json beside best.pth, checked field by field (check_info) and to describe this very
     best.pth (its sha256)."""
     info_path = Path(checkpoint).with_suffix(".json")
+    if info_path == Path(checkpoint):  # best.json itself given: its sha256 would be checked against itself
+        raise UserError(f"{checkpoint} describes a checkpoint: give the weights it describes, "
+                        f"{Path(checkpoint).with_suffix('.pth')}")
     problem = input_problem(checkpoint)
     if problem == "no such file":
         raise UserError(f"checkpoint {checkpoint} not found: train first, or pass --checkpoint")

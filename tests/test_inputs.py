@@ -346,4 +346,10 @@ def test_predict_and_export_given_a_last_pth_say_it_is_a_training_checkpoint(unt
     torch.save(state, last)  # a state_dict named last.pth: no best.json, as before
     fails_in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(last)], monkeypatch, capsys,
                      f"{tmp_path / 'last.json'} is missing or unreadable")
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["last.pth"]
+    # best.json given for best.pth: it said best.json "is not the file that best.json describes"
+    (tmp_path / "best.json").write_text("{}")
+    said = f"error: {tmp_path / 'best.json'} describes a checkpoint: give the weights it describes, {tmp_path / 'best.pth'}"
+    fails_in_process(predict.main, [str(tiny_data / "test"), "--checkpoint", str(tmp_path / "best.json")],
+                     monkeypatch, capsys, said)
+    fails_in_process(export.main, [str(tmp_path / "best.json"), str(tmp_path / "m.onnx")], monkeypatch, capsys, said)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["best.json", "last.pth"]
