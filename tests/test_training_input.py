@@ -1,5 +1,5 @@
 """Careless input to the training scripts, refused before any work (issue 47, the training side):
-an output onto a file that is not a run's (--plot notes.txt, --plot data/test/1.jpg), a micro-batch
+an output onto a file that is not a run's (--plot notes.txt, --plot photo.jpg), a micro-batch
 that batch norm cannot normalise, and what a launcher's variables left in the environment of a
 one-process script change. Every refusal: one line, exit 2, nothing written or replaced."""
 import hashlib
@@ -34,15 +34,16 @@ RECORD = {"epoch": 1, "train_loss": 0.7, "train_acc": 0.5, "val_loss": 0.69, "va
 
 
 def test_a_run_replaces_no_file_that_is_not_a_runs_output(tiny_data, tmp_path, monkeypatch, capsys):
-    """--plot data/test/1.jpg turned a test image into a PNG and --plot notes.txt a user's notes, with
+    """--plot photo.jpg turned a user's image into a PNG and --plot notes.txt a user's notes, with
     or without --overwrite; --checkpoint naming a user's file, or a folder whose best.json or
     history.json is not a run's, likewise. Each is one line naming the flag and the file; nothing
     is made or changed (not even the output folder). A plot of a run, and a checkpoint not named
     .pth whose best.json holds its digest, are a run's files, replaced as before."""
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
-    notes, image = tmp_path / "notes.txt", data / "test" / "1.jpg"
+    notes, image = tmp_path / "notes.txt", tmp_path / "photo.jpg"  # (data/test/ is refused as a place for outputs)
     notes.write_text("a user's notes\n")
+    shutil.copyfile(data / "test" / "1.jpg", image)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "best.json").write_text('{"an": "application config"}')
