@@ -1800,6 +1800,8 @@ MUTATIONS = [
     ('src/tools/prepare.py', '    if args.cache is not None:  # where the cache goes', '    if False:  # where the cache goes', ['tests/test_outputs.py::test_an_output_folder_never_takes_an_input_files_name_or_lands_in_test']),
     ('src/inference.py', '    if info_path == Path(checkpoint):  # best.json itself given', '    if False:  # best.json itself given',
      ['tests/test_inputs.py::test_predict_and_export_given_a_last_pth_say_it_is_a_training_checkpoint']),
+    ('src/metrics.py', '    logits = logits.detach().float()', '    logits = logits.float()',
+     ['tests/test_augment.py::test_batch_sums_of_soft_targets_count_the_dominant_label']),
     # --val-dir's overlap by content, not by path
     ('src/datasets.py', '    if both:', '    if len(both) > 1:',
      ['tests/test_val_dir.py::test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other']),

@@ -514,6 +514,8 @@ def test_batch_sums_of_soft_targets_count_the_dominant_label():
     before = torch.stack([F.cross_entropy(logits, a, reduction="sum"), (logits.argmax(1) == a).sum().float(),
                           torch.tensor(64.0), -torch.where(a == 1, p_dog.log(), (1 - p_dog).log()).sum()])
     assert torch.equal(batch_sums(logits, a), before)
+    # the sums keep no graph: an epoch's running sum would hold every micro-batch's until its end
+    assert batch_sums(logits.clone().requires_grad_(), a).grad_fn is None
 
 
 # The flags, resume, the feature cache
