@@ -2,7 +2,6 @@
 the processes of the DataLoader workers that read them."""
 import atexit
 import functools
-import hashlib
 import multiprocessing
 import os
 import re
@@ -22,7 +21,7 @@ from tqdm import tqdm
 
 from src.errors import STOP_SIGNALS, UserError, ignore_pillow_warnings
 from src.image_files import IMAGE_SUFFIXES, files_under, natural_key, some, to_rgb
-from src.outputs import input_problem
+from src.outputs import input_problem, sha256_of
 from src.terminal import shown
 
 CLASSES = ("cat", "dog")
@@ -265,8 +264,7 @@ def same_bytes(files: list[Path], others: list[Path]) -> list[int]:
     @functools.cache
     def digest(path: Path) -> str | None:
         try:
-            with open(path, "rb") as file:
-                return hashlib.file_digest(file, "sha256").hexdigest()
+            return sha256_of(path)
         except OSError:
             return None
 
