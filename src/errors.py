@@ -98,6 +98,7 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
             print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except Stopped:
+        leave_together()
         return EXIT_STOPPED
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
@@ -109,6 +110,7 @@ def run_command(main: Callable[[list[str] | None], None], argv: list[str] | None
         before_a_silent_exit()
         return 2
     finally:
+        mark_ended()  # for the stopped ranks waiting in leave_together, if another rank fails
         end_process_group()  # after an error (a run that ends well has ended it)
 
 
@@ -165,6 +167,43 @@ def another_rank_said_why() -> bool:
             time.sleep(0.1)
     except Exception:  # the store is gone with the rank that held it: nothing to go by
         return False
+
+
+# A stop ends every rank with EXIT_STOPPED, which a launcher takes for a failure: torchrun sends
+# SIGTERM to the ranks still running when the first one exits. Rank 0 ends last (it ends the
+# tracked run, which waits for the store), and was killed there (-15): the tracked run left
+# RUNNING. So each rank marks in the group's store that it has ended (a stop, or an error), and a
+# stopped rank exits only once every rank has, or after LEAVE_WAIT seconds (a rank that died).
+LEFT = "ended/"
+LEAVE_WAIT = 300.0
+
+
+def mark_ended() -> None:
+    """Mark in the group's store that this rank has ended (see LEFT)."""
+    group = _group_store()
+    if group is None:
+        return
+    store, rank, _ = group
+    try:
+        store.set(f"{LEFT}{rank}", "1")
+    except Exception:  # the store is gone with the launcher: nobody waits for the mark
+        pass
+
+
+def leave_together() -> None:
+    """After a stop: wait until every rank of the group has ended (see LEFT)."""
+    group = _group_store()
+    if group is None:
+        return
+    store, rank, world_size = group
+    mark_ended()
+    try:
+        others = [f"{LEFT}{other}" for other in range(world_size) if other != rank]
+        deadline = time.monotonic() + LEAVE_WAIT
+        while not all(store.check([key]) for key in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the store is gone with the launcher: nobody is left to be killed by it
+        pass
 
 
 def end_process_group() -> None:

@@ -249,7 +249,10 @@ def _store_file_problem(database: Path) -> str | None:
         return f"{database} cannot be read ({error.strerror})"
     if head != SQLITE_HEADER:
         return f"{database} is {'an empty file' if not head else 'not an SQLite database'}, which MLflow would turn into one"
-    connection = sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=ro", uri=True, timeout=CHECK_SECONDS)
+    # Read-write, though only read: a writer killed inside a transaction (a worker torchrun stopped)
+    # leaves a journal that the next connection must roll back, which a read-only one cannot do
+    # ("attempt to write a readonly database"). mode=rw never creates the file.
+    connection = sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=rw", uri=True, timeout=CHECK_SECONDS)
     try:
         tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     finally:

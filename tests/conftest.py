@@ -937,7 +937,8 @@ def ddp_stops(request, exact_data) -> dict[str, Stage]:
       there; rank 0, never signalled, gets a SIGUSR1 as the stop's save renames last.pth (the
       third rename: after steps 3 and 6 first), which changes nothing;
     - "after epoch 1": --resume; SIGUSR1 to rank 1 alone in the run's step 9: the blocking
-      agreement at epoch 2's start stops both, epoch 1's files saved;
+      agreement at epoch 2's start stops both, epoch 1's files saved; MLflow's end of the tracked
+      run held 3 s (SLOW_TRACKER_END), so rank 1 has ended its stop long before rank 0;
     - "at step 16": --resume under torchrun started as docs/slurm/train.sbatch starts it
       (--signals-to-handle with SIGUSR1); SIGUSR1 to torchrun in the run's step 11, which it
       forwards to both ranks: they stop after step 16 (epoch 2 step 6);
@@ -952,7 +953,7 @@ def ddp_stops(request, exact_data) -> dict[str, Stage]:
     one = {"SIGNAL_AT_STEP": "1", "SIGNAL_RANK": "1", "SIGNAL_NAME": "SIGUSR1"}
     return chain(request, "ddp-stops", "train_ddp.py", [
         ("at step 8", TORCHRUN, [], {**one, "SIGNAL_AT_REPLACE": "last.pth:3"}),
-        ("after epoch 1", TORCHRUN, ["--resume"], one),
+        ("after epoch 1", TORCHRUN, ["--resume"], {**one, "SLOW_TRACKER_END": "3"}),
         ("at step 16", [*TORCHRUN, f"--signals-to-handle={SLURM_SIGNALS}"], ["--resume"],
          {"SIGNAL_AT_STEP": "1", "SIGNAL_TO": "parent", "SIGNAL_NAME": "SIGUSR1"}),
         ("restarted", [*TORCHRUN, "--max-restarts=1"], ["--resume"], {"KILL_AT_STEP": "3", "KILL_RANK": "0"}),

@@ -6,6 +6,7 @@ met it, the others ending without a traceback of their own. Rank 0's exit code 2
 says it), the launcher's 1; nothing written."""
 import re
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -309,3 +310,44 @@ def test_predicts_ranks_agree_on_flags_and_on_the_checkpoints_content(untrained,
     monkeypatch.setattr(ranks, "gather", lambda mine: [mine, agree])
     code, out, err = in_process(predict.main, rank_0, monkeypatch, capsys)
     assert code == 0 and "predicted 6 images" in out, err
+
+
+def test_a_stopped_rank_exits_once_every_rank_has_ended(monkeypatch):
+    """A stop ends each rank with EXIT_STOPPED, and torchrun SIGTERMs the ranks still running when
+    the first one exits: rank 0, still ending the tracked run, was killed there. So a stopped rank
+    waits until every rank has marked its end (a stop, or an error) in the group's store, for at
+    most LEAVE_WAIT seconds."""
+    import threading
+
+    import torch.distributed as dist
+
+    import src.errors as errors
+    from src.errors import EXIT_STOPPED, Stopped
+    store = dist.HashStore()
+
+    def stopped(argv):
+        raise Stopped()
+    codes: list[int] = []
+    monkeypatch.setattr(errors, "_group_store", lambda: (store, 1, 2))  # rank 1, ended first
+    waiting = threading.Thread(target=lambda: codes.append(errors.run_command(stopped, [])))
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive() and store.check([f"{errors.LEFT}1"]), "rank 1 has marked its end and waits for rank 0"
+    store.set(f"{errors.LEFT}0", "1")  # rank 0 has ended
+    waiting.join(10.0)
+    assert not waiting.is_alive() and codes == [EXIT_STOPPED]
+
+    def bad_input(argv):
+        raise UserError("cannot read image x.jpg: it is not an image")
+    store = dist.HashStore()
+    monkeypatch.setattr(errors, "_group_store", lambda: (store, 0, 2))
+    assert errors.run_command(bad_input, []) == 2
+    assert store.check([f"{errors.LEFT}0"]), "a rank that ends on an error marks its end too"
+    monkeypatch.setattr(errors, "_group_store", lambda: (store, 1, 2))
+    assert errors.run_command(stopped, []) == EXIT_STOPPED  # at once: rank 0 has ended
+
+    monkeypatch.setattr(errors, "LEAVE_WAIT", 0.5)
+    monkeypatch.setattr(errors, "_group_store", lambda: (dist.HashStore(), 0, 2))
+    started = time.monotonic()
+    assert errors.run_command(stopped, []) == EXIT_STOPPED  # rank 1 died: after LEAVE_WAIT
+    assert 0.5 <= time.monotonic() - started

@@ -420,6 +420,44 @@ def test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was(kind, 
     assert path.read_bytes() == before and not (tmp_path / "mlartifacts").exists()
 
 
+def test_a_store_whose_writer_was_killed_in_a_transaction_is_rolled_back_and_tracked_into(tmp_path):
+    """A worker killed while MLflow wrote (torchrun stops the other ranks when one dies) leaves a
+    journal beside mlflow.db that the next connection must roll back. The store check read the
+    file read-only, which cannot, and the restarted run was refused: "MLflow cannot use the store
+    beside it (attempt to write a readonly database)". Now it starts, on the store as it was
+    before the killed transaction."""
+    database = _mlflow_store(tmp_path)
+    import sqlite3
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE pad (x BLOB)")
+        connection.executemany("INSERT INTO pad VALUES (?)", [(b"x" * 1000,)] * 500)
+    connection.close()
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        "connection = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "connection.execute('PRAGMA cache_size = 2')  # the change spills into the file, the journal holds the old pages\n"
+        "connection.execute('BEGIN IMMEDIATE')\n"
+        "connection.execute(\"UPDATE pad SET x = 'y'\")\n"
+        "print('written', flush=True)\n"
+        "time.sleep(600)\n"), str(database)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "written\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    assert (tmp_path / "mlflow.db-journal").stat().st_size > 0  # the hot journal is there
+    args = _args(tmp_path, "--track", "mlflow")
+    tracker = Tracker(args)
+    tracker.start(None, _context(args))
+    tracker.log_epoch(_record(1))
+    tracker.finish("FINISHED")
+    client, runs = _mlflow_runs(tmp_path)
+    assert sorted(run.info.status for run in runs) == ["FINISHED", "FINISHED"]
+    with sqlite3.connect(database) as connection:
+        assert connection.execute("SELECT COUNT(*), MIN(x) = MAX(x), MIN(x) FROM pad").fetchone() == (500, 1, b"x" * 1000)
+    connection.close()
+
+
 @pytest.mark.parametrize("uri, said", [
     ("sqlite:///", "is an SQLite database in memory: the tracked run would vanish when the process ends"),
     ("sqlite:///:memory:", "is an SQLite database in memory"),

@@ -17,7 +17,8 @@ KILL_AT_STEP=n (with KILL_RANK=r, KILL_LOG=path): the process of rank r writes t
 KILL_LOG and SIGKILLs itself at its n-th optimizer step, in the first attempt only
 (TORCHELASTIC_RESTART_COUNT 0): a worker dying mid-epoch. A step checkpoint that this process is
 writing in the background is written first: which last.pth a restart finds does not depend on
-how fast the disk was.
+how fast the disk was; the trackers' queued reports are sent first too (a kill in the moment
+after a step checkpoint loses the reports still queued, which the restart does not make again).
 
 INTERRUPT_AT_STEP=n: rank 0 sends itself SIGINT (Ctrl-C) at its n-th optimizer step.
 INTERRUPT_AT_REPLACE=name:k: Ctrl-C arrives as the k-th rename onto a file called `name` starts
@@ -63,6 +64,8 @@ FAKE_GPUS=n: torch reports n CUDA GPUs, for the checks that run before anything 
 ACCELERATOR_LOG=path: write the DataLoaderConfiguration that train_accelerate.py gives accelerate.
 
 SLOW_ITEM=seconds: every training or validation image takes that long to load.
+SLOW_TRACKER_END=seconds: MLflow's end of a tracked run (its artifacts and status) starts that much
+later, as with a slow server: rank 0 ends its stop after the other ranks.
 SCAN_LOG=path: log "RANK" each time a process scans train/ for its images.
 APPEAR_AFTER_LISTING=new:source: a file appears among predict's images while its ranks start (a
 copy into the folder: rsync, a camera): rank 0 copies source to new (whole, by a rename) right
@@ -345,10 +348,21 @@ def _kill_at_step(settings, patcher):
     if _rank(settings) != settings.get("KILL_RANK", "1") or not _first_attempt(settings):
         return
 
+    senders: list = []  # the trackers' sending threads (src.tracking._Sender) of this process
+
+    def register(original):
+        def init(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            senders.append(self)
+        return init
+    patcher.wrap("src.tracking", "_Sender.__init__", register)
+
     def die():
         for thread in threading.enumerate():  # a step checkpoint still being written lands first:
             if thread.name == "checkpoint writer":  # the kill comes between two saves, always the same
                 thread.join()
+        for sender in senders:  # and the step reports queued so far are sent: which reports the
+            sender.wait()  # tracked run holds does not depend on how fast the store answered
         if settings.get("KILL_LOG"):
             with open(settings["KILL_LOG"], "w") as log:
                 log.write(f"{time.time()}\n")
@@ -538,6 +552,16 @@ def _slow_items(settings, patcher):
             return get(self, index)
         return slow_get
     patcher.wrap("src.datasets", "DogCatDataset.__getitem__", make)
+
+
+@hook("SLOW_TRACKER_END")
+def _slow_tracker_end(settings, patcher):
+    def make(finish):
+        def slow_finish(self, *args, **kwargs):
+            time.sleep(float(settings["SLOW_TRACKER_END"]))
+            return finish(self, *args, **kwargs)
+        return slow_finish
+    patcher.wrap("src.tracking", "_MLflow.finish", make)
 
 
 @hook("SCAN_LOG")
