@@ -1709,6 +1709,11 @@ MUTATIONS = [
      ['tests/test_tracking.py::test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was']),
     ('src/tracking.py', '    if not set(MLFLOW_TABLES) <= tables:', '    if False:',
      ['tests/test_tracking.py::test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was']),
+    ('src/tools/prepare.py', '    val = None if val_dir is None else load_val_labels(val_dir, data_dir, frame, show_progress)\n'
+     '    atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))\n',
+     '    atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))\n'
+     '    val = None if val_dir is None else load_val_labels(val_dir, data_dir, frame, show_progress)\n',
+     ['tests/test_val_dir.py::test_prepare_refuses_a_val_dir_of_training_images_before_it_writes_train_csv']),
     ('src/tracking.py', '?mode=rw", uri=True, timeout=CHECK_SECONDS)', '?mode=ro", uri=True, timeout=CHECK_SECONDS)',
      ['tests/test_tracking.py::test_a_store_whose_writer_was_killed_in_a_transaction_is_rolled_back_and_tracked_into']),
     ('src/tracking.py', '        self.sender.metrics([Metric(key, value, now, step) for key, value in values.items()])',

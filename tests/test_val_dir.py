@@ -132,6 +132,26 @@ def test_val_dir_refuses_val_fraction_and_an_image_it_trains_on(tiny_data, tmp_p
     assert not (tmp_path / "out" / "history.json").exists()
 
 
+def test_prepare_refuses_a_val_dir_of_training_images_before_it_writes_train_csv(tiny_data, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """prepare --val-dir DATA/train (the folder it trains on) was refused only after it had
+    rewritten train.csv: a refused command changes nothing, a train.csv there before is as it was
+    (here: one with a row less than a scan would write), none is made where there was none."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data / "train", data / "train")
+    argv = [str(data), "--val-dir", str(data / "train")]
+    code, out, err = in_process(prepare.main, argv, monkeypatch, capsys)
+    assert code == 2 and err.count("\n") == 1 and "holds 40 image(s) that" in err, (out, err)
+    assert not (data / "train.csv").exists(), out
+    code, out, err = in_process(prepare.main, [str(data)], monkeypatch, capsys)
+    assert code == 0, err
+    before = "".join((data / "train.csv").read_text().splitlines(keepends=True)[:-1])
+    (data / "train.csv").write_text(before)
+    code, out, err = in_process(prepare.main, argv, monkeypatch, capsys)
+    assert code == 2 and "a validation image must not be a training one" in err, (out, err)
+    assert (data / "train.csv").read_text() == before and "wrote" not in out
+
+
 def test_val_dir_refuses_a_hard_link_or_a_copy_of_a_training_image_and_keeps_an_equal_sized_other(
         tiny_data, tmp_path, monkeypatch, capsys):
     """The overlap is by content: a hard link to a train/ image and a byte copy of another (under new

@@ -19,6 +19,8 @@ is taken for a spreadsheet formula).
 import dataclasses
 from pathlib import Path
 
+import pandas as pd
+
 from src.cache import build_cache, cache_paths
 from src.cli import IMAGE_SIZES, OneLineParser, between
 from src.datasets import load_labels, load_val_labels, not_used_line, scan_train_dir
@@ -32,17 +34,21 @@ from src.terminal import shown
 INTERRUPTED = "interrupted: train.csv is as it was; run the command again"
 
 
-def prepare(data_dir: Path, show_progress: bool = True) -> tuple[int, int, list[str], str | None]:
+def prepare(data_dir: Path, show_progress: bool = True,
+            val_dir: Path | None = None) -> tuple[int, int, list[str], str | None, pd.DataFrame | None]:
     """Write data_dir/train.csv; returns (cats, dogs, the unreadable images left out, the line that
-    names the files no label rule covers or None)."""
+    names the files no label rule covers or None, `val_dir`'s labelled images or None). `val_dir`
+    (a training run's --val-dir) is checked against the images found before train.csv is written:
+    a refused one changes nothing."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} not found")
     check_outputs([("DATA_DIR's train.csv", data_dir / "train.csv")])
     frame, rejected = scan_train_dir(data_dir / "train", show_progress)
+    val = None if val_dir is None else load_val_labels(val_dir, data_dir, frame, show_progress)
     atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))
     dogs = int(frame["label"].sum())
-    return len(frame) - dogs, dogs, rejected, not_used_line(data_dir, [*frame["filename"], *rejected])
+    return len(frame) - dogs, dogs, rejected, not_used_line(data_dir, [*frame["filename"], *rejected]), val
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                       inputs=[("DATA_DIR's train.csv", args.data_dir / "train.csv")],
                       input_folders=[("DATA_DIR's train/", args.data_dir / "train")]
                       + ([("--val-dir", args.val_dir)] if args.val_dir is not None else []))
-    cats, dogs, rejected, not_used = prepare(args.data_dir)
+    cats, dogs, rejected, not_used, val_frame = prepare(args.data_dir, val_dir=args.val_dir)
     for name in rejected:
         print(f"left out (unreadable): {shown(name)}")
     if not_used:
@@ -78,10 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {shown(args.data_dir / 'train.csv')}: {cats} cats, {dogs} dogs, "
           f"{len(rejected)} left out as unreadable")
     table, val = None, None
-    if args.val_dir is not None:
+    if args.val_dir is not None and val_frame is not None:
         table = load_labels(args.data_dir, show_progress=False)  # the train.csv written above
-        val = (args.val_dir, load_val_labels(args.val_dir, args.data_dir, table))
-        dogs = int(val[1]["label"].sum())
+        val = (args.val_dir, val_frame)
+        dogs = int(val_frame["label"].sum())
         print(f"checked --val-dir {shown(args.val_dir)}: {len(val[1]) - dogs} cats, {dogs} dogs")
     if args.cache:
         dataset = labelled_images(args.data_dir, args.image_size, True, table, val)
