@@ -39,8 +39,8 @@ from src.transforms import memory_format, model_inputs
 
 try:  # Ray Train is an extra (requirements-ray.txt): without it, main() says what to install
     import ray.train.torch
-except ImportError:
-    ray = None  # require_ray says it in one line
+except Exception:  # not installed (ImportError), or failing as it imports (versions that do not fit)
+    ray = None  # require_ray says which, in one line
 
 
 def loaders(dataset: Dataset, data: Data, args: Config, device: torch.device, rank: int, world_size: int) -> tuple[DataLoader, DataLoader]:

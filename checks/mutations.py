@@ -1709,6 +1709,10 @@ MUTATIONS = [
      ['tests/test_tracking.py::test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was']),
     ('src/tracking.py', '    if not set(MLFLOW_TABLES) <= tables:', '    if False:',
      ['tests/test_tracking.py::test_a_file_that_is_not_an_mlflow_store_is_refused_and_left_as_it_was']),
+    ('train_ray.py', 'except Exception:  # not installed (ImportError)', 'except ImportError:  # not installed (ImportError)',
+     ['tests/test_ray.py::test_a_ray_that_fails_as_it_imports_is_one_line']),
+    ('src/ray_driver.py', '            importlib.import_module("ray.train.torch")\n', '            pass\n',
+     ['tests/test_ray.py::test_a_ray_that_fails_as_it_imports_is_one_line']),
     ('src/tools/prepare.py', '    val = None if val_dir is None else load_val_labels(val_dir, data_dir, frame, show_progress)\n'
      '    atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))\n',
      '    atomic_write_text(data_dir / "train.csv", csv_text(["filename", "label"], frame.itertuples(index=False)))\n'

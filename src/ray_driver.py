@@ -19,6 +19,7 @@ connects to Ray and starts the run; the workers' side is src/ray_worker.py).
   of a dead actor. Within --max-failures Ray Train restarts the group from the last checkpoint.
 """
 import contextlib
+import importlib
 import os
 import signal
 import socket
@@ -44,9 +45,18 @@ RAY_SETTINGS = {"RAY_CHDIR_TO_TRIAL_DIR": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "
 
 
 def require_ray(found: bool) -> None:
-    """Ray Train is an extra: without it, one line saying what to install. With it, RAY_SETTINGS
-    (read by the driver, which passes the second on to the workers)."""
+    """Ray Train is an extra: without it, one line saying what to install; an installed one that
+    failed as it imported (an error other than ImportError: versions that do not fit), one line
+    naming the error. With it, RAY_SETTINGS (read by the driver, which passes the second on to
+    the workers)."""
     if not found:
+        try:  # again, for its error: a module that failed as it imported is not kept, and runs again
+            importlib.import_module("ray.train.torch")
+        except ImportError:
+            pass
+        except Exception as error:
+            raise UserError(f"train_ray.py cannot import Ray Train ({type(error).__name__}: {error}): "
+                            f"reinstall it in this environment: {INSTALL}") from None
         raise UserError(f"train_ray.py needs Ray Train, which is not installed in this environment: {INSTALL}")
     for name, value in RAY_SETTINGS.items():
         os.environ.setdefault(name, value)

@@ -45,6 +45,7 @@ from conftest import (
     last_model,
     mode_run,
     outputs,
+    run,
     run_main,
     same_end,
     stepped_run,
@@ -309,6 +310,20 @@ def test_without_ray_installed_one_line_says_what_to_install(monkeypatch, capsys
     fails_in_process(train_ray.main, ["--checkpoint", str(tmp_path / "m" / "best.pth")], monkeypatch, capsys,
                      "train_ray.py needs Ray Train, which is not installed in this environment: "
                      "pip install -r requirements-ray.txt")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_ray_that_fails_as_it_imports_is_one_line(tmp_path):
+    """A Ray installed but failing as it imports with another error than ImportError (versions that
+    do not fit: here an AttributeError) was the import's traceback; it is one line naming the
+    error and the install, exit 2, before anything is written."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise AttributeError(\"module 'pydantic' has no attribute 'v1'\")\n")
+    result = run([sys.executable, "train_ray.py", "--checkpoint", str(tmp_path / "m" / "best.pth")],
+                 env={"PYTHONPATH": str(tmp_path)}, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert result.stderr == ("error: train_ray.py cannot import Ray Train (AttributeError: module 'pydantic' has no "
+                             "attribute 'v1'): reinstall it in this environment: pip install -r requirements-ray.txt\n")
     assert not (tmp_path / "m").exists()
 
 
