@@ -180,6 +180,40 @@ def test_benchmark_bad_out_dir_is_one_line_and_exit_2(tmp_path, monkeypatch, cap
     assert capsys.readouterr().err.strip() == f"error: --out-dir {tmp_path / 'file' / 'bench'}: cannot create it (Not a directory)"
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--dropout-cost", "--arch", "resnet18"], "argument --arch: --dropout-cost does not read it, or drop it"),
+    (["--dropout-cost", "--out-dir", "x"], "argument --out-dir: --dropout-cost does not read it, or drop it"),
+    (["--augment-cost", "--processes", "2"], "argument --processes: --augment-cost does not read it, or drop it"),
+    (["--save-cost", "--workers", "1"], "argument --workers: --save-cost does not read it, or drop it"),
+    (["--worker-start", "--arch", "vgg16"], "argument --arch: --worker-start does not read it, or drop it"),
+    (["--reference", "--modes", "single"], "argument --modes: --reference does not read it, or drop it"),
+    (["--reference", "--steps", "3"], "argument --steps: --reference does not read it, or drop it"),
+    (["--rounds", "3"], "argument --rounds: it is --reference's: add --reference, or drop it"),
+    (["--workers", "2", "--modes", "single"], "argument --workers: it is --reference's: add --reference, or drop it"),
+    (["--save-cost", "--dropout-cost"], "argument --save-cost: not with --dropout-cost: each is a benchmark of its own"),
+])
+def test_a_flag_the_chosen_benchmark_does_not_read_is_refused(argv, said, capsys):
+    """--dropout-cost --arch resnet18 measured what it always measures and said nothing; two runs
+    given together ran the first alone. Each run refuses a flag it does not read, in one line."""
+    with pytest.raises(SystemExit) as exit:
+        benchmark.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and f"error: {said}" in err, err
+
+
+def test_each_benchmark_takes_every_flag_it_reads(tmp_path):
+    """What each run reads is taken beside it (the commands of docs/performance.md and
+    docs/measurements.md among them)."""
+    for run, flags in benchmark.ONLY_RUNS.items():
+        argv = [f"--{run.replace('_', '-')}"]
+        for flag in sorted(flags - ({"data_dir"} if "images" in flags else set())):  # --images: without --data-dir
+            argv += {"data_dir": ["--data-dir", str(tmp_path)], "out_dir": ["--out-dir", str(tmp_path)],
+                     "channels_last": ["--channels-last"], "amp": ["--amp", "bf16"], "weights": ["--weights", "none"],
+                     "arch": ["--arch", "resnet18"], "image_size": ["--image-size", "64"],
+                     "images": ["--images", "400"]}.get(flag, [f"--{flag.replace('_', '-')}", "2"])
+        assert getattr(benchmark.parse_args(argv), run), argv
+
+
 def test_benchmark_unknown_mode_is_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         benchmark.parse_args(["--out-dir", str(tmp_path), "--modes", "single,deepspeed"])

@@ -61,6 +61,8 @@ rounds, the two alternating, each run a fresh process writing into OUT/runs/refe
 the last epoch's training images/s by its own clock and the whole run's CPU seconds per training
 image, of its training process and of the processes it started (loader workers, fork server),
 read from /proc. It prints a table.
+Each of these runs reads the flags its line shows (and --weights, --amp and --channels-last for
+--save-cost's step); another flag beside it, or two of them together, is refused in one line.
 OUT is this tool's own folder: it marks it (OUT/.benchmark) and replaces there only what it wrote;
 a folder holding data/, runs/, cache/ or the tables without the mark is refused, and so is one
 where a run is in progress (src.outputs.claim_folder).
@@ -155,6 +157,19 @@ class Options:
     worker_start: bool
 
 
+# The runs that replace the table (--dropout-cost, ...), and the flags each reads: any other flag
+# given beside one would be taken and change nothing, so it is refused. The table reads them all
+# but --reference's own.
+ONLY_RUNS = {
+    "dropout_cost": {"steps"},
+    "augment_cost": {"image_size", "batch_size", "steps"},
+    "save_cost": {"out_dir", "arch", "weights", "image_size", "batch_size", "amp", "channels_last", "steps"},
+    "reference": {"data_dir", "images", "out_dir", "arch", "image_size", "batch_size", "workers", "epochs", "rounds"},
+    "worker_start": {"data_dir", "images", "out_dir", "image_size", "batch_size", "steps"},
+}
+REFERENCE_ONLY = {"workers", "rounds"}
+
+
 def parse_args(argv: list[str] | None = None) -> Options:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -189,6 +204,16 @@ def parse_args(argv: list[str] | None = None) -> Options:
              "JPEGs and the cache: a table")
     args = parser.parse_args(argv)
     given = parser.given(argv)
+    runs = [run for run in ONLY_RUNS if run in given]
+    if len(runs) > 1:
+        parser.error(f"argument --{runs[1].replace('_', '-')}: not with --{runs[0].replace('_', '-')}: "
+                     "each is a benchmark of its own, run them one at a time")
+    for flag in sorted(given - set(ONLY_RUNS)):
+        if runs:
+            parser.refuse_unless(given, flag, flag in ONLY_RUNS[runs[0]],
+                                 f"--{runs[0].replace('_', '-')} does not read it")
+        else:
+            parser.refuse_unless(given, flag, flag not in REFERENCE_ONLY, "it is --reference's: add --reference")
     parser.refuse_unless(given, "images", args.data_dir is None,
                          "it is the size of the synthetic set written without --data-dir: drop --data-dir")
     unknown = [name for name in args.modes.split(",") if name not in MODES]
