@@ -126,14 +126,19 @@ PEER_NOTE_WAIT = 5.0
 
 
 def _group_store():
-    """(store, rank, world size) of this process's group of two or more processes, else None."""
+    """(store, rank, world size) of this process's group of two or more processes, else None. The
+    store's keys carry the torchrun restart attempt, as src.process_group's stores do: torchrun's
+    agent keeps its store across restarts, and a note or a mark of an earlier attempt must not
+    count in this one (under accelerate, whose group's store has no attempt of its own)."""
     if sys.modules.get("torch") is None:
         return None
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     try:
-        return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"attempt{attempt}", store), dist.get_rank(), dist.get_world_size()
     except (RuntimeError, ValueError):
         return None
 
@@ -203,6 +208,8 @@ def leave_together() -> None:
         while not all(store.check([key]) for key in others) and time.monotonic() < deadline:
             time.sleep(0.05)
     except Exception:  # the store is gone with the launcher: nobody is left to be killed by it
+        pass
+    except KeyboardInterrupt:  # Ctrl-C again while waiting: the stop is saved, exit now
         pass
 
 

@@ -351,3 +351,49 @@ def test_a_stopped_rank_exits_once_every_rank_has_ended(monkeypatch):
     started = time.monotonic()
     assert errors.run_command(stopped, []) == EXIT_STOPPED  # rank 1 died: after LEAVE_WAIT
     assert 0.5 <= time.monotonic() - started
+
+
+def test_the_marks_and_notes_of_an_earlier_restart_attempt_do_not_count(monkeypatch):
+    """torchrun's agent keeps its store across restarts, and accelerate's group store carries no
+    attempt of its own: attempt 0's end marks let attempt 1's stopped ranks leave at once (and its
+    bad-input notes silenced attempt 1's errors). The group store's keys carry the attempt
+    (TORCHELASTIC_RESTART_COUNT). A second Ctrl-C while a stopped rank waits ends the wait, exit 75."""
+    import torch.distributed as dist
+
+    import src.errors as errors
+    from src.errors import EXIT_STOPPED, Stopped
+    launcher, rank = dist.HashStore(), [0]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: rank[0])
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: launcher)
+    monkeypatch.setattr(errors, "end_process_group", lambda: None)  # the group is a stand-in
+    monkeypatch.setattr(errors, "LEAVE_WAIT", 0.5)
+    monkeypatch.setattr(errors, "PEER_NOTE_WAIT", 0.0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    errors.mark_ended()  # rank 0 of attempt 0
+    errors.tell_the_other_ranks()
+
+    def stopped(argv):
+        raise Stopped()
+    rank[0] = 1
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    started = time.monotonic()
+    assert errors.run_command(stopped, []) == EXIT_STOPPED
+    assert time.monotonic() - started >= 0.5, "attempt 0's mark counted in attempt 1"
+    assert not errors.another_rank_said_why(), "attempt 0's note counted in attempt 1"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    started = time.monotonic()
+    assert errors.run_command(stopped, []) == EXIT_STOPPED and time.monotonic() - started < 0.5
+    assert errors.another_rank_said_why()
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setattr(errors, "LEAVE_WAIT", 600.0)
+    monkeypatch.setattr(errors.time, "sleep", interrupted)
+    try:
+        code: int | str = errors.run_command(stopped, [])
+    except KeyboardInterrupt:  # as a test's failure, not as pytest's own Ctrl-C
+        code = "KeyboardInterrupt raised"
+    assert code == EXIT_STOPPED
