@@ -202,15 +202,40 @@ def leave_together() -> None:
         return
     store, rank, world_size = group
     mark_ended()
+    _wait_for_the_others(store, rank, world_size, LEAVE_WAIT)
+
+
+def _wait_for_the_others(store, rank: int, world_size: int, seconds: float) -> None:
+    """Until every other rank of the group has marked its end in `store` (see LEFT), for at most
+    `seconds`."""
     try:
         others = [f"{LEFT}{other}" for other in range(world_size) if other != rank]
-        deadline = time.monotonic() + LEAVE_WAIT
+        deadline = time.monotonic() + seconds
         while not all(store.check([key]) for key in others) and time.monotonic() < deadline:
             time.sleep(0.05)
     except Exception:  # the store is gone with the launcher: nobody is left to be killed by it
         pass
-    except KeyboardInterrupt:  # Ctrl-C again while waiting: the stop is saved, exit now
+    except KeyboardInterrupt:  # Ctrl-C again while waiting: what was saved stays, exit now
         pass
+
+
+# Under Ray Train (and a group joined at tcp://) the group's store lives in rank 0's process, not
+# in a launcher's: rank 0 ending its group after its note ended the store too, and a rank whose
+# collective then failed found no store to read the note in, and raised that failure (a
+# traceback; for Ray a failed worker). So the rank that said why keeps its store until every other
+# rank has marked its end (it has read the note), for at most NOTE_READ_WAIT seconds.
+NOTE_READ_WAIT = 30.0
+
+
+def end_group_after_the_note() -> None:
+    """end_process_group() for a rank that has said why (tell_the_other_ranks): its end marked, its
+    store kept until the others have read the note (see NOTE_READ_WAIT)."""
+    group = _group_store()
+    mark_ended()
+    end_process_group()
+    if group is not None:
+        store, rank, world_size = group
+        _wait_for_the_others(store, rank, world_size, NOTE_READ_WAIT)
 
 
 def end_process_group() -> None:

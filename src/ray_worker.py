@@ -32,8 +32,10 @@ from src.errors import (
     Stopped,
     UserError,
     another_rank_said_why,
+    end_group_after_the_note,
     end_process_group,
     ignore_pillow_warnings,
+    mark_ended,
     one_line,
     tell_the_other_ranks,
 )
@@ -86,16 +88,20 @@ def worker_outcome() -> Iterator[dict]:
         outcome["exit"] = EXIT_STOPPED
     except UserError as error:
         outcome["exit"] = 2
-        if not error.quiet:
+        if error.quiet:  # another rank said it (or says it now): it may end its store once this one has ended
+            mark_ended()
+            end_process_group()
+        else:
             tell_the_other_ranks()
             outcome["error"] = one_line(error)
             if os.environ.get("RANK", "0") != "0":
                 print(f"error: {outcome['error']}", file=sys.stderr, flush=True)
-        end_process_group()  # the others, waiting in a collective, fail now and find the note
+            end_group_after_the_note()  # the others, waiting in a collective, fail now and find the note
     except Exception:
         if not another_rank_said_why():
             raise
         outcome["exit"] = 2
+        mark_ended()  # the note is read: the rank that left it may end its store
         end_process_group()
 
 

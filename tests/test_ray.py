@@ -423,16 +423,27 @@ def _reports_after_a_save(rank: int, ports: list[int], folder: str) -> None:
     (worker_outcome around it), in each of REPORT_CASES in turn (a process group each): rank 0's
     save failed before ("save": its save_step raised the background write's error, which ends its
     loop), or its write fails now ("write", found by saved_last), or nothing fails ("none"). Writes
-    {outcome, what reached ray.train.report} to FOLDER/CASE.RANK.json."""
+    {outcome, what reached ray.train.report} to FOLDER/CASE.RANK.json. Rank 1 looks for rank 0's
+    note 2 s late: the group's store lives in rank 0's process (as under Ray Train), and rank 0
+    ending its group ended the store with it before rank 1 could read the note."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    import src.errors
+    import src.ray_worker
     from src.checkpoint_writer import CheckpointWriter
     from src.cli import defaults
-    from src.errors import end_process_group
+    from src.errors import another_rank_said_why, end_process_group
     from src.ray_worker import saved_last
     torch.set_num_threads(1)
+
+    def late() -> bool:
+        time.sleep(2)
+        return another_rank_said_why()
+    if rank == 1:
+        src.ray_worker.another_rank_said_why = late
+    src.errors.NOTE_READ_WAIT = 3600  # rank 0 ends when rank 1 has marked that it read the note, not by the clock
     for case, port in zip(REPORT_CASES, ports):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=timedelta(seconds=60))
