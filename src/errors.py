@@ -51,11 +51,21 @@ def one_line(error: BaseException) -> str:
     return shown(lines[-1].strip() if lines else type(error).__name__)
 
 
+# Set by src.stopping's handler when a stop signal comes during a run (cleared as a run installs
+# it): torchrun sends its SIGTERM once, and one that came while the run's steps still took it for
+# a stop request does not come again.
+signalled = False
+
+
 def before_a_silent_exit() -> None:
     """Under a launcher, a rank other than 0 that ends without a word (rank 0 says why) waits for
     the launcher to stop it (at most a minute). torchrun stops every process once one has failed
     (SIGTERM, checking every 0.1 s): had this rank exited first, rank 0 could be stopped before it
-    printed its line, and the user would see none."""
+    printed its line, and the user would see none. Not after a stop signal came during the run:
+    the launcher has sent its SIGTERM already (a rank that waited for another was SIGKILLed after
+    torchrun's 30 s, on a busy machine)."""
+    if signalled:
+        return
     if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         time.sleep(60)
 

@@ -41,6 +41,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from src import errors
 from src.errors import STOP_SIGNALS
 
 # Optimizer steps between two agreement checks: a constant, not --log-every, so that the checks
@@ -70,6 +71,7 @@ class StopSignals:
 
     def _note(self, signum, frame) -> None:
         self.requested = self.requested or signum
+        errors.signalled = True
         if signum == signal.SIGHUP:
             detach_from_closed_terminal(self.terminals)
 
@@ -77,6 +79,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             self.terminals = [fd for fd in (1, 2) if os.isatty(fd)]  # standard output and error on a terminal
             self.handlers = {number: signal.signal(number, self._note) for number in STOP_SIGNALS}
+            errors.signalled = False
             if self.distributed:
                 read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
                 self.wakeup = (read, write, signal.set_wakeup_fd(write))

@@ -209,6 +209,7 @@ def test_a_quiet_rank_waits_for_the_launcher_and_rank_0_does_not(monkeypatch):
     import src.errors as errors
     slept = []
     monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setattr(errors, "signalled", False)  # no stop signal came in this run
     for rank, world_size, waits in (("1", "2", [60]), ("0", "2", []), ("0", "1", [])):
         slept.clear()
         monkeypatch.setenv("RANK", rank)
@@ -397,3 +398,28 @@ def test_the_marks_and_notes_of_an_earlier_restart_attempt_do_not_count(monkeypa
     except KeyboardInterrupt:  # as a test's failure, not as pytest's own Ctrl-C
         code = "KeyboardInterrupt raised"
     assert code == EXIT_STOPPED
+
+
+def test_a_quiet_rank_that_took_the_launchers_sigterm_for_a_stop_does_not_wait_for_another(monkeypatch):
+    """torchrun sends its SIGTERM once. One that came while a rank's run still took it for a stop
+    request (StopSignals) left the rank waiting a minute in before_a_silent_exit for a SIGTERM that
+    never came: torchrun SIGKILLed it after 30 s (exitcode -9, beside two CPU hogs). After a stop
+    signal in the run it ends at once; a later run without one waits again."""
+    import signal
+
+    import src.errors as errors
+    from src.stopping import StopSignals
+    slept: list[float] = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(errors, "signalled", False)
+    with StopSignals() as signals:
+        signal.raise_signal(signal.SIGTERM)  # the launcher's, as the run's handler takes it
+    assert signals.requested == signal.SIGTERM
+    errors.before_a_silent_exit()
+    assert slept == []
+    with StopSignals():
+        pass
+    errors.before_a_silent_exit()
+    assert slept == [60]
