@@ -153,16 +153,21 @@ def _group_store():
         return None
 
 
-def tell_the_other_ranks() -> None:
-    """Leave the note that this rank ends on bad input and has said why (see PEER_NOTE)."""
+def _leave_own_key(prefix: str) -> None:
+    """Set `prefix` + this rank's number in the group's store (nothing without a group)."""
     group = _group_store()
     if group is None:
         return
     store, rank, _ = group
     try:
-        store.set(f"{PEER_NOTE}{rank}", "1")
-    except Exception:  # the store is gone: the others' errors stand as they are
+        store.set(f"{prefix}{rank}", "1")
+    except Exception:  # the store is gone: nobody is left to read the key
         pass
+
+
+def tell_the_other_ranks() -> None:
+    """Leave the note that this rank ends on bad input and has said why (see PEER_NOTE)."""
+    _leave_own_key(PEER_NOTE)
 
 
 def another_rank_said_why() -> bool:
@@ -195,14 +200,7 @@ LEAVE_WAIT = 300.0
 
 def mark_ended() -> None:
     """Mark in the group's store that this rank has ended (see LEFT)."""
-    group = _group_store()
-    if group is None:
-        return
-    store, rank, _ = group
-    try:
-        store.set(f"{LEFT}{rank}", "1")
-    except Exception:  # the store is gone with the launcher: nobody waits for the mark
-        pass
+    _leave_own_key(LEFT)
 
 
 def leave_together() -> None:
